@@ -1,0 +1,68 @@
+"""The ``dynpipe`` command: a thin dispatcher over subcommand modules.
+
+Each subcommand lives beside the code it drives, in a module exposing
+``register(subparsers)`` that adds its parser and sets ``func(args) -> int``. Those modules
+import only argparse-level code at import time; heavy libraries (xgboost, matplotlib,
+pynvml, torch.distributed) are imported inside ``func`` so ``dynpipe --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from dynpipe.errors import UserError
+
+__all__ = ["build_parser", "main"]
+
+# Order is the order shown in --help.
+_SUBCOMMANDS = (
+    "dynpipe.analysis.demo_cli",
+    "dynpipe.runtime.cli",
+    "dynpipe.models.cli",
+    "dynpipe.planner.cli",
+    "dynpipe.profiler.cli",
+    "dynpipe.predictor.cli",
+    "dynpipe.analysis.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dynpipe import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="dynpipe",
+        description="Adaptive pipeline-parallel training on GPUs shared with other jobs.",
+    )
+    parser.add_argument("--version", action="version", version=f"dynpipe {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for mod_name in _SUBCOMMANDS:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == mod_name:
+                continue  # that part of dynpipe is not installed in this build
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        print(f"dynpipe {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"dynpipe {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
