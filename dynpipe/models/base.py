@@ -156,6 +156,20 @@ class LayeredModel:
         """The unsplit model (single-process reference, profiling)."""
         return nn.Sequential(OrderedDict(self.build_range(0, len(self), device=device).items()))
 
+    def trace_shapes(self, batch_size: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Output shape and dtype of every layer for a batch of ``batch_size`` (on ``meta``).
+
+        Entry ``i`` is what layer ``i`` hands to layer ``i + 1``: the activation that
+        crosses a stage boundary placed after layer ``i``.
+        """
+        x, _ = self.input_spec.example(batch_size, device="meta")
+        out: list[tuple[tuple[int, ...], torch.dtype]] = []
+        with torch.no_grad():
+            for i in range(len(self)):
+                x = self.build_layer(i, device="meta")(x)
+                out.append((tuple(x.shape), x.dtype))
+        return out
+
     def fingerprint(self) -> str:
         """Short stable id of the layer list (names and kinds), for plans and checkpoints."""
         text = ";".join(f"{s.name}:{s.kind}" for s in self.layers)
