@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
+from dynpipe.errors import UserError
 from dynpipe.models.base import InputSpec, LayeredModel, LayerSpec, layer_seed, run_layers
 
 __all__ = [
+    "ZOO",
     "InputSpec",
     "LayerSpec",
     "LayeredModel",
-    "ZOO",
     "get_model",
     "layer_seed",
     "register",
@@ -23,6 +26,7 @@ __all__ = [
 ]
 
 ZOO: dict[str, Callable[..., LayeredModel]] = OrderedDict()
+_ZOO_LOADED = False
 
 
 def register(name: str) -> Callable[[Callable[..., LayeredModel]], Callable[..., LayeredModel]]:
@@ -37,8 +41,12 @@ def register(name: str) -> Callable[[Callable[..., LayeredModel]], Callable[...,
 
 def _load_zoo() -> None:
     # Imported lazily so ``import dynpipe.models`` stays cheap; each module registers itself.
-    if ZOO:
+    # A flag, not ``if ZOO``: importing one zoo module directly registers it early and must
+    # not stop the others from loading.
+    global _ZOO_LOADED
+    if _ZOO_LOADED:
         return
+    _ZOO_LOADED = True
     from dynpipe.models.mlp import mlp
 
     ZOO["mlp"] = mlp
@@ -70,7 +78,30 @@ def _from_sequential(name: str, seq: nn.Sequential, seed: int) -> LayeredModel:
 def _child_builder(child: nn.Module) -> Callable[[], nn.Module]:
     import copy
 
-    return lambda: copy.deepcopy(child)
+    def build() -> nn.Module:
+        module = copy.deepcopy(child)
+        # ``build_layer(device="meta")`` builds under a meta default device; a copy of an
+        # already-built child would otherwise keep real CPU weights there.
+        if torch.get_default_device().type == "meta":
+            module = module.to("meta")
+        return module
+
+    return build
+
+
+def _call_user_factory(factory: Callable[..., Any], config: dict[str, Any]) -> Any:
+    # A user's factory initialises its weights from the global RNG: seed it from the model
+    # seed so every rank builds identical weights, without disturbing the caller's RNG.
+    # ``seed`` is passed on only to factories that accept it.
+    seed = int(config.get("seed", 0))
+    params = inspect.signature(factory).parameters
+    takes_seed = "seed" in params or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+    )
+    kwargs = config if takes_seed else {k: v for k, v in config.items() if k != "seed"}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return factory(**kwargs)
 
 
 def get_model(name: str, **config: Any) -> LayeredModel:
@@ -84,11 +115,11 @@ def get_model(name: str, **config: Any) -> LayeredModel:
         try:
             factory = getattr(importlib.import_module(mod_name), attr)
         except (ModuleNotFoundError, AttributeError) as exc:
-            raise ValueError(
+            raise UserError(
                 f"cannot load model factory {name!r}: {exc}; give it as package.module:function "
                 "importable from the current directory or PYTHONPATH"
             ) from None
-        made = factory(**config)
+        made = _call_user_factory(factory, config)
         if isinstance(made, LayeredModel):
             return made
         if isinstance(made, nn.Sequential):
@@ -99,7 +130,7 @@ def get_model(name: str, **config: Any) -> LayeredModel:
         )
     _load_zoo()
     if name not in ZOO:
-        raise ValueError(
+        raise UserError(
             f"unknown model {name!r}; choose one of {', '.join(ZOO)} "
             "or give your own as package.module:factory (see `dynpipe models`)"
         )

@@ -98,9 +98,7 @@ class LayeredModel:
 
     name: str
     layers: tuple[LayerSpec, ...]
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = field(
-        repr=False, compare=False
-    )
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = field(repr=False, compare=False)
     input_spec: InputSpec
     seed: int = 0
     config: dict = field(default_factory=dict, compare=False)

@@ -33,6 +33,10 @@ def mlp(
         loss_fn=nn.functional.cross_entropy,
         input_spec=InputSpec(shape=(in_features,), num_classes=num_classes),
         seed=seed,
-        config={"depth": depth, "width": width, "in_features": in_features,
-                "num_classes": num_classes},
+        config={
+            "depth": depth,
+            "width": width,
+            "in_features": in_features,
+            "num_classes": num_classes,
+        },
     )

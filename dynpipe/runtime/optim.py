@@ -1,0 +1,133 @@
+"""Per-stage optimizers whose state is addressed by stable parameter names.
+
+A stage's optimizer only ever sees its own layers' parameters. Because SGD and AdamW update
+each parameter independently, per-stage optimizers compute exactly what one optimizer over
+the whole model computes. Their state is exported and imported per parameter name
+(``layer.param``), which is what checkpoints and live migration move.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dynpipe.errors import UserError
+
+__all__ = [
+    "OptimConfig",
+    "build_optimizer",
+    "export_state",
+    "import_state",
+    "lr_at",
+]
+
+OPTIMIZERS = ("sgd", "adamw")
+LR_SCHEDULES = ("constant", "cosine", "linear")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Optimizer and learning-rate schedule.
+
+    name: ``sgd`` (with momentum) or ``adamw``.
+    lr: peak learning rate, reached after ``warmup_steps`` of linear warm-up.
+    schedule: ``constant``, ``cosine`` or ``linear`` decay to ``lr * min_lr_ratio`` at
+        ``total_steps``.
+    clip_grad: clip the global gradient norm (across all stages) to this value; 0 = off.
+    """
+
+    name: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    total_steps: int = 0
+    min_lr_ratio: float = 0.1
+    clip_grad: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise UserError(f"unknown optimizer {self.name!r}; use one of {', '.join(OPTIMIZERS)}")
+        if self.schedule not in LR_SCHEDULES:
+            raise UserError(
+                f"unknown lr schedule {self.schedule!r}; use one of {', '.join(LR_SCHEDULES)}"
+            )
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise UserError(f"learning rate must be a positive number, got {self.lr}")
+        if self.clip_grad < 0:
+            raise UserError(f"--clip-grad must be >= 0 (0 = off), got {self.clip_grad}")
+
+
+def lr_at(step: int, cfg: OptimConfig) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): a pure function, no state."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant" or cfg.total_steps <= cfg.warmup_steps:
+        return cfg.lr
+    frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+    lo = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "cosine":
+        return lo + 0.5 * (cfg.lr - lo) * (1 + math.cos(math.pi * frac))
+    return cfg.lr - (cfg.lr - lo) * frac
+
+
+def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """An optimizer over ``params`` (one parameter group; the lr is set every step)."""
+    if cfg.name == "sgd":
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
+
+
+def export_state(
+    optimizer: torch.optim.Optimizer, named_params: dict[str, nn.Parameter]
+) -> dict[str, torch.Tensor]:
+    """Optimizer state as ``{"<param name>/<state key>": tensor}`` (e.g. ``fc01.0.weight/exp_avg``).
+
+    Parameters without state yet (before the first step) contribute nothing.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, p in named_params.items():
+        for key, value in optimizer.state.get(p, {}).items():
+            t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            out[f"{name}/{key}"] = t
+    return out
+
+
+def import_state(
+    optimizer: torch.optim.Optimizer,
+    named_params: dict[str, nn.Parameter],
+    state: dict[str, torch.Tensor],
+) -> None:
+    """Install state produced by ``export_state`` (possibly by another rank) into ``optimizer``.
+
+    Tensors are copied onto each parameter's device; AdamW's scalar ``step`` stays on the CPU
+    as torch keeps it when not capturable.
+    """
+    per_param: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        pname, _, skey = key.rpartition("/")
+        per_param.setdefault(pname, {})[skey] = value
+    unknown = set(per_param) - set(named_params)
+    if unknown:
+        raise KeyError(
+            f"optimizer state for parameters this stage does not hold: {sorted(unknown)[:4]}"
+        )
+    for pname, entries in per_param.items():
+        p = named_params[pname]
+        st = {}
+        for skey, value in entries.items():
+            if skey == "step":
+                st[skey] = value.detach().to("cpu").clone()
+            else:
+                st[skey] = value.detach().to(p.device).clone()
+        optimizer.state[p] = st

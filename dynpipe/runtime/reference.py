@@ -1,0 +1,105 @@
+"""Single-process training with gradient accumulation: what every pipelined run must equal.
+
+This is the semantics dynpipe promises: the same microbatches, the same loss, gradients
+summed over microbatches and divided by their number, the same global-norm clipping, the
+same optimizer, on one unsplit model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from dynpipe.models.base import LayeredModel
+from dynpipe.runtime.engine import NonFiniteLoss, clip_coefficient, fill_grad_norms, param_slots
+from dynpipe.runtime.optim import OptimConfig, build_optimizer, export_state, lr_at
+
+if TYPE_CHECKING:
+    from dynpipe.data import BatchSource
+
+__all__ = ["ReferenceTrainer"]
+
+
+@dataclass
+class ReferenceTrainer:
+    """The unsplit model and one optimizer, stepping exactly as a pipeline does."""
+
+    model: LayeredModel
+    batch_size: int
+    microbatches: int
+    optim: OptimConfig
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        self.layers = self.model.build_range(0, len(self.model), device=self.device)
+        self.named_params = {
+            f"{lname}.{pname}": p
+            for lname, layer in self.layers.items()
+            for pname, p in layer.named_parameters()
+        }
+        self.slots = param_slots(self.model)
+        self.optimizer = build_optimizer(list(self.named_params.values()), self.optim)
+        self.losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+    def step(self, step: int, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        x, y = (t.to(self.device) for t in batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = []
+        for xm, ym in zip(
+            x.tensor_split(self.microbatches), y.tensor_split(self.microbatches), strict=True
+        ):
+            loss = self.model.loss_fn(self.forward(xm), ym)
+            loss.backward()
+            losses.append(loss.detach())
+        for p in self.named_params.values():
+            if p.grad is not None:
+                p.grad.div_(self.microbatches)
+        mean = float(torch.stack(losses).float().mean())
+        if not math.isfinite(mean):
+            raise NonFiniteLoss(f"loss is {mean} at step {step}")
+        if self.optim.clip_grad > 0:
+            vec = torch.zeros(len(self.slots) + 1, dtype=torch.float32)
+            fill_grad_norms(vec, self.named_params, self.slots)
+            _, coef = clip_coefficient(vec[:-1], self.optim.clip_grad)
+            for p in self.named_params.values():
+                if p.grad is not None:
+                    p.grad.mul_(coef.to(p.grad.dtype))
+        lr = lr_at(step, self.optim)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.step()
+        self.losses.append(mean)
+        return mean
+
+    def train(self, data: BatchSource, *, steps: int, start: int = 0) -> list[float]:
+        return [self.step(s, data.batch(s, self.batch_size)) for s in range(start, start + steps)]
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        return {
+            f"{lname}.{k}": v
+            for lname, layer in self.layers.items()
+            for k, v in layer.state_dict().items()
+        }
+
+    def optim_state(self) -> dict[str, torch.Tensor]:
+        return export_state(self.optimizer, self.named_params)
+
+    def load(
+        self, model_state: dict[str, torch.Tensor], optim_state: dict[str, torch.Tensor]
+    ) -> None:
+        from dynpipe.runtime.optim import import_state
+
+        for lname, layer in self.layers.items():
+            prefix = f"{lname}."
+            layer.load_state_dict(
+                {k[len(prefix) :]: v for k, v in model_state.items() if k.startswith(prefix)}
+            )
+        import_state(self.optimizer, self.named_params, optim_state)

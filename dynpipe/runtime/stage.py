@@ -1,0 +1,108 @@
+"""One pipeline stage: its layers by stable name, and the torch pipelining stage around them."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from dynpipe.models.base import LayeredModel
+from dynpipe.planner.plan import Plan
+from dynpipe.runtime.timing import StageTimer
+
+__all__ = ["StageModule", "TimedPipelineStage", "boundary_examples"]
+
+
+class StageModule(nn.Module):
+    """Layers ``[start, stop)`` of a model, held in a ``ModuleDict`` keyed by global name.
+
+    Keys are the model's stable layer names, so parameters and optimizer state are addressed
+    by name wherever a layer lives, and checkpoints load under any split.
+    """
+
+    def __init__(
+        self,
+        layers: nn.ModuleDict,
+        *,
+        autocast_dtype: torch.dtype | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.layers = layers
+        self.autocast_dtype = autocast_dtype
+        # Float activations leave the stage in one fixed dtype: the receiving stage's buffers
+        # are allocated from static shapes, so the dtype on the wire must not depend on which
+        # op happened to run last under autocast.
+        self.out_dtype = out_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = (
+            torch.autocast(device_type=x.device.type, dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
+        with ctx:
+            for layer in self.layers.values():
+                x = layer(x)
+        if self.out_dtype is not None and x.is_floating_point() and x.dtype != self.out_dtype:
+            x = x.to(self.out_dtype)
+        return x
+
+
+class TimedPipelineStage(PipelineStage):
+    """``PipelineStage`` that times each microbatch's forward and backward compute.
+
+    The schedule waits for its P2P receives before calling these methods, so the intervals
+    hold compute only; everything else inside ``schedule.step`` is the stage's wait.
+    """
+
+    def __init__(self, *args: Any, timer: StageTimer, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.timer = timer
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any):
+        self.timer.start()
+        out = super().forward_one_chunk(*args, **kwargs)
+        self.timer.stop("fwd")
+        return out
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any):
+        self.timer.start()
+        out = super().backward_one_chunk(*args, **kwargs)
+        self.timer.stop("bwd")
+        return out
+
+
+def boundary_examples(
+    model: LayeredModel,
+    plan: Plan,
+    stage: int,
+    *,
+    microbatch_size: int,
+    wire_dtype: torch.dtype,
+    last_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Meta tensors describing what stage ``stage`` receives and sends per microbatch.
+
+    Shapes come from tracing the model on the meta device, so no stage has to run a real
+    forward (which would touch BatchNorm statistics) or exchange shapes at start-up.
+    """
+    shapes = model.trace_shapes(microbatch_size)
+    st = plan.stages[stage]
+
+    def meta(shape: tuple[int, ...], dtype: torch.dtype, wire: torch.dtype) -> torch.Tensor:
+        dt = wire if dtype.is_floating_point else dtype
+        return torch.empty(shape, dtype=dt, device="meta", requires_grad=dt.is_floating_point)
+
+    if st.start == 0:
+        x, _ = model.input_spec.example(microbatch_size, device="meta")
+        inp = x
+    else:
+        shape, dtype = shapes[st.start - 1]
+        inp = meta(shape, dtype, wire_dtype)
+    shape, dtype = shapes[st.stop - 1]
+    out = meta(shape, dtype, last_dtype if st.stop == plan.num_layers else wire_dtype)
+    return inp, out

@@ -1,0 +1,115 @@
+"""Run a function on N real processes with a gloo process group, with a hard timeout.
+
+``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, each creating the
+default group and calling ``fn(rank, world_size, *args)``. Return values come back through
+files; an exception on any rank fails the test with that rank's traceback; a run that
+exceeds ``timeout_s`` kills every process and fails (no test can hang).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["free_port", "run_ranks"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, out_dir, pg_timeout_s, args):
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    result: dict[str, Any]
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s)
+        )
+        value = fn(rank, world, *args)
+        result = {"ok": True, "value": value}
+    except BaseException as exc:  # reported to the parent, which fails the test
+        result = {
+            "ok": False,
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc(),
+        }
+    finally:
+        with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as fh:
+            pickle.dump(result, fh)
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+    os._exit(0)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 240.0,
+    pg_timeout_s: float = 60.0,
+    expect_failure: bool = False,
+) -> list[dict[str, Any]]:
+    """Results per rank: ``{"ok": True, "value": ...}`` or ``{"ok": False, "error": ...}``."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out:
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world_size, port, out, pg_timeout_s, args))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.time() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.time()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        if hung:
+            raise AssertionError(f"ranks {hung} still running after {timeout_s:.0f}s (hang)")
+        results = []
+        for r in range(world_size):
+            f = Path(out) / f"rank{r}.pkl"
+            if f.exists():
+                with open(f, "rb") as fh:
+                    results.append(pickle.load(fh))
+            else:
+                results.append(
+                    {
+                        "ok": False,
+                        "error": f"rank {r} died without a result (exit code {procs[r].exitcode})",
+                    }
+                )
+    if not expect_failure:
+        bad = [(r, res) for r, res in enumerate(results) if not res["ok"]]
+        if bad:
+            r, res = bad[0]
+            raise AssertionError(f"rank {r} failed: {res.get('traceback') or res['error']}")
+    return results
