@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # subcommands that re-launch themselves (train) need the raw words
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

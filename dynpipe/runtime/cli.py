@@ -1,0 +1,163 @@
+"""``dynpipe train``: launcher on the command line, worker under torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import sys
+from typing import Any
+
+__all__ = ["config_from_args", "register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a model split into pipeline stages (one process per stage)",
+        description="Train a model split into pipeline stages, one process per stage. On the "
+        "command line it starts --nproc workers through torchrun's agent; under torchrun "
+        "(RANK set) it is one worker.",
+    )
+    add_train_args(p)
+    p.set_defaults(func=run)
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default="mlp", help="zoo name or package.module:factory")
+    g.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="model config, e.g. --model-arg depth=4 (repeatable)")
+    g.add_argument("--data", default="synthetic",
+                   help="synthetic, digits, cifar10, imagefolder or text")
+    g.add_argument("--data-path", default=None, help="local dataset path (never downloaded)")
+    g = p.add_argument_group("pipeline")
+    g.add_argument("--nproc", type=int, default=None,
+                   help="workers to start on this node (default: the plan's stage count)")
+    g.add_argument("--plan", default=None, help="plan JSON (from `dynpipe plan`)")
+    g.add_argument("--stages", type=int, default=None,
+                   help="without --plan: equal-layer stages (default: world size)")
+    g.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    g.add_argument("--microbatches", type=int, default=4)
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda (one GPU per rank)")
+    g.add_argument("--bf16", action="store_true", help="bfloat16 autocast on GPU")
+    g.add_argument("--no-timing", dest="timing", action="store_false",
+                   help="turn the per-microbatch stage timers off")
+    g.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds before a blocking collective or P2P wait fails")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--steps", type=int, default=100)
+    g.add_argument("--batch-size", type=int, default=32)
+    g.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    g.add_argument("--lr", type=float, default=0.05)
+    g.add_argument("--momentum", type=float, default=0.9)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--warmup", type=int, default=0, help="linear warm-up steps")
+    g.add_argument("--lr-schedule", choices=("constant", "cosine", "linear"), default="constant")
+    g.add_argument("--clip-grad", type=float, default=0.0, help="global-norm clip (0 = off)")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("logs and checkpoints")
+    g.add_argument("--log", default=None, help="run log path (default runs/<model>-<time>/log.jsonl)")
+    g.add_argument("--log-every", type=int, default=10,
+                   help="steps between gathers of per-stage timings")
+    g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0 = off)")
+    g.add_argument("--save-dir", default=None)
+    g.add_argument("--resume", default=None, help="checkpoint folder to resume from")
+    g.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def _parse_model_args(items: list[str]) -> dict[str, Any]:
+    from dynpipe.errors import UserError
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise UserError(f"--model-arg {item!r} is not KEY=VALUE; e.g. --model-arg depth=4")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+def config_from_args(args: argparse.Namespace):
+    from dynpipe.runtime.optim import OptimConfig
+    from dynpipe.runtime.train import TrainConfig
+
+    optim = OptimConfig(
+        name=args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+        warmup_steps=args.warmup, schedule=args.lr_schedule, total_steps=args.steps,
+        clip_grad=args.clip_grad,
+    )
+    return TrainConfig(
+        model=args.model, model_args=_parse_model_args(args.model_arg), data=args.data,
+        data_path=args.data_path, steps=args.steps, batch_size=args.batch_size,
+        microbatches=args.microbatches, schedule=args.schedule, stages=args.stages,
+        plan=args.plan, optim=optim, bf16=args.bf16, timing=args.timing, seed=args.seed,
+        log=args.log, log_every=args.log_every, save_every=args.save_every,
+        save_dir=args.save_dir, resume=args.resume, progress=args.progress,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _worker(cfg, args)
+    return _launcher(cfg, args)
+
+
+def _launcher(cfg, args: argparse.Namespace) -> int:
+    """Validate everything that needs no process group, then start the workers."""
+    from dynpipe.errors import UserError
+    from dynpipe.runtime.train import build_model_and_data, resolve_plan
+
+    model, _ = build_model_and_data(cfg)
+    if args.nproc is not None and args.nproc < 1:
+        raise UserError(f"--nproc must be >= 1, got {args.nproc}")
+    nproc = args.nproc
+    if nproc is None:
+        if cfg.plan:
+            from dynpipe.planner.plan import Plan
+
+            nproc = Plan.load(cfg.plan).num_stages
+        else:
+            nproc = cfg.stages or 1
+    resolve_plan(cfg, model, nproc)  # a mismatch is reported here, before any worker starts
+    if args.device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.device_count() < nproc:
+            raise UserError(
+                f"{nproc} workers need {nproc} GPUs but {torch.cuda.device_count()} are visible; "
+                f"use --nproc {torch.cuda.device_count()} with a matching plan, or --device cpu"
+            )
+    from dynpipe.runtime.launch import launch_local
+
+    words = list(args.argv)
+    return launch_local(words[words.index("train") + 1 :], nproc=nproc)
+
+
+def _worker(cfg, args: argparse.Namespace) -> int:
+    from dynpipe.errors import UserError
+    from dynpipe.runtime.topology import Topology, destroy, init_distributed
+    from dynpipe.runtime.train import build_model_and_data, resolve_plan, train
+
+    topo = Topology.from_env(device=args.device, timeout_s=args.timeout)
+    quiet = topo.rank != topo.world_size - 1
+    try:
+        model, _ = build_model_and_data(cfg)
+        resolve_plan(cfg, model, topo.world_size)  # before any collective
+        init_distributed(topo)
+        train(cfg, topo=topo)
+        return 0
+    except UserError as exc:
+        # Every rank sees the same bad input; one of them says so.
+        if not quiet:
+            print(f"dynpipe train: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        print(f"dynpipe train: rank {topo.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        destroy()
