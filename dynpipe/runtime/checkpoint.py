@@ -43,7 +43,7 @@ def save_checkpoint(
         "optim": {k: v.detach() for k, v in optim_state.items()},
         "rng": {f"rank{rank}": torch.get_rng_state()},
     }
-    dcp.save(sd, checkpoint_id=str(path))
+    dcp.save(sd, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
@@ -105,7 +105,7 @@ def load_checkpoint(
     sd: dict[str, Any] = {"model": model_state, "optim": optim}
     if rng_key in stored:
         sd["rng"] = {f"rank{rank}": torch.empty(tuple(stored[rng_key].size), dtype=torch.uint8)}
-    dcp.load(sd, checkpoint_id=str(ckpt))
+    dcp.load(sd, checkpoint_id=str(ckpt), no_dist=not dist.is_initialized())
     if "rng" in sd:
         torch.set_rng_state(sd["rng"][f"rank{rank}"])
     return {
