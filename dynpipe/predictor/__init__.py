@@ -1,0 +1,62 @@
+"""Learned slowdown predictor: how long each layer takes on a device, from its telemetry.
+
+Offline, ``fit_predictor`` learns a layer's slowdown factor (time under interference / time
+alone) from profile datasets; ``evaluate`` scores it with grouped cross-validation on held-out
+interference conditions, models and interferer kinds. At run time ``predict_layer_times``
+turns every device's current telemetry into per-layer forward/backward times for all layers,
+including the ones the device does not hold now, which measuring its current stage cannot tell.
+
+Names are imported lazily so ``dynpipe --help`` does not pay for pandas, scikit-learn and
+xgboost. Loading a saved predictor unpickles it: load only files you trust.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "FeatureSchema",
+    "ForestSlowdown",
+    "NoInterference",
+    "Predictor",
+    "PreparedLayers",
+    "RidgeSlowdown",
+    "SlowdownRegressor",
+    "StageMean",
+    "evaluate",
+    "extract_features",
+    "fit_predictor",
+    "load_predictor",
+    "predict_layer_times",
+    "prepare_layers",
+    "save_predictor",
+]
+
+_WHERE = {
+    "FeatureSchema": "features",
+    "extract_features": "features",
+    "ForestSlowdown": "estimator",
+    "NoInterference": "estimator",
+    "RidgeSlowdown": "estimator",
+    "SlowdownRegressor": "estimator",
+    "StageMean": "estimator",
+    "evaluate": "evaluate",
+    "fit_predictor": "train",
+    "Predictor": "io",
+    "load_predictor": "io",
+    "save_predictor": "io",
+    "PreparedLayers": "runtime",
+    "predict_layer_times": "runtime",
+    "prepare_layers": "runtime",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"dynpipe.predictor.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'dynpipe.predictor' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

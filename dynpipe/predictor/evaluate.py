@@ -1,0 +1,308 @@
+"""Grouped cross-validation of slowdown estimators, at layer and at stage level.
+
+Splits hold out whole groups, so a score says how the predictor does on something it has
+never seen:
+
+- ``condition``: whole interference conditions (device + condition id), ``GroupKFold``;
+- ``model``: whole models, ``LeaveOneGroupOut`` (needs two or more models);
+- ``interferer``: whole interferer kinds (every intensity and job count of, say, ``copy``);
+  extrapolation to a new kind of co-located job, the hardest case.
+
+Every estimator is scored on the same folds from out-of-fold predictions. Hyper-parameters are
+fixed, or with ``tune`` chosen by an inner ``GroupKFold`` on the training folds only (nested
+cross-validation): test folds never choose anything.
+
+Scores are absolute percentage errors of predicted time (``time_alone_ms`` x predicted
+slowdown) against measured ``time_ms``, on interfered rows only (condition ``none`` is 1 by
+construction and would flatter every model). Per layer: one error per (layer, phase, run).
+Per stage: one error per stage of the balanced 2- and 4-stage splits (``stages``), fwd + bwd
+summed. ``StageMean`` learns nothing; it is scored, for every split and every stage ``k`` the
+device might run now, on the layers and stages *other than* ``k`` (on ``k`` itself it is exact
+by construction): that is what a measurement-only system must guess when it moves layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+from sklearn.base import BaseEstimator, clone
+from sklearn.model_selection import GridSearchCV, GroupKFold, LeaveOneGroupOut
+
+from dynpipe.errors import UserError
+from dynpipe.predictor.estimator import StageMean
+from dynpipe.predictor.features import extract_features
+from dynpipe.predictor.stages import (
+    assign_stages,
+    measured_stage_slowdown,
+    run_keys,
+    stage_sums,
+)
+
+__all__ = ["SPLITS", "TUNE_GRID", "Evaluation", "ape_summary", "cv_folds", "evaluate", "score"]
+
+SPLITS: tuple[str, ...] = ("condition", "model", "interferer")
+# Grid for nested tuning of the xgboost model (--tune); small on purpose: each point is a
+# full inner cross-validation.
+TUNE_GRID: dict[str, list] = {
+    "max_depth": [4, 6, 8],
+    "learning_rate": [0.03, 0.1],
+    "n_estimators": [200, 500],
+}
+
+
+@dataclass
+class Evaluation:
+    """Result of ``evaluate``: a JSON-able summary and the raw out-of-fold predictions."""
+
+    summary: dict
+    layers: pd.DataFrame = field(repr=False)
+    stages: pd.DataFrame = field(repr=False)
+
+
+def ape_summary(measured: np.ndarray, predicted: np.ndarray) -> dict:
+    """MAPE, median and p90 absolute percentage error (percent) and the count."""
+    m = np.asarray(measured, dtype=np.float64)
+    p = np.asarray(predicted, dtype=np.float64)
+    ape = 100.0 * np.abs(p - m) / m
+    if len(ape) == 0:
+        return {"mape": None, "p50": None, "p90": None, "n": 0}
+    return {
+        "mape": round(float(np.mean(ape)), 3),
+        "p50": round(float(np.percentile(ape, 50)), 3),
+        "p90": round(float(np.percentile(ape, 90)), 3),
+        "n": len(ape),
+    }
+
+
+def cv_folds(
+    df: pd.DataFrame, *, split: str, n_folds: int = 5
+) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """Train/test row positions for a split, or ``None`` if the data cannot support it."""
+    if split == "condition":
+        groups = (df["device_name"].astype(str) + "/" + df["condition"].astype(str)).to_numpy()
+        n_groups = len(np.unique(groups))
+        if n_groups < 2:
+            return None
+        return list(GroupKFold(n_splits=min(n_folds, n_groups)).split(df, groups=groups))
+    if split == "model":
+        groups = df["model"].astype(str).to_numpy()
+        if len(np.unique(groups)) < 2:
+            return None
+        return list(LeaveOneGroupOut().split(df, groups=groups))
+    if split == "interferer":
+        kinds = df["interferer"].astype(str).to_numpy()
+        held = [k for k in pd.unique(kinds) if k != "none"]
+        if len(held) < 2:
+            return None
+        pos = np.arange(len(df))
+        # 'none' rows always train: the alone behaviour is known for every kind.
+        return [(pos[kinds != k], pos[kinds == k]) for k in held]
+    raise UserError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
+
+
+def _inner_groups(df: pd.DataFrame, split: str) -> np.ndarray:
+    if split == "model":
+        return df["model"].astype(str).to_numpy()
+    return (df["device_name"].astype(str) + "/" + df["condition"].astype(str)).to_numpy()
+
+
+def _fit_predict(
+    est: BaseEstimator,
+    X: pd.DataFrame,
+    y: np.ndarray,
+    folds: list[tuple[np.ndarray, np.ndarray]],
+    *,
+    tune_groups: np.ndarray | None,
+) -> np.ndarray:
+    oof = np.full(len(X), np.nan)
+    for train, test in folds:
+        model = clone(est)
+        if tune_groups is not None:
+            n_inner = min(3, len(np.unique(tune_groups[train])))
+            model = GridSearchCV(
+                model,
+                TUNE_GRID,
+                cv=GroupKFold(n_splits=n_inner),
+                scoring="neg_mean_absolute_percentage_error",
+                n_jobs=1,
+            )
+            model.fit(X.iloc[train], y[train], groups=tune_groups[train])
+        else:
+            model.fit(X.iloc[train], y[train])
+        oof[test] = model.predict(X.iloc[test])
+    return oof
+
+
+def _layer_frame(df: pd.DataFrame, pred_ms: np.ndarray, **labels) -> pd.DataFrame:
+    keys = run_keys(df)
+    out = df[[*keys, "layer_index", "kind", "phase", "interferer", "time_ms"]].copy()
+    out = out.rename(columns={"time_ms": "measured_ms"})
+    out["predicted_ms"] = pred_ms
+    for k, v in labels.items():
+        out[k] = v
+    return out
+
+
+def _breakdown(frame: pd.DataFrame, by: str) -> dict:
+    return {
+        str(k): ape_summary(g["measured_ms"].to_numpy(), g["predicted_ms"].to_numpy())
+        for k, g in frame.groupby(by, sort=True)
+    }
+
+
+def _summarise(layers: pd.DataFrame, stages: pd.DataFrame) -> dict:
+    lay = layers[layers["interferer"] != "none"].dropna(subset=["predicted_ms"])
+    stg = stages[stages["interferer"] != "none"]
+    return {
+        "layer": {
+            "all": ape_summary(lay["measured_ms"].to_numpy(), lay["predicted_ms"].to_numpy()),
+            "by_kind": _breakdown(lay, "kind"),
+            "by_interferer": _breakdown(lay, "interferer"),
+            "by_phase": _breakdown(lay, "phase"),
+        },
+        "stage": {
+            "all": ape_summary(stg["measured_ms"].to_numpy(), stg["predicted_ms"].to_numpy()),
+            "by_n_stages": _breakdown(stg, "n_stages"),
+            "by_interferer": _breakdown(stg, "interferer"),
+        },
+    }
+
+
+def score(df: pd.DataFrame, predicted_ms: np.ndarray, *, n_stages: Sequence[int] = (2, 4)) -> dict:
+    """Layer and stage errors of given per-row predicted times (e.g. a shipped predictor on
+    new data, no refit)."""
+    df = df.reset_index(drop=True)
+    pred = np.asarray(predicted_ms, dtype=np.float64)
+    parts = []
+    for s in n_stages:
+        sid = assign_stages(df, n_stages=s)
+        if (sid >= 0).any():
+            parts.append(stage_sums(df, stage=sid, predicted_ms=pred).assign(n_stages=s))
+    stages = pd.concat(parts, ignore_index=True) if parts else _empty_stages()
+    return _summarise(_layer_frame(df, pred), stages)
+
+
+def _empty_stages() -> pd.DataFrame:
+    return pd.DataFrame({"interferer": [], "measured_ms": [], "predicted_ms": [], "n_stages": []})
+
+
+def _stage_mean_frames(
+    df: pd.DataFrame, stage_ids: Mapping[int, np.ndarray]
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    est = StageMean()
+    layer_parts, stage_parts = [], []
+    alone = df["time_alone_ms"].to_numpy()
+    for n_st, sid in stage_ids.items():
+        for k in range(n_st):
+            col = measured_stage_slowdown(df, stage=sid, current=k)
+            Xk = pd.DataFrame({est.stage_column: col}, index=df.index)
+            pred = est.fit(Xk).predict(Xk) * alone
+            other = (sid >= 0) & (sid != k)
+            layer_parts.append(_layer_frame(df[other], pred[other], n_stages=n_st, current_stage=k))
+            st = stage_sums(df, stage=sid, predicted_ms=pred)
+            st = st[st["stage"] != k].assign(n_stages=n_st, current_stage=k)
+            stage_parts.append(st)
+    if not layer_parts:
+        return _layer_frame(df.iloc[:0], np.empty(0)), _empty_stages()
+    return pd.concat(layer_parts, ignore_index=True), pd.concat(stage_parts, ignore_index=True)
+
+
+def evaluate(
+    df: pd.DataFrame,
+    *,
+    estimators: Mapping[str, BaseEstimator],
+    splits: Sequence[str] = SPLITS,
+    n_stages: Sequence[int] = (2, 4),
+    n_folds: int = 5,
+    tune: Sequence[str] = (),
+) -> Evaluation:
+    """Score every estimator on every split that the data supports.
+
+    ``estimators`` maps a display name to an estimator; ``StageMean`` instances are scored
+    as described in the module docstring. ``tune`` lists the names whose hyper-parameters are
+    chosen by nested grouped CV over ``TUNE_GRID``.
+    """
+    df = df.reset_index(drop=True)
+    X, schema = extract_features(df)
+    y = df["slowdown"].to_numpy(dtype=np.float64)
+    alone = df["time_alone_ms"].to_numpy(dtype=np.float64)
+    stage_ids = {s: assign_stages(df, n_stages=s) for s in n_stages}
+    stage_ids = {s: sid for s, sid in stage_ids.items() if (sid >= 0).any()}
+
+    layer_frames, stage_frames = [], []
+    results: dict[str, dict] = {}
+    split_info: dict[str, dict] = {}
+    sm_frames = None
+    for split in splits:
+        folds = cv_folds(df, split=split, n_folds=n_folds)
+        if folds is None:
+            split_info[split] = {"skipped": "fewer than two groups in the data"}
+            continue
+        split_info[split] = {
+            "n_folds": len(folds),
+            "test_sizes": [len(t) for _, t in folds],
+        }
+        results[split] = {}
+        for name, est in estimators.items():
+            if isinstance(est, StageMean):
+                # Learns nothing, so its predictions are the same under every split.
+                if sm_frames is None:
+                    sm_frames = _stage_mean_frames(df, stage_ids)
+                lay, stg = (f.assign(split=split, estimator=name) for f in sm_frames)
+            else:
+                groups = _inner_groups(df, split) if name in tune else None
+                oof = _fit_predict(est, X, y, folds, tune_groups=groups) * alone
+                lay = _layer_frame(df, oof, split=split, estimator=name)
+                parts = [
+                    stage_sums(df, stage=sid, predicted_ms=oof).assign(n_stages=s)
+                    for s, sid in stage_ids.items()
+                ]
+                stg = pd.concat(parts, ignore_index=True) if parts else _empty_stages()
+                stg = stg.assign(split=split, estimator=name)
+            layer_frames.append(lay)
+            stage_frames.append(stg)
+            results[split][name] = _summarise(lay, stg)
+    if not results:
+        raise UserError(
+            "no cross-validation split is possible: the profiles need at least two interference "
+            "conditions or two models"
+        )
+    summary = {
+        "data": {
+            "rows": len(df),
+            "interfered_rows": int((df["interferer"] != "none").sum()),
+            "devices": sorted(map(str, df["device_name"].unique())),
+            "models": sorted(map(str, df["model"].unique())),
+            "conditions": sorted(map(str, df["condition"].unique())),
+            "layer_kinds": list(schema.kinds),
+            "features": schema.names,
+        },
+        "splits": split_info,
+        "n_stages": sorted(stage_ids),
+        "estimators": {
+            name: {"class": type(est).__name__, "params": _jsonable(est.get_params())}
+            for name, est in estimators.items()
+        },
+        "tuned": list(tune),
+        "results": results,
+    }
+    return Evaluation(
+        summary=summary,
+        layers=pd.concat(layer_frames, ignore_index=True),
+        stages=pd.concat(stage_frames, ignore_index=True),
+    )
+
+
+def _jsonable(params: dict) -> dict:
+    out = {}
+    for k, v in params.items():
+        if isinstance(v, (str, int, float, bool)) or v is None:
+            out[k] = v
+        elif isinstance(v, Mapping):
+            out[k] = {str(a): b for a, b in v.items()}
+        else:
+            out[k] = repr(v)
+    return out

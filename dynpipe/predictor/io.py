@@ -1,0 +1,210 @@
+"""A trained predictor as one file: estimator, feature schema and provenance.
+
+``save_predictor`` writes a joblib file holding a plain dict: the fitted estimator (the xgboost
+booster inside it in xgboost's JSON model format, not a pickled xgboost object), the feature
+schema, the library versions it was trained with, a fingerprint of its training data (SHA-256
+of the dataset content) and, when evaluated, its accuracy summary.
+
+Security: joblib and pickle files run code when loaded. ``load_predictor`` is as safe as the
+file it is given: load only predictors you trained or got from a source you trust, never one
+downloaded from an untrusted place.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import platform
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from dynpipe.errors import UserError
+from dynpipe.predictor.features import FeatureSchema, extract_features
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "Predictor",
+    "dataset_fingerprint",
+    "library_versions",
+    "load_predictor",
+    "save_predictor",
+]
+
+FORMAT = "dynpipe-predictor"
+FORMAT_VERSION = 1
+# Rows are sorted by these (where present) before hashing, so the fingerprint does not depend
+# on row order or on the order the files were given.
+_ID_COLUMNS = (
+    "device_name",
+    "model",
+    "batch_size",
+    "dtype",
+    "condition",
+    "layer_index",
+    "phase",
+)
+
+
+@dataclass
+class Predictor:
+    """A fitted slowdown estimator with the schema of its input and where it came from."""
+
+    estimator: object
+    schema: FeatureSchema
+    estimator_name: str
+    data_fingerprint: str
+    versions: dict[str, str]
+    training: dict = field(default_factory=dict)
+    report: dict | None = None
+    created: str = ""
+
+    def __post_init__(self) -> None:
+        names = getattr(self.estimator, "feature_names_in_", None)
+        if names is not None and list(names) != self.schema.names:
+            raise UserError(
+                f"predictor's estimator was fitted on {len(names)} features that differ from its "
+                f"schema ({len(self.schema.names)}); the file is inconsistent, refit it with "
+                "`dynpipe predictor fit`"
+            )
+
+    def features(self, df: pd.DataFrame) -> pd.DataFrame:
+        """Feature matrix for profile-like rows under this predictor's schema."""
+        return extract_features(df, schema=self.schema)[0]
+
+    def predict_slowdown(self, df: pd.DataFrame) -> np.ndarray:
+        """Predicted slowdown of each profile-like row (static columns + ``tel_*``)."""
+        return self.estimator.predict(self.features(df))
+
+    def predict_time_ms(self, df: pd.DataFrame) -> np.ndarray:
+        """Predicted time of each row: ``time_alone_ms`` x predicted slowdown."""
+        return df["time_alone_ms"].to_numpy(dtype=np.float64) * self.predict_slowdown(df)
+
+    def __repr__(self) -> str:
+        return (
+            f"Predictor({self.estimator_name}, {len(self.schema.names)} features, "
+            f"data {self.data_fingerprint[:12]}, trained {self.created or '?'})"
+        )
+
+
+def dataset_fingerprint(df: pd.DataFrame) -> str:
+    """SHA-256 of a dataset's content: columns and values, independent of row order."""
+    keys = [c for c in _ID_COLUMNS if c in df.columns]
+    cols = sorted(map(str, df.columns))
+    canon = df[cols].sort_values(keys, kind="stable").reset_index(drop=True) if keys else df[cols]
+    h = hashlib.sha256()
+    h.update("\0".join(cols).encode())
+    h.update(pd.util.hash_pandas_object(canon, index=False).to_numpy().tobytes())
+    return h.hexdigest()
+
+
+def library_versions() -> dict[str, str]:
+    import joblib
+    import sklearn
+
+    import dynpipe
+
+    out = {
+        "python": platform.python_version(),
+        "dynpipe": dynpipe.__version__,
+        "numpy": np.__version__,
+        "pandas": pd.__version__,
+        "scikit-learn": sklearn.__version__,
+        "joblib": joblib.__version__,
+    }
+    try:
+        import xgboost
+
+        out["xgboost"] = xgboost.__version__
+    except ImportError:  # the baselines do not need it
+        pass
+    return out
+
+
+def save_predictor(predictor: Predictor, path: str | Path) -> Path:
+    """Write ``predictor`` to ``path`` (joblib, compressed); returns the path."""
+    import joblib
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    artifact = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "estimator_name": predictor.estimator_name,
+        "estimator": predictor.estimator,
+        "schema": predictor.schema.to_dict(),
+        "data_fingerprint": predictor.data_fingerprint,
+        "versions": predictor.versions,
+        "training": predictor.training,
+        "report": predictor.report,
+        "created": predictor.created
+        or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    joblib.dump(artifact, path, compress=3)
+    return path
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def load_predictor(path: str | Path, *, expect_features: Iterable[str] | None = None) -> Predictor:
+    """Read a predictor saved by ``save_predictor``. Only load files you trust (see module doc).
+
+    ``expect_features``: the feature columns the caller will provide; a mismatch with the
+    predictor's schema is refused with the missing and extra names.
+    """
+    import joblib
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(
+            f"predictor file {path} does not exist; train one with `dynpipe predictor fit`"
+        )
+    try:
+        artifact = joblib.load(path)
+    except Exception as exc:  # any unpickling failure means "not a predictor we can read"
+        raise UserError(
+            f"cannot read predictor {path}: {type(exc).__name__}: {exc}; refit it with `dynpipe predictor fit`"
+        ) from None
+    if not isinstance(artifact, dict) or artifact.get("format") != FORMAT:
+        raise UserError(
+            f"{path} is not a dynpipe predictor file; train one with `dynpipe predictor fit`"
+        )
+    version = int(artifact.get("format_version", 0))
+    if version != FORMAT_VERSION:
+        raise UserError(
+            f"{path} has predictor format {version} but this dynpipe reads format {FORMAT_VERSION}; "
+            "refit it with `dynpipe predictor fit`"
+        )
+    saved = artifact.get("versions", {})
+    now = library_versions()
+    drift = [
+        f"{lib} {saved[lib]} -> {now[lib]}"
+        for lib in ("xgboost", "scikit-learn")
+        if lib in saved and lib in now and _minor(saved[lib]) != _minor(now[lib])
+    ]
+    if drift:
+        warnings.warn(
+            f"predictor {path} was trained with other library versions ({'; '.join(drift)}); "
+            "predictions may differ slightly, refit to be sure",
+            stacklevel=2,
+        )
+    predictor = Predictor(
+        estimator=artifact["estimator"],
+        schema=FeatureSchema.from_dict(artifact["schema"]),
+        estimator_name=str(artifact["estimator_name"]),
+        data_fingerprint=str(artifact["data_fingerprint"]),
+        versions=dict(saved),
+        training=dict(artifact.get("training") or {}),
+        report=artifact.get("report"),
+        created=str(artifact.get("created", "")),
+    )
+    if expect_features is not None:
+        predictor.schema.check_names(expect_features, what=f"features for predictor {path.name}")
+    return predictor

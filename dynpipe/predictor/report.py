@@ -1,0 +1,199 @@
+"""Accuracy report of an ``Evaluation``: JSON, markdown and a predicted-vs-measured figure.
+
+Everything here is drawn from the out-of-fold predictions in the ``Evaluation`` (also written
+as parquet beside the report), never from edited numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from dynpipe.predictor.evaluate import Evaluation
+
+__all__ = ["SPLIT_TITLES", "plot_pred_vs_measured", "render_markdown", "write_report"]
+
+SPLIT_TITLES = {
+    "condition": "Held-out interference conditions",
+    "model": "Held-out models",
+    "interferer": "Held-out interferer kinds (extrapolation)",
+}
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{x:.1f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def render_markdown(summary: dict, *, primary: str, figure: str | None = None) -> str:
+    """The report as markdown; ``primary`` names the estimator broken down by kind."""
+    data = summary["data"]
+    lines = [
+        "# Slowdown predictor accuracy",
+        "",
+        f"Data: {data['rows']} rows ({data['interfered_rows']} under interference); "
+        f"devices: {', '.join(data['devices'])}; models: {', '.join(data['models'])}; "
+        f"{len(data['conditions'])} conditions.",
+    ]
+    if summary.get("fingerprint"):
+        lines.append(f"Dataset fingerprint: `{summary['fingerprint']}`.")
+    lines += [
+        "",
+        "Error = |predicted − measured| / measured time, on interfered rows only (condition "
+        "`none` is exact by construction). *Layer*: one error per (layer, phase, run), predicted "
+        "time = alone time × predicted slowdown. *Stage*: one error per stage of the balanced "
+        f"{'/'.join(map(str, summary['n_stages']))}-stage splits of each model (forward + "
+        "backward summed). `stage-mean` applies the slowdown measured on the stage a device "
+        "runs now to all layers; it is scored only on the *other* layers and stages (on its "
+        "own stage it is exact). Hyper-parameters: "
+        + (
+            f"chosen by nested grouped CV for {', '.join(summary['tuned'])}."
+            if summary["tuned"]
+            else "fixed (no tuning on any fold)."
+        ),
+        "",
+    ]
+    for split, res in summary["results"].items():
+        info = summary["splits"][split]
+        lines += [f"## {SPLIT_TITLES.get(split, split)} ({info['n_folds']} folds)", ""]
+        rows = []
+        for name, r in res.items():
+            la, st = r["layer"]["all"], r["stage"]["all"]
+            rows.append(
+                [
+                    f"**{name}**" if name == primary else name,
+                    _pct(la["mape"]),
+                    _pct(la["p90"]),
+                    _pct(st["mape"]),
+                    _pct(st["p90"]),
+                    str(la["n"]),
+                    str(st["n"]),
+                ]
+            )
+        lines += _table(
+            [
+                "estimator",
+                "layer MAPE %",
+                "layer p90 %",
+                "stage MAPE %",
+                "stage p90 %",
+                "layers",
+                "stages",
+            ],
+            rows,
+        )
+        lines.append("")
+    for split in ("condition", "model"):
+        res = summary["results"].get(split, {}).get(primary)
+        if res is None:
+            continue
+        title = SPLIT_TITLES[split].lower()
+        lines += [f"### {primary}, {title}: by layer kind", ""]
+        lines += _table(
+            ["kind", "n", "MAPE %", "p90 %"],
+            [
+                [k, str(v["n"]), _pct(v["mape"]), _pct(v["p90"])]
+                for k, v in res["layer"]["by_kind"].items()
+            ],
+        )
+        lines += ["", f"### {primary}, {title}: by interferer", ""]
+        stage_by = res["stage"]["by_interferer"]
+        lines += _table(
+            ["interferer", "layers", "layer MAPE %", "layer p90 %", "stage MAPE %", "stage p90 %"],
+            [
+                [
+                    k,
+                    str(v["n"]),
+                    _pct(v["mape"]),
+                    _pct(v["p90"]),
+                    _pct(stage_by.get(k, {}).get("mape")),
+                    _pct(stage_by.get(k, {}).get("p90")),
+                ]
+                for k, v in res["layer"]["by_interferer"].items()
+            ],
+        )
+        lines.append("")
+    if figure:
+        lines += [f"![predicted vs measured]({figure})", ""]
+    return "\n".join(lines)
+
+
+def plot_pred_vs_measured(
+    ev: Evaluation, path: str | Path, *, primary: str, split: str = "condition"
+) -> Path:
+    """Log-log scatter of predicted vs measured time (layers, stages; stage-mean beside)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: list[tuple[str, pd.DataFrame]] = []
+    for name, frame, what in (
+        (primary, ev.layers, "layers"),
+        (primary, ev.stages, "stages"),
+        ("stage-mean", ev.stages, "stages"),
+    ):
+        sel = frame[(frame["split"] == split) & (frame["estimator"] == name)]
+        sel = sel[(sel["interferer"] != "none") & np.isfinite(sel["predicted_ms"])]
+        if len(sel):
+            panels.append((f"{name}: {what}", sel))
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5 * max(1, len(panels)), 4.6))
+    axes = np.atleast_1d(axes)
+    kinds = sorted(set().union(*(set(p["interferer"]) for _, p in panels))) if panels else []
+    colors = {k: plt.cm.tab10(i % 10) for i, k in enumerate(kinds)}
+    for ax, (title, sel) in zip(axes, panels, strict=False):
+        for k, g in sel.groupby("interferer"):
+            ax.scatter(
+                g["measured_ms"], g["predicted_ms"], s=6, alpha=0.5, color=colors[k], label=k
+            )
+        lo = float(min(sel["measured_ms"].min(), sel["predicted_ms"].min()))
+        hi = float(max(sel["measured_ms"].max(), sel["predicted_ms"].max()))
+        xs = np.geomspace(max(lo, 1e-6), hi, 50)
+        ax.plot(xs, xs, "k-", lw=0.8)
+        ax.fill_between(xs, xs * 0.9, xs * 1.1, color="k", alpha=0.08, label="±10%")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ape = 100 * np.abs(sel["predicted_ms"] - sel["measured_ms"]) / sel["measured_ms"]
+        ax.set_title(f"{title} (MAPE {ape.mean():.1f}%)", fontsize=10)
+        ax.set_xlabel("measured time (ms)")
+        ax.set_ylabel("predicted time (ms)")
+    if panels:
+        axes[0].legend(fontsize=7, markerscale=2, loc="upper left")
+    fig.suptitle(f"{SPLIT_TITLES.get(split, split)}: out-of-fold predictions", fontsize=11)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(ev: Evaluation, out_dir: str | Path, *, primary: str) -> dict[str, Path]:
+    """Write report.json, report.md, pred_vs_measured.png and the raw predictions."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "json": out / "report.json",
+        "markdown": out / "report.md",
+        "figure": out / "pred_vs_measured.png",
+        "layers": out / "predictions_layers.parquet",
+        "stages": out / "predictions_stages.parquet",
+    }
+    split = (
+        "condition" if "condition" in ev.summary["results"] else next(iter(ev.summary["results"]))
+    )
+    plot_pred_vs_measured(ev, paths["figure"], primary=primary, split=split)
+    paths["json"].write_text(json.dumps(ev.summary, indent=1, sort_keys=False) + "\n")
+    paths["markdown"].write_text(
+        render_markdown(ev.summary, primary=primary, figure=paths["figure"].name)
+    )
+    ev.layers.to_parquet(paths["layers"], index=False)
+    ev.stages.to_parquet(paths["stages"], index=False)
+    return paths

@@ -1,0 +1,200 @@
+"""Run-time API: per-layer times on every device from its current telemetry.
+
+The controller calls ``predict_layer_times`` every few steps with one telemetry window per
+device; it gets, for every device, the forward and backward time of *every* layer, including
+layers that device does not hold now. One batched predict call covers all devices and layers;
+the static half of the feature matrix is computed once by ``prepare_layers`` and reused.
+
+    prepared = prepare_layers(predictor, layer_stats(model, batch_size=8), batch_size=8)
+    fwd, bwd = predict_layer_times(
+        predictor, layers=prepared, alone_fwd_ms=a_f, alone_bwd_ms=a_b, telemetry=windows
+    )  # fwd[d, i]: predicted forward time of layer i on device d
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from dynpipe.errors import UserError
+from dynpipe.predictor.features import ALONE_COLUMN, log_alone, static_block
+from dynpipe.predictor.io import Predictor
+
+__all__ = ["PreparedLayers", "predict_layer_times", "prepare_layers"]
+
+_LAYER_COLUMNS = ("kind", "param_bytes", "in_bytes", "out_bytes", "fwd_flops", "bwd_flops")
+
+
+@dataclass(frozen=True)
+class PreparedLayers:
+    """Static features of a model's layers for one predictor: rows ``0..L-1`` are the
+    forward of each layer, rows ``L..2L-1`` its backward."""
+
+    n_layers: int
+    static: np.ndarray
+    feature_names: tuple[str, ...]
+
+    def __repr__(self) -> str:
+        return f"PreparedLayers({self.n_layers} layers, {len(self.feature_names)} features)"
+
+
+def _layer_frame(layers: object) -> pd.DataFrame:
+    """One row per layer with ``_LAYER_COLUMNS`` (and ``batch_size`` if known)."""
+    if isinstance(layers, pd.DataFrame):
+        df = layers
+    else:
+        rows = []
+        for item in layers:  # LayerStats, other dataclasses, or dicts
+            if dataclasses.is_dataclass(item):
+                rows.append({f.name: getattr(item, f.name) for f in dataclasses.fields(item)})
+            elif isinstance(item, Mapping):
+                rows.append(dict(item))
+            else:
+                raise UserError(
+                    f"layers must be a DataFrame, or LayerStats / dicts, got {type(item).__name__}"
+                )
+        df = pd.DataFrame(rows)
+    if "phase" in df.columns:
+        # Profile rows: one per (layer, phase, condition); static columns repeat per condition.
+        one = df.drop_duplicates(["layer_index", "phase"]).set_index(["layer_index", "phase"])
+        fwd = one.xs("fwd", level="phase").sort_index()
+        bwd = one.xs("bwd", level="phase").reindex(fwd.index)
+        if bwd["flops"].isna().any() or len(bwd) != len(one) - len(fwd):
+            raise UserError(
+                "profile rows for prepare_layers need both fwd and bwd rows of every layer"
+            )
+        df = fwd.reset_index().assign(
+            fwd_flops=fwd["flops"].to_numpy(), bwd_flops=bwd["flops"].to_numpy()
+        )
+    missing = [c for c in _LAYER_COLUMNS if c not in df.columns]
+    if missing:
+        raise UserError(
+            f"layers lack {', '.join(missing)}; pass dynpipe.models.stats.layer_stats(...) or a "
+            "profile's rows"
+        )
+    return df
+
+
+def prepare_layers(
+    predictor: Predictor, layers: object, *, batch_size: int | None = None
+) -> PreparedLayers:
+    """Static features of ``layers`` (from ``layer_stats``, or a profile's rows of one model).
+
+    ``batch_size`` is the microbatch size the times are for; required unless the layers carry
+    a ``batch_size`` column (profile rows do).
+    """
+    df = _layer_frame(layers)
+    if batch_size is None:
+        if "batch_size" not in df.columns:
+            raise UserError("layers carry no batch_size; pass batch_size= (the microbatch size)")
+        batch = df["batch_size"].to_numpy()
+    else:
+        batch = np.full(len(df), int(batch_size))
+    n = len(df)
+    kinds = df["kind"].astype(str).to_numpy()
+    unknown = sorted(set(kinds) - set(predictor.schema.kinds))
+    if unknown:
+        import warnings
+
+        warnings.warn(
+            f"layer kind(s) {', '.join(unknown)} were not in the predictor's training data "
+            f"(it knows {', '.join(predictor.schema.kinds)}); predicting them from size and intensity",
+            stacklevel=2,
+        )
+    both = lambda col: np.concatenate([df[col].to_numpy(), df[col].to_numpy()])  # noqa: E731
+    static = static_block(
+        kind=np.concatenate([kinds, kinds]),
+        phase=np.array(["fwd"] * n + ["bwd"] * n, dtype=object),
+        batch_size=np.concatenate([batch, batch]),
+        flops=np.concatenate([df["fwd_flops"].to_numpy(), df["bwd_flops"].to_numpy()]),
+        param_bytes=both("param_bytes"),
+        in_bytes=both("in_bytes"),
+        out_bytes=both("out_bytes"),
+        time_alone_ms=np.ones(2 * n),  # refilled per call from the alone times given then
+        kinds=predictor.schema.kinds,
+    )
+    return PreparedLayers(
+        n_layers=n, static=np.ascontiguousarray(static), feature_names=tuple(predictor.schema.names)
+    )
+
+
+def _alone(fwd: object, bwd: object, n_layers: int) -> np.ndarray:
+    out = []
+    for name, arr in (("alone_fwd_ms", fwd), ("alone_bwd_ms", bwd)):
+        a = np.asarray(arr, dtype=np.float64)
+        if a.shape[-1:] != (n_layers,) or a.ndim > 2:
+            raise UserError(
+                f"{name} has shape {a.shape}; want [{n_layers}] or [devices, {n_layers}]"
+            )
+        if not np.isfinite(a).all() or (a < 0).any():
+            raise UserError(
+                f"{name} has negative or non-finite entries; give measured alone times in ms"
+            )
+        out.append(np.atleast_2d(a))
+    return np.concatenate(np.broadcast_arrays(*out), axis=1)  # [1 or D, 2L]
+
+
+def _telemetry(predictor: Predictor, telemetry: Sequence[Mapping[str, object]]) -> np.ndarray:
+    names = predictor.schema.telemetry
+    out = np.empty((len(telemetry), len(names)))
+    for d, window in enumerate(telemetry):
+        predictor.schema.check_telemetry(window.keys(), what=f"telemetry of device {d}")
+        for j, name in enumerate(names):
+            v = window[name]
+            out[d, j] = np.nan if v is None else float(v)
+    return out
+
+
+def predict_layer_times(
+    predictor: Predictor,
+    *,
+    layers: PreparedLayers | object,
+    alone_fwd_ms: Sequence[float] | np.ndarray,
+    alone_bwd_ms: Sequence[float] | np.ndarray,
+    telemetry: Sequence[Mapping[str, object]],
+    batch_size: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Predicted forward and backward time of every layer on every device, ``[D, L]`` each.
+
+    ``layers``: a ``PreparedLayers`` (fast; from ``prepare_layers``) or anything
+    ``prepare_layers`` accepts (prepared on every call). ``alone_*_ms``: each layer's time
+    without interference, ``[L]`` (same devices) or ``[D, L]``. ``telemetry``: one window of
+    ``tel_*`` readings per device, exactly the predictor's telemetry features (``None``/NaN
+    where the platform lacks a reading); other ``tel_*`` keys are refused by name.
+    """
+    prep = (
+        layers
+        if isinstance(layers, PreparedLayers)
+        else prepare_layers(predictor, layers, batch_size=batch_size)
+    )
+    if prep.feature_names != tuple(predictor.schema.names):
+        raise UserError(
+            "layers were prepared for another predictor's features; call prepare_layers "
+            "again with this predictor"
+        )
+    if not len(telemetry):
+        raise UserError("telemetry is empty; pass one tel_* window per device")
+    n, n_dev = prep.n_layers, len(telemetry)
+    alone = _alone(alone_fwd_ms, alone_bwd_ms, n)
+    if alone.shape[0] not in (1, n_dev):
+        raise UserError(
+            f"alone times are given for {alone.shape[0]} devices but telemetry for {n_dev}"
+        )
+    tel = _telemetry(predictor, telemetry)
+    n_static = prep.static.shape[1]
+    X = np.empty((n_dev, 2 * n, n_static + tel.shape[1]))
+    X[:, :, :n_static] = prep.static
+    X[:, :, ALONE_COLUMN] = log_alone(alone)
+    X[:, :, n_static:] = tel[:, None, :]
+    flat = X.reshape(n_dev * 2 * n, -1)
+    est = predictor.estimator
+    if hasattr(est, "predict_array"):
+        slow = est.predict_array(flat)
+    else:
+        slow = est.predict(pd.DataFrame(flat, columns=list(prep.feature_names)))
+    times = alone * np.asarray(slow).reshape(n_dev, 2 * n)
+    return times[:, :n], times[:, n:]
