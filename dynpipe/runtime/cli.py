@@ -26,25 +26,47 @@ def register(sub: argparse._SubParsersAction) -> None:
 def add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default="mlp", help="zoo name or package.module:factory")
-    g.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="model config, e.g. --model-arg depth=4 (repeatable)")
-    g.add_argument("--data", default="synthetic",
-                   help="synthetic, digits, cifar10, imagefolder or text")
+    g.add_argument(
+        "--model-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="model config, e.g. --model-arg depth=4 (repeatable)",
+    )
+    g.add_argument(
+        "--data", default="synthetic", help="synthetic, digits, cifar10, imagefolder or text"
+    )
     g.add_argument("--data-path", default=None, help="local dataset path (never downloaded)")
     g = p.add_argument_group("pipeline")
-    g.add_argument("--nproc", type=int, default=None,
-                   help="workers to start on this node (default: the plan's stage count)")
+    g.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="workers to start on this node (default: the plan's stage count)",
+    )
     g.add_argument("--plan", default=None, help="plan JSON (from `dynpipe plan`)")
-    g.add_argument("--stages", type=int, default=None,
-                   help="without --plan: equal-layer stages (default: world size)")
+    g.add_argument(
+        "--stages",
+        type=int,
+        default=None,
+        help="without --plan: equal-layer stages (default: world size)",
+    )
     g.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
     g.add_argument("--microbatches", type=int, default=4)
     g.add_argument("--device", default="auto", help="auto, cpu or cuda (one GPU per rank)")
     g.add_argument("--bf16", action="store_true", help="bfloat16 autocast on GPU")
-    g.add_argument("--no-timing", dest="timing", action="store_false",
-                   help="turn the per-microbatch stage timers off")
-    g.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds before a blocking collective or P2P wait fails")
+    g.add_argument(
+        "--no-timing",
+        dest="timing",
+        action="store_false",
+        help="turn the per-microbatch stage timers off",
+    )
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds before a blocking collective or P2P wait fails",
+    )
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=100)
     g.add_argument("--batch-size", type=int, default=32)
@@ -57,9 +79,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clip-grad", type=float, default=0.0, help="global-norm clip (0 = off)")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("logs and checkpoints")
-    g.add_argument("--log", default=None, help="run log path (default runs/<model>-<time>/log.jsonl)")
-    g.add_argument("--log-every", type=int, default=10,
-                   help="steps between gathers of per-stage timings")
+    g.add_argument(
+        "--log", default=None, help="run log path (default runs/<model>-<time>/log.jsonl)"
+    )
+    g.add_argument(
+        "--log-every", type=int, default=10, help="steps between gathers of per-stage timings"
+    )
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0 = off)")
     g.add_argument("--save-dir", default=None)
     g.add_argument("--resume", default=None, help="checkpoint folder to resume from")
@@ -86,17 +111,36 @@ def config_from_args(args: argparse.Namespace):
     from dynpipe.runtime.train import TrainConfig
 
     optim = OptimConfig(
-        name=args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
-        warmup_steps=args.warmup, schedule=args.lr_schedule, total_steps=args.steps,
+        name=args.optimizer,
+        lr=args.lr,
+        momentum=args.momentum,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup,
+        schedule=args.lr_schedule,
+        total_steps=args.steps,
         clip_grad=args.clip_grad,
     )
     return TrainConfig(
-        model=args.model, model_args=_parse_model_args(args.model_arg), data=args.data,
-        data_path=args.data_path, steps=args.steps, batch_size=args.batch_size,
-        microbatches=args.microbatches, schedule=args.schedule, stages=args.stages,
-        plan=args.plan, optim=optim, bf16=args.bf16, timing=args.timing, seed=args.seed,
-        log=args.log, log_every=args.log_every, save_every=args.save_every,
-        save_dir=args.save_dir, resume=args.resume, progress=args.progress,
+        model=args.model,
+        model_args=_parse_model_args(args.model_arg),
+        data=args.data,
+        data_path=args.data_path,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        stages=args.stages,
+        plan=args.plan,
+        optim=optim,
+        bf16=args.bf16,
+        timing=args.timing,
+        seed=args.seed,
+        log=args.log,
+        log_every=args.log_every,
+        save_every=args.save_every,
+        save_dir=args.save_dir,
+        resume=args.resume,
+        progress=args.progress,
     )
 
 

@@ -95,11 +95,11 @@ def fill_grad_norms(
     vec[idx] = torch.stack(norms).to(vec.dtype)
 
 
-def clip_coefficient(norms: torch.Tensor, max_norm: float) -> tuple[float, torch.Tensor]:
+def clip_coefficient(norms: torch.Tensor, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Total norm of per-parameter norms and the factor that clips it to ``max_norm``."""
     total = torch.linalg.vector_norm(norms, 2)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    return float(total), coef
+    return total, coef
 
 
 class PipelineEngine:
@@ -205,7 +205,9 @@ class PipelineEngine:
         t_sched = time.perf_counter()
 
         # One small all-reduce per step carries the loss (held by the last stage) and, when
-        # clipping, every parameter's gradient norm in its global slot.
+        # clipping, every parameter's gradient norm in its global slot. Nothing here waits on
+        # the host before the optimizer step is queued: a stage's update overlaps the other
+        # stages' backward tails exactly as in a plain pipelining loop.
         clip = self.config.optim.clip_grad
         n = len(self.slots) if clip > 0 else 0
         vec = torch.zeros(n + 1, dtype=torch.float32, device=dev)
@@ -213,27 +215,34 @@ class PipelineEngine:
             fill_grad_norms(vec, self.named_params, self.slots)
         if self.is_last:
             vec[n] = torch.stack([loss.detach().float() for loss in losses]).mean()
+        work = None
         if self.topo.world_size > 1:
-            dist.all_reduce(vec, group=self.group)
-        loss = float(vec[n])
-        if not math.isfinite(loss):
-            raise NonFiniteLoss(
-                f"loss is {loss} at step {step}; lower --lr (now {self.config.optim.lr}), "
-                "enable --clip-grad, or check the data"
-            )
-        grad_norm = None
+            work = dist.all_reduce(vec, group=self.group, async_op=True)
+        total = None
         if clip > 0:
-            grad_norm, coef = clip_coefficient(vec[:n], clip)
-            for p in self.named_params.values():
-                if p.grad is not None:
-                    p.grad.mul_(coef.to(p.grad.dtype))
+            if work is not None:
+                work.wait()
+            total, coef = clip_coefficient(vec[:n], clip)
+            grads = [p.grad for p in self.named_params.values() if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         lr = lr_at(step, self.config.optim)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        if self.topo.is_cuda:
-            torch.cuda.synchronize(dev)
+        if work is not None:
+            work.wait()
+        # The step's one host synchronisation: it also completes the timing events, which sit
+        # on the same stream before it.
+        loss = float(vec[n])
         t1 = time.perf_counter()
+        if not math.isfinite(loss):
+            raise NonFiniteLoss(
+                f"loss is {loss} at step {step}; lower --lr (now {self.config.optim.lr}), "
+                "enable --clip-grad, or check the data (weights of this step are discarded; "
+                "resume from the last checkpoint)"
+            )
+        grad_norm = float(total) if total is not None else None
         timing = self.timer.collect((t_sched - t0) * 1e3)
         return StepResult(
             step=step, loss=loss, lr=lr, grad_norm=grad_norm, step_ms=(t1 - t0) * 1e3, timing=timing

@@ -69,9 +69,8 @@ class ReferenceTrainer:
             vec = torch.zeros(len(self.slots) + 1, dtype=torch.float32)
             fill_grad_norms(vec, self.named_params, self.slots)
             _, coef = clip_coefficient(vec[:-1], self.optim.clip_grad)
-            for p in self.named_params.values():
-                if p.grad is not None:
-                    p.grad.mul_(coef.to(p.grad.dtype))
+            grads = [p.grad for p in self.named_params.values() if p.grad is not None]
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         lr = lr_at(step, self.optim)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
