@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from distutil import run_ranks
 from test_runtime_equivalence import BATCH, make_batch, optim_config
 
@@ -23,8 +22,12 @@ def _engine(world: int, opt: str):
 
     model = get_model(MODEL[0], **MODEL[1])
     plan = Plan.even(model, world, schedule="1f1b", microbatches=4)
-    return PipelineEngine(model, plan, topo=Topology.from_env(device="cpu"),
-                          config=EngineConfig(batch_size=BATCH, optim=optim_config(opt)))
+    return PipelineEngine(
+        model,
+        plan,
+        topo=Topology.from_env(device="cpu"),
+        config=EngineConfig(batch_size=BATCH, optim=optim_config(opt)),
+    )
 
 
 def _write(rank: int, world: int, ckpt: str, opt: str) -> dict:
@@ -33,8 +36,13 @@ def _write(rank: int, world: int, ckpt: str, opt: str) -> dict:
     eng = _engine(world, opt)
     for s in range(SAVE_AT):
         eng.step(s, make_batch(eng.model, s))
-    save_checkpoint(ckpt, model_state=eng.model_state(), optim_state=eng.optim_state(),
-                    meta={"step": SAVE_AT, "plan": eng.plan.to_dict()}, rank=rank)
+    save_checkpoint(
+        ckpt,
+        model_state=eng.model_state(),
+        optim_state=eng.optim_state(),
+        meta={"step": SAVE_AT, "plan": eng.plan.to_dict()},
+        rank=rank,
+    )
     for s in range(SAVE_AT, END):
         eng.step(s, make_batch(eng.model, s))
     return {"model": eng.model_state(), "optim": eng.optim_state()}
@@ -45,8 +53,9 @@ def _resume(rank: int, world: int, ckpt: str, opt: str) -> dict:
     from dynpipe.runtime.optim import import_state
 
     eng = _engine(world, opt)
-    state, meta = load_checkpoint(ckpt, model_state=eng.model_state(),
-                                  held_params=set(eng.named_params), rank=rank)
+    state, meta = load_checkpoint(
+        ckpt, model_state=eng.model_state(), held_params=set(eng.named_params), rank=rank
+    )
     import_state(eng.optimizer, eng.named_params, state)
     for s in range(meta["step"], END):
         eng.step(s, make_batch(eng.model, s))
@@ -80,10 +89,15 @@ def test_checkpoint_moves_between_plans_and_into_one_process(tmp_path, opt: str)
     _assert_same(full_optim, four_optim, "2-stage -> 4-stage optimizer state")
 
     torch.set_num_threads(1)
-    ref = ReferenceTrainer(model=get_model(MODEL[0], **MODEL[1]), batch_size=BATCH,
-                           microbatches=4, optim=optim_config(opt))
-    state, meta = load_checkpoint(ckpt, model_state=ref.model_state(),
-                                  held_params=set(ref.named_params))
+    ref = ReferenceTrainer(
+        model=get_model(MODEL[0], **MODEL[1]),
+        batch_size=BATCH,
+        microbatches=4,
+        optim=optim_config(opt),
+    )
+    state, meta = load_checkpoint(
+        ckpt, model_state=ref.model_state(), held_params=set(ref.named_params)
+    )
     ref.load(ref.model_state(), state)
     for s in range(meta["step"], END):
         ref.step(s, make_batch(ref.model, s))

@@ -11,7 +11,6 @@ import itertools
 
 import pytest
 import torch
-
 from distutil import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -41,8 +40,15 @@ def make_batch(model, step: int):
 def optim_config(name: str):
     from dynpipe.runtime.optim import OptimConfig
 
-    return OptimConfig(name=name, lr=0.02 if name == "sgd" else 3e-3, clip_grad=0.5,
-                       warmup_steps=2, schedule="cosine", total_steps=STEPS, weight_decay=0.01)
+    return OptimConfig(
+        name=name,
+        lr=0.02 if name == "sgd" else 3e-3,
+        clip_grad=0.5,
+        warmup_steps=2,
+        schedule="cosine",
+        total_steps=STEPS,
+        weight_decay=0.01,
+    )
 
 
 def _pipelined(rank: int, world: int) -> dict:
@@ -58,8 +64,9 @@ def _pipelined(rank: int, world: int) -> dict:
         # Uneven stages on purpose: the split must not matter.
         sizes = [1] * (world - 1) + [len(model) - (world - 1)]
         plan = Plan.from_bounds(model, sizes, schedule=sched, microbatches=4)
-        eng = PipelineEngine(model, plan, topo=topo,
-                             config=EngineConfig(batch_size=BATCH, optim=optim_config(opt)))
+        eng = PipelineEngine(
+            model, plan, topo=topo, config=EngineConfig(batch_size=BATCH, optim=optim_config(opt))
+        )
         losses = [eng.step(s, make_batch(model, s)).loss for s in range(STEPS)]
         out[(name, sched, opt)] = (eng.model_state(), eng.optim_state(), losses)
     return out

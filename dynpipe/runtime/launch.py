@@ -23,7 +23,7 @@ def launch_local(argv: list[str], *, nproc: int, max_restarts: int = 0) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -39,6 +39,10 @@ def launch_local(argv: list[str], *, nproc: int, max_restarts: int = 0) -> int:
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         codes = sorted({f.exitcode for f in exc.failures.values()})
+        # Exit code 2 is bad input, already reported in one line by a worker; -15 is the agent
+        # stopping the remaining workers after that.
+        if 2 in codes and set(codes) <= {2, -15}:
+            return 2
         print(
             f"dynpipe train: {len(exc.failures)} of {nproc} workers failed; first: rank {rank} "
             f"with exit code {failure.exitcode} (exit codes {codes}); its error is printed above",

@@ -323,4 +323,11 @@ def _default_log_path(cfg: TrainConfig) -> str:
 def _progress(cfg: TrainConfig, start: int):
     from tqdm import tqdm
 
-    return tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(
+        total=cfg.steps,
+        initial=start,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        mininterval=0.5,
+    )
