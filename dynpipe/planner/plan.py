@@ -30,7 +30,11 @@ class PlanError(UserError):
 class StagePlan:
     """Stage ``i`` holds layers ``[start, stop)`` and runs on ``rank``.
 
-    The predicted fields are filled by the planner (``None`` for hand-made plans).
+    The predicted fields are filled by the planner (``None`` for hand-made plans), all per
+    microbatch: ``fwd_ms``/``bwd_ms`` of the stage's layers on its device, ``comm_ms`` to send
+    ``send_bytes`` of activation to the next stage (the last stage sends nothing), and
+    ``mem_bytes`` at the schedule's peak (parameters, gradients, optimizer state, buffers and
+    the activations of the microbatches in flight).
     """
 
     start: int
@@ -40,6 +44,8 @@ class StagePlan:
     fwd_ms: float | None = None
     bwd_ms: float | None = None
     mem_bytes: int | None = None
+    comm_ms: float | None = None
+    send_bytes: int | None = None
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -187,13 +193,13 @@ class Plan:
         n = len(model)
         if num_stages < 1 or num_stages > n:
             raise PlanError(
-                f"cannot split {model.name} ({n} layers) into {num_stages} stages; "
-                f"use 1–{n} stages"
+                f"cannot split {model.name} ({n} layers) into {num_stages} stages; use 1–{n} stages"
             )
         q, r = divmod(n, num_stages)
         sizes = [q + (1 if s < r else 0) for s in range(num_stages)]
-        return cls.from_bounds(model, sizes, schedule=schedule, microbatches=microbatches,
-                               meta={"method": "even"})
+        return cls.from_bounds(
+            model, sizes, schedule=schedule, microbatches=microbatches, meta={"method": "even"}
+        )
 
     def with_ranks(self, ranks: list[int]) -> Plan:
         return replace(
@@ -223,6 +229,12 @@ class Plan:
                     f"{names[st.start : st.stop][:3]}… at {st.start}–{st.stop - 1}; the model "
                     f"changed since the plan was made: regenerate it with `dynpipe plan`"
                 )
+        if self.model_fingerprint and self.model_fingerprint != model.fingerprint():
+            raise PlanError(
+                f"plan was made for {self.model} with layer fingerprint {self.model_fingerprint} "
+                f"but this {model.name} has {model.fingerprint()} (its layers changed); "
+                f"regenerate it with `dynpipe plan --model {model.name} --stages {self.num_stages}`"
+            )
         if world_size is not None:
             if world_size != self.num_stages:
                 raise PlanError(
@@ -264,9 +276,7 @@ class Plan:
             fields = {k: v for k, v in d.items() if k != "stages"}
             return cls(stages=stages, **fields)
         except (KeyError, TypeError) as exc:
-            raise PlanError(
-                f"malformed plan ({exc}); regenerate it with `dynpipe plan`"
-            ) from None
+            raise PlanError(f"malformed plan ({exc}); regenerate it with `dynpipe plan`") from None
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -276,7 +286,9 @@ class Plan:
         try:
             d = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise PlanError(f"plan is not valid JSON ({exc}); regenerate it with `dynpipe plan`") from None
+            raise PlanError(
+                f"plan is not valid JSON ({exc}); regenerate it with `dynpipe plan`"
+            ) from None
         return cls.from_dict(d)
 
     def save(self, path: str | Path) -> Path:

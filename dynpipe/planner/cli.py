@@ -1,0 +1,306 @@
+"""``dynpipe plan``: the step-time-optimal split of a model over pipeline stages.
+
+    dynpipe plan --model gpt --stages 4 -o partitions/gpt-4.json        # analytic costs
+    dynpipe plan --model vgg16 --stages 2 --slowdown 1,2.4               # device 1 2.4x slower
+    dynpipe plan --model gpt --stages 4 --profile profiles/h100.parquet \\
+        --conditions none,none,gemm@0.5x2,none --memory-gb 16
+    dynpipe plan --model gpt --stages 4 --profile profiles/h100.parquet \\
+        --predictor predictor/xgb.joblib --telemetry now.json            # predicted slowdowns
+    dynpipe plan --model gpt --stages 4 --slowdown 2:3 \\
+        --current partitions/gpt-4.json --migration-ms-per-gb 5         # pay for moving layers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="split a model into pipeline stages (exact DP + schedule simulator)",
+        description="Compute the split of a model into pipeline stages that minimises the "
+        "simulated step time, within each device's memory, from measured, analytic or "
+        "predicted per-layer costs.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+    )
+    p.add_argument("--model", required=True, metavar="NAME", help="zoo name or pkg.mod:factory")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="model config override, e.g. --set depth=4",
+    )
+    p.add_argument("--stages", type=int, required=True, metavar="S", help="pipeline stages")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=64,
+        metavar="B",
+        help="samples per optimizer step (default 64)",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        metavar="M",
+        help="microbatches per step (default 2 x stages); must divide --batch-size",
+    )
+    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    p.add_argument(
+        "--profile",
+        nargs="+",
+        metavar="PARQUET",
+        help="profile dataset(s) with measured layer times (else analytic costs)",
+    )
+    p.add_argument(
+        "--conditions",
+        metavar="C0,C1,...",
+        help="profiled condition per stage device (default none = clean)",
+    )
+    p.add_argument(
+        "--predictor", metavar="JOBLIB", help="learned slowdown predictor; needs --telemetry"
+    )
+    p.add_argument(
+        "--telemetry",
+        metavar="JSON",
+        help="one tel_* window per stage device (JSON list of objects)",
+    )
+    p.add_argument(
+        "--slowdown",
+        metavar="F0,F1,...",
+        help="per-device slowdown factors (1,2.4) or device:factor pairs (1:2.4)",
+    )
+    p.add_argument(
+        "--memory-gb", metavar="GB", help="memory per device in GiB: one value or one per stage"
+    )
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=("adamw", "sgd", "none"),
+        help="optimizer whose state the memory model counts (default adamw)",
+    )
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument(
+        "--device-tflops",
+        type=float,
+        default=100.0,
+        help="analytic costs: sustained TFLOP/s per device (default 100)",
+    )
+    p.add_argument(
+        "--mem-bandwidth-gbs",
+        type=float,
+        default=2000.0,
+        help="analytic costs: device memory GB/s (default 2000)",
+    )
+    p.add_argument(
+        "--link-gbs", type=float, default=25.0, help="stage-to-stage link GB/s (default 25)"
+    )
+    p.add_argument(
+        "--link-latency-us",
+        type=float,
+        default=20.0,
+        help="per-transfer link latency in microseconds (default 20)",
+    )
+    p.add_argument("--current", metavar="PLAN", help="the plan running now (for migration cost)")
+    p.add_argument(
+        "--migration-ms-per-gb",
+        type=float,
+        default=0.0,
+        help="cost charged per GiB of layer state that changes owner, in ms per "
+        "step (amortised); needs --current",
+    )
+    p.add_argument(
+        "--compare", action="store_true", help="also show the even and parameter-balanced splits"
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("-o", "--output", metavar="PATH", help="write the plan JSON here")
+    p.set_defaults(func=run)
+
+
+def _memory(text: str | None, stages: int) -> list[float] | None:
+    from dynpipe.errors import UserError
+
+    if not text:
+        return None
+    try:
+        vals = [float(x) * 2**30 for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(
+            f"cannot parse --memory-gb {text!r}; give GiB like 16 or 16,16,8,16"
+        ) from None
+    if len(vals) == 1:
+        vals = vals * stages
+    if len(vals) != stages:
+        raise UserError(
+            f"--memory-gb has {len(vals)} values for {stages} stages; give 1 or {stages}"
+        )
+    return vals
+
+
+def _telemetry(path: str, stages: int) -> list[dict[str, Any]]:
+    from pathlib import Path
+
+    from dynpipe.errors import UserError
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"telemetry file {p} does not exist; write one tel_* object per stage")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"telemetry file {p} is not JSON ({exc})") from None
+    if isinstance(data, dict):
+        data = data.get("devices", data)
+    if (
+        not isinstance(data, list)
+        or len(data) != stages
+        or not all(isinstance(w, dict) for w in data)
+    ):
+        n = len(data) if isinstance(data, list) else 1
+        raise UserError(
+            f"telemetry file {p} has {n} window(s) for {stages} stages; give a JSON list of "
+            f"{stages} objects of tel_* readings, one per stage device"
+        )
+    return data
+
+
+def _costs(args: argparse.Namespace, model: Any, mb: int) -> Any:
+    from dataclasses import replace
+
+    from dynpipe.errors import UserError
+    from dynpipe.planner.costs import CostModel, parse_slowdown
+
+    s = args.stages
+    link = dict(bandwidth=args.link_gbs * 1e9, latency_ms=args.link_latency_us / 1e3)
+    if args.profile:
+        conds = args.conditions.split(",") if args.conditions else ["none"]
+        if len(conds) not in (1, s):
+            raise UserError(f"--conditions has {len(conds)} entries for {s} stages; give 1 or {s}")
+        cm = CostModel.from_profile(
+            args.profile,
+            model=model.name,
+            microbatch_size=mb,
+            conditions=conds,
+            optimizer=args.optimizer,
+            fingerprint=model.fingerprint(),
+            **link,
+        ).for_devices(s)
+    else:
+        if args.conditions:
+            raise UserError("--conditions selects profiled conditions; it needs --profile")
+        cm = CostModel.from_model(
+            model,
+            microbatch_size=mb,
+            dtype=args.dtype,
+            num_devices=s,
+            flops_per_s=args.device_tflops * 1e12,
+            mem_bytes_per_s=args.mem_bandwidth_gbs * 1e9,
+            optimizer=args.optimizer,
+            **link,
+        )
+    if args.predictor:
+        if not args.telemetry:
+            raise UserError("--predictor needs --telemetry (one tel_* window per stage device)")
+        try:
+            from dynpipe.predictor import load_predictor, predict_layer_times
+        except (ModuleNotFoundError, ImportError) as exc:
+            raise UserError(f"--predictor needs dynpipe.predictor ({exc})") from None
+        import torch
+
+        from dynpipe.models.stats import layer_stats
+
+        pred = load_predictor(args.predictor)
+        stats = layer_stats(model, batch_size=mb, dtype=getattr(torch, args.dtype))
+        fwd, bwd = predict_layer_times(
+            pred,
+            layers=stats,
+            alone_fwd_ms=cm.fwd_ms,
+            alone_bwd_ms=cm.bwd_ms,
+            telemetry=_telemetry(args.telemetry, s),
+            batch_size=mb,
+        )
+        meta = {
+            **cm.meta,
+            "source": f"{cm.meta.get('source')}+predictor",
+            "predictor": str(args.predictor),
+        }
+        cm = replace(cm, fwd_ms=fwd, bwd_ms=bwd, meta=meta)
+    elif args.telemetry:
+        raise UserError("--telemetry is read by --predictor; give both")
+    if args.slowdown:
+        cm = cm.with_slowdown(parse_slowdown(args.slowdown, s))
+    return cm
+
+
+def run(args: argparse.Namespace) -> int:
+    from dynpipe.errors import UserError
+    from dynpipe.models import get_model
+    from dynpipe.models.cli import parse_overrides
+    from dynpipe.planner.make import baseline_plan, make_plan
+    from dynpipe.planner.plan import Plan
+    from dynpipe.planner.report import format_comparison, format_plan
+
+    try:
+        model = get_model(args.model, **parse_overrides(args.overrides))
+    except (ValueError, TypeError) as exc:
+        raise UserError(str(exc)) from None
+    s = args.stages
+    if not 1 <= s <= len(model):
+        raise UserError(f"--stages {s}: {model.name} has {len(model)} layers; use 1–{len(model)}")
+    m = args.microbatches or 2 * s
+    if m < 1 or args.batch_size < 1 or args.batch_size % m:
+        raise UserError(
+            f"--batch-size {args.batch_size} does not split into {m} equal microbatches; "
+            f"use a multiple of {m} (e.g. {m * max(1, args.batch_size // m or 1)})"
+        )
+    if args.migration_ms_per_gb and not args.current:
+        raise UserError("--migration-ms-per-gb prices moves away from a plan; give --current")
+    costs = _costs(args, model, args.batch_size // m)
+    current = Plan.load(args.current).validate(model) if args.current else None
+    memory = _memory(args.memory_gb, s)
+    plan = make_plan(
+        costs,
+        num_stages=s,
+        schedule=args.schedule,
+        microbatches=m,
+        memory_bytes=memory,
+        current=current,
+        migration_ms_per_byte=args.migration_ms_per_gb / 2**30,
+    )
+    plan.meta.update(
+        batch_size=args.batch_size, model_config=json.loads(json.dumps(model.config, default=str))
+    )
+    if args.json:
+        print(plan.to_json())
+    else:
+        print(
+            f"{model.name}: {len(model)} layers on {s} stages, batch {args.batch_size} in "
+            f"{m} microbatches of {args.batch_size // m}"
+        )
+        print(format_plan(plan))
+        if args.compare:
+            others = [
+                baseline_plan(
+                    costs,
+                    k,
+                    num_stages=s,
+                    schedule=args.schedule,
+                    microbatches=m,
+                    memory_bytes=memory,
+                )
+                for k in ("even", "parameters")
+            ]
+            print()
+            print(format_comparison([plan, *others]))
+    if args.output:
+        path = plan.save(args.output)
+        if not args.json:
+            print(f"wrote {path}")
+    return 0

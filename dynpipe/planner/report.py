@@ -1,0 +1,122 @@
+"""Text tables of plans: what ``dynpipe plan`` prints and the READMEs embed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dynpipe.planner.plan import Plan
+
+__all__ = ["format_comparison", "format_plan"]
+
+
+def _mem(b: int | None) -> str:
+    if b is None:
+        return "-"
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(out)
+
+
+def format_plan(plan: Plan) -> str:
+    """Per-stage table (layers, predicted times, transfer, memory) and the step summary."""
+    meta = plan.meta
+    bott = meta.get("bottleneck_stage")
+    kind = meta.get("bottleneck_kind", "compute")
+    rows = []
+    for s, st in enumerate(plan.stages):
+        names = f"{st.layers[0]}…{st.layers[-1]}" if len(st.layers) > 1 else "".join(st.layers)
+        mark = ""
+        if s == bott:
+            mark = "<- bottleneck" if kind == "compute" else "<- bottleneck (send)"
+        rows.append(
+            [
+                str(s),
+                str(st.rank),
+                f"[{st.start}:{st.stop})",
+                str(len(st)),
+                names,
+                _ms(st.fwd_ms),
+                _ms(st.bwd_ms),
+                _ms(st.comm_ms),
+                _mem(st.mem_bytes),
+                mark,
+            ]
+        )
+    head = ["stage", "rank", "layers", "n", "names", "fwd ms", "bwd ms", "send ms", "memory", ""]
+    lines = [_table(rows, head)]
+    if "step_ms" in meta:
+        costs = meta.get("costs", {})
+        src = costs.get("source", "?")
+        mb = costs.get("microbatch_size")
+        line = (
+            f"step {meta['step_ms']:.3f} ms ({plan.schedule}, {plan.microbatches} microbatches"
+            f"{f' of {mb}' if mb else ''}), bubble {meta.get('bubble', 0.0):.1%}, "
+            f"bottleneck {meta.get('bottleneck_ms', 0.0):.3f} ms/microbatch"
+        )
+        if "optimal_bottleneck_ms" in meta:
+            line += f" (min possible {meta['optimal_bottleneck_ms']:.3f})"
+        lines.append(line)
+        if src == "analytic":
+            src = (
+                f"analytic roofline ({costs.get('flops_per_s', 0) / 1e12:g} TFLOP/s, "
+                f"{(costs.get('mem_bytes_per_s') or 0) / 1e9:g} GB/s; not measured)"
+            )
+        extra = [f"costs: {src}"]
+        if costs.get("slowdown"):
+            extra.append(f"slowdown {costs['slowdown']}")
+        if "planner_ms" in meta:
+            exact = "exact" if meta.get("exhaustive") else "best found"
+            extra.append(
+                f"planned in {meta['planner_ms']:.1f} ms over {meta.get('candidates')} "
+                f"candidates ({exact})"
+            )
+        if "migration_bytes" in meta:
+            extra.append(f"moves {_mem(meta['migration_bytes'])} from the current plan")
+        if meta.get("fits_memory") is False:
+            extra.append("DOES NOT FIT the memory limit")
+        lines.append("; ".join(extra))
+    return "\n".join(lines)
+
+
+def format_comparison(plans: Sequence[Plan]) -> str:
+    """One row per plan: method, stage sizes, step, bubble, bottleneck; ratio to the first."""
+    if not plans:
+        return ""
+    ref = plans[0].meta.get("step_ms")
+    rows = []
+    for p in plans:
+        step = p.meta.get("step_ms")
+        ratio = f"{step / ref:.3f}" if step and ref else "-"
+        rows.append(
+            [
+                str(p.meta.get("method", "?")),
+                "/".join(str(len(st)) for st in p.stages),
+                _ms(step),
+                f"{p.meta.get('bubble', 0.0):.1%}",
+                _ms(p.meta.get("bottleneck_ms")),
+                _mem(max((st.mem_bytes or 0) for st in p.stages)),
+                ratio,
+            ]
+        )
+    return _table(
+        rows,
+        [
+            "method",
+            "layers/stage",
+            "step ms",
+            "bubble",
+            "bottleneck ms",
+            "peak memory",
+            "step / first",
+        ],
+    )

@@ -1,0 +1,292 @@
+"""Event simulator of one pipeline training step under GPipe or 1F1B.
+
+A schedule is data: per stage, an ordered list of actions ``F<mb>`` / ``B<mb>`` — the same
+order ``torch.distributed.pipelining`` runs (``ScheduleGPipe``: all forwards, then all
+backwards; ``Schedule1F1B``: ``min(M, S - s)`` warm-up forwards, then one backward and one
+forward alternately, then the remaining backwards). The simulator runs those lists against
+their dependencies:
+
+- ``F(s, m)`` needs the activation of ``F(s - 1, m)`` to have arrived over link ``s - 1``;
+- ``B(s, m)`` needs the gradient of ``B(s + 1, m)`` (the last stage: its own ``F(s, m)``);
+- a stage runs one action at a time, in its list's order;
+- each link direction carries one transfer at a time, first come first served; sends are
+  asynchronous (the sender goes on computing), so a transfer is its own event.
+
+Step time is when the last backward finishes. ``step_times`` evaluates the same recurrence
+for many candidate partitions at once (numpy over candidates), which is what lets the
+planner rank hundreds of candidates by simulated step time in milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from dynpipe.planner.plan import SCHEDULES, PlanError
+
+if TYPE_CHECKING:
+    from dynpipe.planner.costs import CostModel
+    from dynpipe.planner.plan import Plan
+
+__all__ = [
+    "Action",
+    "Event",
+    "SimResult",
+    "format_actions",
+    "simulate",
+    "simulate_plan",
+    "stage_actions",
+    "step_times",
+]
+
+
+class Action(NamedTuple):
+    """One compute action of a stage: ``kind`` is ``"F"`` or ``"B"``, ``mb`` the microbatch."""
+
+    kind: str
+    mb: int
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.mb}"
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something that took time: compute (``F``/``B`` on ``stage``) or a transfer.
+
+    Transfers are ``SF`` (activation from ``stage`` to ``stage + 1``) and ``SB`` (gradient
+    from ``stage`` to ``stage - 1``).
+    """
+
+    kind: str
+    stage: int
+    mb: int
+    start: float
+    end: float
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.mb}@s{self.stage}[{self.start:.4g}–{self.end:.4g}]"
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Simulated step: its time, per-stage busy time, bubble fraction and every event."""
+
+    step_ms: float
+    busy_ms: tuple[float, ...]
+    bubble: float
+    schedule: str
+    microbatches: int
+    events: tuple[Event, ...]
+
+    def __repr__(self) -> str:
+        busy = ", ".join(f"{b:.3g}" for b in self.busy_ms)
+        return (
+            f"SimResult({self.schedule} S={len(self.busy_ms)} M={self.microbatches} "
+            f"step={self.step_ms:.4g}ms bubble={self.bubble:.1%} busy=[{busy}] "
+            f"events={len(self.events)})"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step_ms": self.step_ms,
+            "busy_ms": list(self.busy_ms),
+            "bubble": self.bubble,
+            "schedule": self.schedule,
+            "microbatches": self.microbatches,
+            "events": [[e.kind, e.stage, e.mb, e.start, e.end] for e in self.events],
+        }
+
+
+def _check(schedule: str, num_stages: int, microbatches: int) -> None:
+    if schedule not in SCHEDULES:
+        raise PlanError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if num_stages < 1 or microbatches < 1:
+        raise PlanError(
+            f"need at least one stage and one microbatch, got {num_stages} and {microbatches}"
+        )
+
+
+@lru_cache(maxsize=256)
+def _actions(schedule: str, num_stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    _check(schedule, num_stages, microbatches)
+    m = microbatches
+    out = []
+    for s in range(num_stages):
+        if schedule == "gpipe":
+            acts = [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
+        else:
+            warm = min(m, num_stages - s)
+            acts = [Action("F", i) for i in range(warm)]
+            for i in range(m - warm):
+                acts += [Action("B", i), Action("F", warm + i)]
+            acts += [Action("B", i) for i in range(m - warm, m)]
+        out.append(tuple(acts))
+    return tuple(out)
+
+
+def stage_actions(schedule: str, *, num_stages: int, microbatches: int) -> list[list[Action]]:
+    """Per-stage ordered action lists of ``schedule`` (pure data)."""
+    return [list(a) for a in _actions(schedule, num_stages, microbatches)]
+
+
+def format_actions(actions: Sequence[Sequence[Action]]) -> str:
+    """One line per stage: ``s0: F0 F1 B0 F2 …``."""
+    return "\n".join(f"s{s}: " + " ".join(map(repr, acts)) for s, acts in enumerate(actions))
+
+
+def _run(
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    comm: Sequence[float],
+    schedule: str,
+    microbatches: int,
+) -> tuple[list[Event], list[tuple[str, int, int]]]:
+    """Dependency-driven execution; returns the events and the order actions became ready."""
+    n = len(fwd)
+    orders = _actions(schedule, n, microbatches)
+    ptr = [0] * n
+    free = [0.0] * n
+    link_f = [0.0] * max(n - 1, 0)
+    link_b = [0.0] * max(n - 1, 0)
+    arrive_f: dict[tuple[int, int], float] = {}
+    arrive_b: dict[tuple[int, int], float] = {}
+    done_f: dict[tuple[int, int], float] = {}
+    events: list[Event] = []
+    trace: list[tuple[str, int, int]] = []
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for s in range(n):
+            while ptr[s] < len(orders[s]):
+                kind, mb = orders[s][ptr[s]]
+                if kind == "F":
+                    ready = 0.0 if s == 0 else arrive_f.get((s, mb))
+                else:
+                    ready = done_f.get((s, mb)) if s == n - 1 else arrive_b.get((s, mb))
+                if ready is None:
+                    break  # waits on a neighbour; another stage must move first
+                start = max(free[s], ready)
+                end = start + (fwd[s] if kind == "F" else bwd[s])
+                free[s] = end
+                events.append(Event(kind, s, mb, start, end))
+                trace.append((kind, s, mb))
+                if kind == "F":
+                    done_f[(s, mb)] = end
+                    if s < n - 1:
+                        t0 = max(link_f[s], end)
+                        link_f[s] = arrive_f[(s + 1, mb)] = t0 + comm[s]
+                        events.append(Event("SF", s, mb, t0, link_f[s]))
+                elif s > 0:
+                    t0 = max(link_b[s - 1], end)
+                    link_b[s - 1] = arrive_b[(s - 1, mb)] = t0 + comm[s - 1]
+                    events.append(Event("SB", s, mb, t0, link_b[s - 1]))
+                ptr[s] += 1
+                remaining -= 1
+                progressed = True
+        assert progressed, f"{schedule} schedule deadlocked at {ptr}"
+    return events, trace
+
+
+def _comm(comm_ms: Sequence[float] | None, n: int) -> list[float]:
+    c = [0.0] * max(n - 1, 0) if comm_ms is None else [float(x) for x in comm_ms]
+    if len(c) != max(n - 1, 0):
+        raise PlanError(f"{n} stages need {n - 1} boundary transfer times, got {len(c)}")
+    return c
+
+
+def simulate(
+    fwd_ms: Sequence[float],
+    bwd_ms: Sequence[float],
+    *,
+    comm_ms: Sequence[float] | None = None,
+    schedule: str = "1f1b",
+    microbatches: int = 4,
+) -> SimResult:
+    """Simulate one step of stages with per-microbatch ``fwd_ms[s]``, ``bwd_ms[s]``.
+
+    ``comm_ms[s]`` is the time to move one microbatch's activation (or its gradient) over the
+    link between stage ``s`` and ``s + 1``.
+    """
+    n = len(fwd_ms)
+    if len(bwd_ms) != n:
+        raise PlanError(f"{n} forward times but {len(bwd_ms)} backward times; give one per stage")
+    _check(schedule, n, microbatches)
+    fwd = [float(x) for x in fwd_ms]
+    bwd = [float(x) for x in bwd_ms]
+    events, _ = _run(fwd, bwd, _comm(comm_ms, n), schedule, microbatches)
+    events.sort(key=lambda e: (e.start, e.stage, e.kind))
+    step = max((e.end for e in events), default=0.0)
+    busy = tuple(microbatches * (f + b) for f, b in zip(fwd, bwd, strict=True))
+    bubble = 1.0 - sum(busy) / (n * step) if step > 0 else 0.0
+    return SimResult(step, busy, bubble, schedule, microbatches, tuple(events))
+
+
+@lru_cache(maxsize=64)
+def _program(schedule: str, num_stages: int, microbatches: int) -> tuple[tuple[str, int, int], ...]:
+    # Which action may run next depends only on the structure, never on durations, so one
+    # dependency-driven run with unit times yields a topological order valid for any times.
+    n = num_stages
+    _, trace = _run([1.0] * n, [1.0] * n, [0.0] * (n - 1), schedule, microbatches)
+    return tuple(trace)
+
+
+def step_times(
+    fwd_ms: np.ndarray,
+    bwd_ms: np.ndarray,
+    comm_ms: np.ndarray | None = None,
+    *,
+    schedule: str = "1f1b",
+    microbatches: int = 4,
+) -> np.ndarray:
+    """Simulated step time of ``C`` candidates at once: inputs ``[C, S]`` and ``[C, S - 1]``.
+
+    Same dependencies and link model as ``simulate`` (tested equal); events are not kept.
+    """
+    fwd = np.atleast_2d(np.asarray(fwd_ms, dtype=np.float64))
+    bwd = np.atleast_2d(np.asarray(bwd_ms, dtype=np.float64))
+    c, n = fwd.shape
+    _check(schedule, n, microbatches)
+    comm = np.zeros((c, max(n - 1, 0))) if comm_ms is None else np.asarray(comm_ms, dtype=float)
+    comm = comm.reshape(c, max(n - 1, 0))
+    f, b, k = fwd.T.copy(), bwd.T.copy(), comm.T.copy()
+    free = np.zeros((n, c))
+    link_f = np.zeros((max(n - 1, 1), c))
+    link_b = np.zeros((max(n - 1, 1), c))
+    arrive_f = np.zeros((n, microbatches, c))
+    arrive_b = np.zeros((n, microbatches, c))
+    mx = np.maximum
+    for kind, s, mb in _program(schedule, n, microbatches):
+        if kind == "F":
+            t = (mx(free[s], arrive_f[s, mb]) if s else free[s]) + f[s]
+            free[s] = t
+            if s < n - 1:
+                lt = mx(link_f[s], t) + k[s]
+                link_f[s] = lt
+                arrive_f[s + 1, mb] = lt
+        else:
+            t = (mx(free[s], arrive_b[s, mb]) if s < n - 1 else free[s]) + b[s]
+            free[s] = t
+            if s > 0:
+                lt = mx(link_b[s - 1], t) + k[s - 1]
+                link_b[s - 1] = lt
+                arrive_b[s - 1, mb] = lt
+    return free.max(axis=0)
+
+
+def simulate_plan(plan: Plan, costs: CostModel) -> SimResult:
+    """Simulate ``plan`` with per-stage times from ``costs`` (device ``s`` runs stage ``s``)."""
+    from dynpipe.planner.evaluate import stage_costs
+
+    sc = stage_costs(costs, plan.bounds, schedule=plan.schedule, microbatches=plan.microbatches)
+    return simulate(
+        sc.fwd_ms,
+        sc.bwd_ms,
+        comm_ms=sc.comm_ms,
+        schedule=plan.schedule,
+        microbatches=plan.microbatches,
+    )
