@@ -1,0 +1,199 @@
+"""Data sources: deterministic batches addressed by step (see ``base``).
+
+    source = get_data("text", path="input.txt")
+    model = get_model("gpt", **source.model_kwargs("gpt"))
+    source = get_data("text", path="input.txt", model=model, seed=0)
+    x, y = source.batch(step, batch_size)
+
+Sources: ``synthetic`` (shaped to any model), ``digits`` (scikit-learn, bundled),
+``cifar10`` and ``imagefolder`` (local folders, through torchvision), ``text`` (a local
+file as bytes). Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from dynpipe.data.base import BatchSource, IndexedSource, derive_seed, generator
+from dynpipe.errors import UserError
+from dynpipe.models.base import LayeredModel
+
+__all__ = [
+    "SOURCES",
+    "BatchSource",
+    "IndexedSource",
+    "derive_seed",
+    "generator",
+    "get_data",
+]
+
+
+def _no_path(name: str, path: str | None) -> None:
+    if path is not None:
+        raise UserError(f"{name} data is not read from disk; drop the data path {path!r}")
+
+
+def _token_task(model: LayeredModel | None, default: str) -> str:
+    if model is None:
+        return default
+    from dynpipe.data.synthetic import token_task
+
+    return token_task(model)
+
+
+def _image_size(model: LayeredModel | None, default: int) -> int:
+    if model is not None and len(model.input_spec.shape) == 3:
+        return int(model.input_spec.shape[-1])
+    return default
+
+
+def _synthetic(
+    *,
+    model: LayeredModel | None,
+    path: str | None,
+    seed: int,
+    task: str = "auto",
+    noise: float = 0.05,
+    mask_prob: float = 0.15,
+) -> BatchSource:
+    from dynpipe.data.synthetic import SyntheticSource
+
+    _no_path("synthetic", path)
+    spec = model.input_spec if model is not None else None
+    if (
+        task == "auto"
+        and spec is not None
+        and not spec.dtype.is_floating_point
+        and spec.target_shape == spec.shape
+    ):
+        task = _token_task(model, "lm")
+    return SyntheticSource(
+        spec,
+        task=task,
+        seed=seed,
+        noise=noise,
+        mask_prob=mask_prob,
+        model_name=model.name if model is not None else "",
+    )
+
+
+def _digits(
+    *, model: LayeredModel | None, path: str | None, seed: int, split: str = "train"
+) -> BatchSource:
+    from dynpipe.data.digits import DigitsSource
+
+    _no_path("digits", path)
+    return DigitsSource(split=split, seed=seed)
+
+
+def _cifar10(
+    *,
+    model: LayeredModel | None,
+    path: str | None,
+    seed: int,
+    split: str = "train",
+    image_size: int | None = None,
+    augment: bool | None = None,
+) -> BatchSource:
+    from dynpipe.data.vision import Cifar10Source
+
+    size = image_size or _image_size(model, 32)
+    return Cifar10Source(path=path, split=split, image_size=size, augment=augment, seed=seed)
+
+
+def _imagefolder(
+    *,
+    model: LayeredModel | None,
+    path: str | None,
+    seed: int,
+    image_size: int | None = None,
+    augment: bool = False,
+) -> BatchSource:
+    from dynpipe.data.vision import ImageFolderSource
+
+    size = image_size or _image_size(model, 224)
+    return ImageFolderSource(path=path, image_size=size, augment=augment, seed=seed)
+
+
+def _text(
+    *,
+    model: LayeredModel | None,
+    path: str | None,
+    seed: int,
+    seq_len: int | None = None,
+    task: str | None = None,
+    mask_prob: float = 0.15,
+) -> BatchSource:
+    from dynpipe.data.text import BYTE_VOCAB, TextSource
+
+    spec = model.input_spec if model is not None else None
+    if seq_len is None:
+        seq_len = int(spec.shape[0]) if spec is not None and len(spec.shape) == 1 else 256
+    vocab = spec.vocab if spec is not None and spec.vocab is not None else BYTE_VOCAB
+    return TextSource(
+        path=path,
+        seq_len=seq_len,
+        task=task or _token_task(model, "lm"),
+        vocab=vocab,
+        mask_prob=mask_prob,
+        seed=seed,
+    )
+
+
+SOURCES: dict[str, Callable[..., BatchSource]] = {
+    "synthetic": _synthetic,
+    "digits": _digits,
+    "cifar10": _cifar10,
+    "imagefolder": _imagefolder,
+    "text": _text,
+}
+
+
+def _check_fits(source: Any, model: LayeredModel) -> None:
+    spec = model.input_spec
+    shape = getattr(source, "sample_shape", None)
+    if shape is None:
+        return
+    tokens = source.name == "text"
+    if tokens == spec.dtype.is_floating_point or tuple(shape) != tuple(spec.shape):
+        kind = "tokens" if tokens else "features"
+        raise UserError(
+            f"{source.name} gives {kind} of shape {tuple(shape)} but {model.name} expects "
+            f"{spec.dtype} inputs of shape {tuple(spec.shape)}; build the model with "
+            f"{source.model_kwargs(model.name)}"
+        )
+    classes = getattr(source, "num_classes", None)
+    if classes is not None and spec.num_classes is not None and spec.num_classes < classes:
+        raise UserError(
+            f"{source.name} has {classes} classes but {model.name} has num_classes="
+            f"{spec.num_classes}; build it with num_classes={classes}"
+        )
+
+
+def get_data(
+    name: str,
+    *,
+    model: LayeredModel | None = None,
+    path: str | None = None,
+    seed: int = 0,
+    **options: Any,
+) -> BatchSource:
+    """The data source ``name``, shaped to ``model`` when given (shapes are checked)."""
+    if name not in SOURCES:
+        raise UserError(f"unknown data {name!r}; choose one of {', '.join(SOURCES)}")
+    factory = SOURCES[name]
+    allowed = [
+        p for p in inspect.signature(factory).parameters if p not in ("model", "path", "seed")
+    ]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise UserError(
+            f"{name} data takes no option {', '.join(unknown)}; its options are "
+            f"{', '.join(allowed) or 'none'}"
+        )
+    source = factory(model=model, path=path, seed=seed, **options)
+    if model is not None:
+        _check_fits(source, model)
+    return source

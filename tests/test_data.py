@@ -1,0 +1,332 @@
+"""Data sources: determinism by step, epochs, shapes per model, learnability, clear errors."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from dynpipe.data import BatchSource, get_data
+from dynpipe.data.masking import IGNORE_INDEX, mask_tokens
+from dynpipe.data.vision import normalize, random_crop_flip
+from dynpipe.errors import UserError
+from dynpipe.models import get_model
+
+TINY = {
+    "mlp": {"depth": 2, "width": 32, "in_features": 12, "num_classes": 5},
+    "vgg16": {"width_mult": 1 / 16},
+    "resnet50": {"width_mult": 1 / 16, "image_size": 16},
+    "gpt": {"depth": 1, "width": 32, "heads": 2, "seq_len": 16, "vocab": 64},
+    "bert": {"depth": 1, "width": 32, "heads": 2, "seq_len": 16, "vocab": 64},
+}
+
+
+def _equal(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog. " * 40, encoding="utf-8")
+    return path
+
+
+# -- synthetic ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_synthetic_batches_fit_every_zoo_model(name: str) -> None:
+    model = get_model(name, **TINY[name])
+    spec = model.input_spec
+    src = get_data("synthetic", model=model, seed=1)
+    assert isinstance(src, BatchSource) and src.num_samples is None
+    x, y = src.batch(0, 3)
+    assert x.shape == (3, *spec.shape) and x.dtype == spec.dtype and x.device.type == "cpu"
+    assert y.shape == (3, *spec.target_shape) and y.dtype == spec.target_dtype
+    if spec.vocab is not None:
+        assert int(x.min()) >= 0 and int(x.max()) < spec.vocab
+    if name == "bert":
+        assert ((y == IGNORE_INDEX) | ((y >= 0) & (y < spec.vocab - 1))).all()
+        assert (y != IGNORE_INDEX).any(dim=1).all()  # every row has a masked position
+    elif spec.num_classes is not None:
+        assert int(y.min()) >= 0 and int(y.max()) < spec.num_classes
+    with torch.no_grad():
+        assert torch.isfinite(model.loss_fn(model.build_sequential()(x), y))
+
+
+def test_synthetic_is_a_pure_function_of_seed_step_and_batch_size() -> None:
+    model = get_model("mlp", **TINY["mlp"])
+    rank0 = get_data("synthetic", model=model, seed=3)
+    rank1 = get_data("synthetic", model=model, seed=3)
+    torch.manual_seed(123)  # the global RNG must not matter
+    a = rank0.batch(7, 4)
+    torch.manual_seed(456)
+    assert _equal(a, rank1.batch(7, 4))
+    assert _equal(a, rank0.batch(7, 4))  # asking again (a replayed step) gives the same batch
+    assert not _equal(a, rank0.batch(8, 4))
+    assert not _equal(a, get_data("synthetic", model=model, seed=4).batch(7, 4))
+
+
+def test_synthetic_tokens_follow_a_rule_with_little_noise() -> None:
+    model = get_model("gpt", **TINY["gpt"])
+    x, y = get_data("synthetic", model=model).batch(0, 64)
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one
+    # A fixed next-token map explains almost every transition.
+    pairs = torch.stack([x.flatten(), y.flatten()], dim=1)
+    best = {}
+    for prev, nxt in pairs.tolist():
+        best.setdefault(prev, []).append(nxt)
+    agree = sum(max(v.count(n) for n in set(v)) for v in best.values())
+    assert agree / len(pairs) > 0.85
+
+
+@pytest.fixture
+def one_thread():
+    # Tiny models: thread hand-offs cost more than they save on a shared machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _train(model_name: str, config: dict, *, steps: int, lr: float, batch_size: int) -> list[float]:
+    model = get_model(model_name, **config)
+    src = get_data("synthetic", model=model)
+    net = model.build_sequential()
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        x, y = src.batch(step, batch_size)
+        loss = model.loss_fn(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "lr"),
+    [
+        ("mlp", {}, 3e-3),  # the default 8-deep mlp
+        ("gpt", {"depth": 2, "width": 64, "heads": 2, "seq_len": 32}, 3e-3),
+    ],
+)
+def test_synthetic_data_is_learnable(name: str, config: dict, lr: float, one_thread) -> None:
+    losses = _train(name, config, steps=50, lr=lr, batch_size=32 if name == "mlp" else 16)
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.7 * first, (first, last)
+
+
+def test_synthetic_without_a_model_explains_itself() -> None:
+    src = get_data("synthetic")
+    assert src.model_kwargs("gpt") == {}
+    with pytest.raises(UserError, match="model=model"):
+        src.batch(0, 2)
+
+
+# -- masking -------------------------------------------------------------------------------
+
+
+def test_mask_tokens_masks_about_fifteen_percent_and_always_one() -> None:
+    tokens = torch.randint(0, 99, (400, 20), generator=torch.Generator().manual_seed(0))
+    x, y = mask_tokens(tokens, vocab=100, gen=torch.Generator().manual_seed(1))
+    chosen = y != IGNORE_INDEX
+    assert 0.12 < chosen.float().mean().item() < 0.19
+    assert chosen.any(dim=1).all()
+    assert torch.equal(y[chosen], tokens[chosen])
+    assert torch.equal(x[~chosen], tokens[~chosen])
+    masked = (x == 99) & chosen
+    assert 0.7 < masked.sum().item() / chosen.sum().item() < 0.9
+    one = torch.zeros(5, 1, dtype=torch.long)
+    assert (mask_tokens(one, vocab=10, gen=torch.Generator())[1] == 0).all()
+
+
+# -- digits ----------------------------------------------------------------------------------
+
+
+def test_digits_epochs_are_seeded_permutations_that_steps_cross() -> None:
+    src = get_data("digits", seed=2)
+    test = get_data("digits", split="test")
+    n = src.num_samples
+    assert n + test.num_samples == 1797  # scikit-learn's bundled set, split 80/20
+    ids = torch.cat([src.indices(s, 100) for s in range(2 * n // 100 + 1)])
+    epoch0, epoch1 = ids[:n], ids[n : 2 * n]
+    assert torch.equal(epoch0.sort().values, torch.arange(n))
+    assert torch.equal(epoch1.sort().values, torch.arange(n))
+    assert not torch.equal(epoch0, epoch1)
+    # A batch straddling the epoch boundary is the end of one permutation and the start of
+    # the next; the data position is step * batch_size whatever the batch size.
+    step = n // 100
+    assert torch.equal(
+        src.indices(step, 100), torch.cat([epoch0[step * 100 :], epoch1[: (step + 1) * 100 - n]])
+    )
+    x, y = src.batch(3, 8)
+    assert x.shape == (8, 64) and y.shape == (8,) and x.dtype == torch.float32
+    assert _equal((x, y), get_data("digits", seed=2).batch(3, 8))
+    assert not torch.equal(src.indices(0, 50), get_data("digits", seed=3).indices(0, 50))
+
+
+def test_digits_are_standardised_and_fit_the_mlp() -> None:
+    src = get_data("digits")
+    x, _ = src.batch(0, src.num_samples)
+    assert x.mean().abs().item() < 1e-4
+    kwargs = src.model_kwargs("mlp")
+    assert kwargs == {"in_features": 64, "num_classes": 10}
+    model = get_model("mlp", depth=1, **kwargs)
+    assert get_data("digits", model=model).num_samples == src.num_samples
+    with pytest.raises(UserError, match=r"shape \(64,\).*in_features"):
+        get_data("digits", model=get_model("mlp", in_features=32))
+    with pytest.raises(UserError, match="use --model mlp"):
+        src.model_kwargs("vgg16")
+    assert src.model_kwargs("my_factory") == {}  # a user model: its fit is checked later
+
+
+# -- text ------------------------------------------------------------------------------------
+
+
+def test_text_windows_give_next_byte_targets(text_file) -> None:
+    model = get_model("gpt", **{**TINY["gpt"], "vocab": 256})
+    src = get_data("text", model=model, path=str(text_file))
+    data = text_file.read_bytes()
+    assert src.num_samples == (len(data) - 17) // 16 + 1
+    x, y = src.batch(0, 4)
+    assert x.shape == y.shape == (4, 16) and x.dtype == torch.long
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    for i, row in zip(src.indices(0, 4).tolist(), x, strict=True):
+        assert bytes(row.tolist()) == data[i * 16 : i * 16 + 16]
+    assert _equal((x, y), get_data("text", model=model, path=str(text_file)).batch(0, 4))
+    assert src.model_kwargs("gpt") == {"vocab": 256}
+
+
+def test_text_for_bert_is_masked(text_file) -> None:
+    model = get_model("bert", **{**TINY["bert"], "vocab": 256})
+    src = get_data("text", model=model, path=str(text_file), seed=1)
+    x, y = src.batch(2, 8)
+    assert x.shape == y.shape == (8, 16)
+    assert (x == 255).any() and (y != IGNORE_INDEX).any(dim=1).all()
+    assert _equal((x, y), get_data("text", model=model, path=str(text_file), seed=1).batch(2, 8))
+    assert not _equal((x, y), src.batch(3, 8))
+
+
+def test_text_errors_name_the_numbers(text_file, tmp_path) -> None:
+    with pytest.raises(UserError, match="not a file"):
+        get_data("text", path=str(tmp_path / "missing.txt"))
+    short = tmp_path / "short.txt"
+    short.write_text("abc")
+    with pytest.raises(UserError, match=r"3 bytes .* needs 17"):
+        get_data("text", path=str(short), seq_len=16)
+    with pytest.raises(UserError, match="vocab=256"):
+        get_data("text", path=str(text_file), model=get_model("gpt", **TINY["gpt"]))
+    with pytest.raises(UserError, match="use --model gpt or bert"):
+        get_data("text", path=str(text_file)).model_kwargs("resnet50")
+
+
+# -- images ----------------------------------------------------------------------------------
+
+
+def test_random_crop_flip_picks_windows_of_the_padded_image() -> None:
+    x = torch.arange(2 * 3 * 6 * 6, dtype=torch.float32).view(2, 3, 6, 6)
+    out = random_crop_flip(x, gen=torch.Generator().manual_seed(0), padding=2, flip=False)
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
+    for b in range(2):
+        windows = [padded[b, :, i : i + 6, j : j + 6] for i in range(5) for j in range(5)]
+        assert any(torch.equal(out[b], w) for w in windows)
+    same = random_crop_flip(x, gen=torch.Generator().manual_seed(0), padding=2, flip=False)
+    assert torch.equal(out, same)
+    assert torch.equal(random_crop_flip(x, gen=torch.Generator(), padding=0, flip=False), x)
+    flipped = random_crop_flip(
+        x.repeat(16, 1, 1, 1), gen=torch.Generator().manual_seed(1), padding=0
+    )
+    kinds = {
+        torch.equal(f, x[i % 2]) or (torch.equal(f, x[i % 2].flip(-1)) and 2)
+        for i, f in enumerate(flipped)
+    }
+    assert kinds == {True, 2}  # some flipped, some not, nothing else
+    mean, std = (0.5, 0.25, 0.0), (0.5, 0.5, 1.0)
+    assert torch.allclose(
+        normalize(torch.full((1, 3, 2, 2), 0.5), mean, std)[0, :, 0, 0],
+        torch.tensor([0.0, 0.5, 0.5]),
+    )
+
+
+def test_cifar10_missing_folder_is_a_one_line_error(tmp_path) -> None:
+    with pytest.raises(UserError, match="cifar-10-batches-py"):
+        get_data("cifar10")
+    with pytest.raises(UserError, match=r"nothing is downloaded") as info:
+        get_data("cifar10", path=str(tmp_path))
+    assert str(tmp_path) in str(info.value) and "\n" not in str(info.value)
+
+
+def _fake_cifar(tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    for f in (
+        "data_batch_1",
+        "data_batch_2",
+        "data_batch_3",
+        "data_batch_4",
+        "data_batch_5",
+        "test_batch",
+        "batches.meta",
+    ):
+        (folder / f).write_bytes(b"not a pickle")
+    return folder
+
+
+def test_cifar10_without_torchvision_says_how_to_install_it(tmp_path, monkeypatch) -> None:
+    folder = _fake_cifar(tmp_path)
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # makes `import torchvision` fail
+    with pytest.raises(UserError, match=r"pip install 'dynpipe\[vision\]'"):
+        get_data("cifar10", path=str(folder))  # naming the inner folder works too
+    with pytest.raises(UserError, match=r"pip install 'dynpipe\[vision\]'"):
+        get_data("imagefolder", path=str(tmp_path))
+
+
+def test_cifar10_corrupt_folder_is_a_user_error(tmp_path) -> None:
+    pytest.importorskip("torchvision")
+    _fake_cifar(tmp_path)
+    with pytest.raises(UserError, match="unreadable"):
+        get_data("cifar10", path=str(tmp_path))
+
+
+def test_imagefolder_reads_resizes_and_is_deterministic(tmp_path) -> None:
+    pytest.importorskip("torchvision")
+    from PIL import Image
+
+    for c, colour in enumerate(("red", "blue")):
+        (tmp_path / f"class{c}").mkdir()
+        for i in range(3):
+            Image.new("RGB", (40 + i, 30), colour).save(tmp_path / f"class{c}" / f"{i}.png")
+    model = get_model("resnet50", width_mult=1 / 16, image_size=32, num_classes=2)
+    src = get_data("imagefolder", model=model, path=str(tmp_path), augment=True)
+    assert src.num_samples == 6 and src.model_kwargs("resnet50") == {
+        "image_size": 32,
+        "num_classes": 2,
+    }
+    x, y = src.batch(1, 4)
+    assert x.shape == (4, 3, 32, 32) and set(y.tolist()) <= {0, 1}
+    assert _equal(
+        (x, y), get_data("imagefolder", model=model, path=str(tmp_path), augment=True).batch(1, 4)
+    )
+
+
+def test_imagefolder_missing_folder_is_a_user_error(tmp_path) -> None:
+    with pytest.raises(UserError, match="one sub-folder of images per class"):
+        get_data("imagefolder", path=str(tmp_path / "nope"))
+
+
+# -- get_data --------------------------------------------------------------------------------
+
+
+def test_get_data_rejects_unknown_names_options_and_paths(tmp_path) -> None:
+    with pytest.raises(UserError, match="choose one of synthetic, digits"):
+        get_data("mnist")
+    with pytest.raises(UserError, match="no option bogus; its options are split"):
+        get_data("digits", bogus=1)
+    with pytest.raises(UserError, match="not read from disk"):
+        get_data("digits", path=str(tmp_path))
+    with pytest.raises(UserError, match="step >= 0"):
+        get_data("digits").batch(-1, 4)
