@@ -178,6 +178,15 @@ class PipelineEngine:
             self.pipe_stage, n_microbatches=plan.microbatches, loss_fn=self.model.loss_fn
         )
 
+    def rebuild(
+        self, plan: Plan, *, layers: nn.ModuleDict, opt_state: dict[str, torch.Tensor]
+    ) -> None:
+        """Become the stage ``plan`` gives this rank, from the given layers and their state.
+
+        The process group, the timer (and its emulated dilation) and the slot map stay.
+        """
+        self._build(plan, layers=layers, opt_state=opt_state)
+
     @property
     def is_first(self) -> bool:
         return self.stage_index == 0

@@ -42,9 +42,13 @@ class StageTimer:
     def __init__(self, *, device: torch.device, enabled: bool = True) -> None:
         self.enabled = enabled
         self.cuda = device.type == "cuda"
+        # Emulated interference (tests, demos without a real interferer): every compute
+        # interval is stretched to ``dilation`` times its length. CPU only.
+        self.dilation = 1.0
         self._fwd: list = []
         self._bwd: list = []
         self._open: object | None = None
+        self._t_dilate = 0.0
 
     def _mark(self):
         if self.cuda:
@@ -54,10 +58,14 @@ class StageTimer:
         return time.perf_counter()
 
     def start(self) -> None:
+        if self.dilation > 1.0:
+            self._t_dilate = time.perf_counter()
         if self.enabled:
             self._open = self._mark()
 
     def stop(self, phase: str) -> None:
+        if self.dilation > 1.0 and not self.cuda:
+            time.sleep((time.perf_counter() - self._t_dilate) * (self.dilation - 1.0))
         if not self.enabled or self._open is None:
             return
         pair = (self._open, self._mark())
