@@ -219,7 +219,7 @@ def simulate(
     fwd = [float(x) for x in fwd_ms]
     bwd = [float(x) for x in bwd_ms]
     events, _ = _run(fwd, bwd, _comm(comm_ms, n), schedule, microbatches)
-    events.sort(key=lambda e: (e.start, e.stage, e.kind))
+    events.sort(key=lambda e: e.start)  # stable: ties keep execution order
     step = max((e.end for e in events), default=0.0)
     busy = tuple(microbatches * (f + b) for f, b in zip(fwd, bwd, strict=True))
     bubble = 1.0 - sum(busy) / (n * step) if step > 0 else 0.0
