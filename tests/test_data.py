@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import sys
+import types
 
+import numpy as np
 import pytest
 import torch
 
 from dynpipe.data import BatchSource, get_data
 from dynpipe.data.masking import IGNORE_INDEX, mask_tokens
-from dynpipe.data.vision import normalize, random_crop_flip
+from dynpipe.data.vision import CIFAR10_MEAN, CIFAR10_STD, normalize, random_crop_flip
 from dynpipe.errors import UserError
 from dynpipe.models import get_model
 
@@ -20,6 +22,15 @@ TINY = {
     "gpt": {"depth": 1, "width": 32, "heads": 2, "seq_len": 16, "vocab": 64},
     "bert": {"depth": 1, "width": 32, "heads": 2, "seq_len": 16, "vocab": 64},
 }
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models: intra-op thread hand-offs cost more than they save on a shared machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _equal(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
@@ -82,15 +93,6 @@ def test_synthetic_tokens_follow_a_rule_with_little_noise() -> None:
     assert agree / len(pairs) > 0.85
 
 
-@pytest.fixture
-def one_thread():
-    # Tiny models: thread hand-offs cost more than they save on a shared machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _train(model_name: str, config: dict, *, steps: int, lr: float, batch_size: int) -> list[float]:
     model = get_model(model_name, **config)
     src = get_data("synthetic", model=model)
@@ -114,7 +116,7 @@ def _train(model_name: str, config: dict, *, steps: int, lr: float, batch_size: 
         ("gpt", {"depth": 2, "width": 64, "heads": 2, "seq_len": 32}, 3e-3),
     ],
 )
-def test_synthetic_data_is_learnable(name: str, config: dict, lr: float, one_thread) -> None:
+def test_synthetic_data_is_learnable(name: str, config: dict, lr: float) -> None:
     losses = _train(name, config, steps=50, lr=lr, batch_size=32 if name == "mlp" else 16)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.7 * first, (first, last)
@@ -283,6 +285,48 @@ def test_cifar10_without_torchvision_says_how_to_install_it(tmp_path, monkeypatc
         get_data("cifar10", path=str(folder))  # naming the inner folder works too
     with pytest.raises(UserError, match=r"pip install 'dynpipe\[vision\]'"):
         get_data("imagefolder", path=str(tmp_path))
+
+
+def _stand_in_torchvision(monkeypatch, n: int) -> tuple[np.ndarray, list[int]]:
+    # torchvision's CIFAR10 as documented (``data``: N x 32 x 32 x 3 uint8, ``targets``: list
+    # of ints), so the reading, normalisation and augmentation here run without it.
+    data = np.random.default_rng(0).integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
+    targets = [i % 10 for i in range(n)]
+
+    class CIFAR10:
+        def __init__(self, root: str, train: bool = True, download: bool = False) -> None:
+            assert not download
+            self.data, self.targets = (data, targets) if train else (data[:10], targets[:10])
+
+    tv = types.ModuleType("torchvision")
+    tv.datasets = types.SimpleNamespace(CIFAR10=CIFAR10)
+    monkeypatch.setitem(sys.modules, "torchvision", tv)
+    return data, targets
+
+
+def test_cifar10_batches_are_normalised_augmented_and_resized(tmp_path, monkeypatch) -> None:
+    data, targets = _stand_in_torchvision(monkeypatch, 30)
+    _fake_cifar(tmp_path)
+    plain = get_data("cifar10", path=str(tmp_path), augment=False)
+    assert plain.num_samples == 30 and plain.model_kwargs("vgg16") == {
+        "image_size": 32,
+        "num_classes": 10,
+    }
+    x, y = plain.batch(1, 8)
+    ids = plain.indices(1, 8)
+    raw = torch.from_numpy(data[ids.numpy()]).permute(0, 3, 1, 2).float() / 255
+    assert torch.allclose(x, normalize(raw, CIFAR10_MEAN, CIFAR10_STD))
+    assert y.tolist() == [targets[i] for i in ids.tolist()]
+    aug = get_data("cifar10", path=str(tmp_path), seed=0)  # the train split augments
+    xa, ya = aug.batch(1, 8)
+    assert torch.equal(ya, y) and not torch.equal(xa, x)
+    assert _equal((xa, ya), get_data("cifar10", path=str(tmp_path), seed=0).batch(1, 8))
+    big = get_model("vgg16", image_size=64, width_mult=1 / 16)
+    assert get_data("cifar10", path=str(tmp_path), model=big).batch(0, 2)[0].shape == (2, 3, 64, 64)
+    assert get_data("cifar10", path=str(tmp_path), split="test").num_samples == 10
+    few = get_model("resnet50", width_mult=1 / 16, num_classes=5)
+    with pytest.raises(UserError, match=r"10 classes .* num_classes=10"):
+        get_data("cifar10", path=str(tmp_path), model=few)
 
 
 def test_cifar10_corrupt_folder_is_a_user_error(tmp_path) -> None:

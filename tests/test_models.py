@@ -27,6 +27,15 @@ SMALL = {
 ZOO_NAMES = list(SMALL)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models: intra-op thread hand-offs cost more than they save on a shared machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _small(name: str, **extra) -> object:
     return get_model(name, **{**SMALL[name], **extra})
 

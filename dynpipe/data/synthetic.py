@@ -60,6 +60,7 @@ class SyntheticSource:
         self.noise = noise
         self.mask_prob = mask_prob
         self.model_name = model_name
+        self._tables: dict[tuple[int, int], torch.Tensor] = {}
         self.task = self._pick_task(spec, task) if spec is not None else task
 
     def __repr__(self) -> str:
@@ -157,15 +158,28 @@ class SyntheticSource:
         b = int(torch.randint(0, vocab, (), generator=g))
         return a, b
 
+    def _powers(self, vocab: int, length: int) -> torch.Tensor:
+        """``table[k, v]``: token ``v`` after ``k`` applications of the rule (cached)."""
+        key = (vocab, length)
+        if key not in self._tables:
+            a, c = self._rule(vocab)
+            table = torch.empty(length, vocab, dtype=torch.long)
+            table[0] = torch.arange(vocab)
+            for k in range(1, length):
+                table[k] = (a * table[k - 1] + c) % vocab
+            self._tables[key] = table
+        return self._tables[key]
+
     def _sequences(self, gen: torch.Generator, b: int, t: int, vocab: int) -> torch.Tensor:
-        a, c = self._rule(vocab)
-        seq = torch.empty(b, t, dtype=torch.long)
-        seq[:, 0] = torch.randint(0, vocab, (b,), generator=gen)
-        noisy = torch.rand(b, t, generator=gen) < self.noise
-        rand = torch.randint(0, vocab, (b, t), generator=gen)
-        for i in range(1, t):
-            seq[:, i] = torch.where(noisy[:, i], rand[:, i], (a * seq[:, i - 1] + c) % vocab)
-        return seq
+        # A sequence restarts from a random token at position 0 and at each noisy position,
+        # then follows the rule: token i is the rule applied (i - last restart) times to the
+        # token drawn at the last restart. Vectorised, so long sequences cost no Python loop.
+        restart = torch.rand(b, t, generator=gen) < self.noise
+        restart[:, 0] = True
+        drawn = torch.randint(0, vocab, (b, t), generator=gen)
+        pos = torch.arange(t).expand(b, t)
+        last = torch.where(restart, pos, torch.zeros_like(pos)).cummax(dim=1).values
+        return self._powers(vocab, t)[pos - last, drawn.gather(1, last)]
 
     def _tokens(self, gen: torch.Generator, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         spec = self.spec

@@ -49,7 +49,10 @@ class TextSource(IndexedSource):
                 f"text is byte-level (256 tokens) but the model's vocab is {vocab}; "
                 "build the model with vocab=256"
             )
-        data = np.fromfile(Path(path).expanduser(), dtype=np.uint8)
+        file = Path(path).expanduser()
+        # Memory-mapped: a large corpus is paged in per batch, never held as int64.
+        size = file.stat().st_size
+        data = np.memmap(file, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
         window = seq_len + 1 if task == "lm" else seq_len
         n = (len(data) - window) // seq_len + 1 if len(data) >= window else 0
         if n < 1:
@@ -63,13 +66,13 @@ class TextSource(IndexedSource):
         self.vocab = vocab
         self.mask_prob = mask_prob
         self.sample_shape = (seq_len,)
-        self._tokens = torch.from_numpy(data.astype(np.int64))
+        self._bytes = data
         self._window = window
         super().__init__(num_samples=n, seed=seed)
 
     def _fetch(self, ids: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         rows = ids[:, None] * self.seq_len + torch.arange(self._window)
-        seq = self._tokens[rows]
+        seq = torch.from_numpy(self._bytes[rows.numpy()].astype(np.int64))
         if self.task == "lm":
             return seq[:, :-1], seq[:, 1:]
         return mask_tokens(seq, vocab=self.vocab, gen=gen, prob=self.mask_prob)
