@@ -30,6 +30,7 @@ __all__ = [
     "load_predictor",
     "predict_layer_times",
     "prepare_layers",
+    "rescale_to_measured",
     "save_predictor",
 ]
 
@@ -41,7 +42,7 @@ _WHERE = {
     "RidgeSlowdown": "estimator",
     "SlowdownRegressor": "estimator",
     "StageMean": "estimator",
-    "evaluate": "evaluate",
+    "evaluate": "crossval",
     "fit_predictor": "train",
     "Predictor": "io",
     "load_predictor": "io",
@@ -49,6 +50,7 @@ _WHERE = {
     "PreparedLayers": "runtime",
     "predict_layer_times": "runtime",
     "prepare_layers": "runtime",
+    "rescale_to_measured": "runtime",
 }
 
 

@@ -152,7 +152,7 @@ def _ints(text: str, *, flag: str) -> tuple[int, ...]:
 
 def _splits(text: str) -> tuple[str, ...]:
     from dynpipe.errors import UserError
-    from dynpipe.predictor.evaluate import SPLITS
+    from dynpipe.predictor.crossval import SPLITS
 
     out = tuple(t.strip() for t in text.split(",") if t.strip())
     bad = [s for s in out if s not in SPLITS]
@@ -170,8 +170,8 @@ def _with_jobs(est: Any, n_jobs: int | None) -> Any:
 def _evaluate(args: argparse.Namespace, df: Any, *, primary: str, primary_est: Any, tune: bool):
     from sklearn.base import clone
 
+    from dynpipe.predictor.crossval import evaluate
     from dynpipe.predictor.estimator import make_estimator
-    from dynpipe.predictor.evaluate import evaluate
 
     estimators = {
         name: _with_jobs(
@@ -186,6 +186,7 @@ def _evaluate(args: argparse.Namespace, df: Any, *, primary: str, primary_est: A
         n_stages=_ints(args.stages, flag="--stages"),
         n_folds=args.folds,
         tune=(primary,) if tune and primary == "xgb" else (),
+        calibrate=(primary,),
     )
 
 
@@ -231,6 +232,7 @@ def _fit(args: argparse.Namespace) -> int:
     from dynpipe.predictor.train import fit_predictor
     from dynpipe.profiler.schema import load_profiles
 
+    _ints(args.stages, flag="--stages"), _splits(args.splits)  # fail before the slow part
     df = load_profiles(args.profiles)
     params = parse_overrides(args.params)
     if args.n_jobs is not None and args.estimator != "ridge":
@@ -261,11 +263,12 @@ def _fit(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from dynpipe.predictor.evaluate import score
+    from dynpipe.predictor.crossval import score
     from dynpipe.predictor.io import dataset_fingerprint, load_predictor
     from dynpipe.predictor.report import render_markdown, write_report
     from dynpipe.profiler.schema import load_profiles
 
+    _ints(args.stages, flag="--stages"), _splits(args.splits)  # fail before the slow part
     pred = load_predictor(args.predictor)
     df = load_profiles(args.profiles)
     primary = pred.estimator_name

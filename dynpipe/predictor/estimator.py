@@ -208,7 +208,8 @@ class SlowdownRegressor(_SlowdownBase):
         return self.booster_.inplace_predict(X)
 
     def __getstate__(self) -> dict:
-        state = super().__getstate__()
+        # A copy: object.__getstate__ may hand back the live __dict__.
+        state = dict(super().__getstate__())
         booster = state.pop("booster_", None)
         if booster is not None:
             # xgboost's own JSON model format: portable across xgboost versions and readable,

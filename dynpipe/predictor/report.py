@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from dynpipe.predictor.evaluate import Evaluation
+from dynpipe.predictor.crossval import Evaluation
 
 __all__ = ["SPLIT_TITLES", "plot_pred_vs_measured", "render_markdown", "write_report"]
 
@@ -53,7 +53,9 @@ def render_markdown(summary: dict, *, primary: str, figure: str | None = None) -
         f"{'/'.join(map(str, summary['n_stages']))}-stage splits of each model (forward + "
         "backward summed). `stage-mean` applies the slowdown measured on the stage a device "
         "runs now to all layers; it is scored only on the *other* layers and stages (on its "
-        "own stage it is exact). Hyper-parameters: "
+        "own stage it is exact). `<name>+measured` is the learned model rescaled per device so "
+        "that the stage it runs now matches its measured time (what the run time does with "
+        "both), scored like `stage-mean`. Hyper-parameters: "
         + (
             f"chosen by nested grouped CV for {', '.join(summary['tuned'])}."
             if summary["tuned"]
@@ -129,7 +131,8 @@ def render_markdown(summary: dict, *, primary: str, figure: str | None = None) -
 def plot_pred_vs_measured(
     ev: Evaluation, path: str | Path, *, primary: str, split: str = "condition"
 ) -> Path:
-    """Log-log scatter of predicted vs measured time (layers, stages; stage-mean beside)."""
+    """Log-log scatter of predicted vs measured time: the primary estimator per layer and
+    per stage, then per stage its measurement-rescaled variant and stage-mean, where scored."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -139,6 +142,7 @@ def plot_pred_vs_measured(
     for name, frame, what in (
         (primary, ev.layers, "layers"),
         (primary, ev.stages, "stages"),
+        (f"{primary}+measured", ev.stages, "stages"),
         ("stage-mean", ev.stages, "stages"),
     ):
         sel = frame[(frame["split"] == split) & (frame["estimator"] == name)]

@@ -24,7 +24,7 @@ from dynpipe.errors import UserError
 from dynpipe.predictor.features import ALONE_COLUMN, log_alone, static_block
 from dynpipe.predictor.io import Predictor
 
-__all__ = ["PreparedLayers", "predict_layer_times", "prepare_layers"]
+__all__ = ["PreparedLayers", "predict_layer_times", "prepare_layers", "rescale_to_measured"]
 
 _LAYER_COLUMNS = ("kind", "param_bytes", "in_bytes", "out_bytes", "fwd_flops", "bwd_flops")
 
@@ -198,3 +198,41 @@ def predict_layer_times(
         slow = est.predict(pd.DataFrame(flat, columns=list(prep.feature_names)))
     times = alone * np.asarray(slow).reshape(n_dev, 2 * n)
     return times[:, :n], times[:, n:]
+
+
+def rescale_to_measured(
+    fwd_ms: np.ndarray,
+    bwd_ms: np.ndarray,
+    *,
+    ranges: Sequence[tuple[int, int] | None],
+    measured_ms: Sequence[float | None],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per device, scale predicted times so the stage it runs now matches its measurement.
+
+    ``ranges[d]`` is the ``[start, stop)`` layer range device ``d`` runs now and
+    ``measured_ms[d]`` its measured compute time for one microbatch (forward + backward).
+    Each device's row is multiplied by measured / predicted time of that range: the learned
+    model supplies how layers differ from each other, the measurement how slow the device is
+    right now. Devices with no range or no measurement (``None``/NaN) are left as predicted.
+    """
+    fwd = np.array(fwd_ms, dtype=np.float64)
+    bwd = np.array(bwd_ms, dtype=np.float64)
+    if fwd.shape != bwd.shape or fwd.ndim != 2:
+        raise UserError(f"fwd_ms {fwd.shape} and bwd_ms {bwd.shape} must both be [devices, layers]")
+    n_dev, n_layers = fwd.shape
+    if len(ranges) != n_dev or len(measured_ms) != n_dev:
+        raise UserError(
+            f"ranges ({len(ranges)}) and measured_ms ({len(measured_ms)}) need one entry per "
+            f"device ({n_dev})"
+        )
+    for d, (rng, meas) in enumerate(zip(ranges, measured_ms, strict=True)):
+        if rng is None or meas is None or not np.isfinite(meas):
+            continue
+        a, b = rng
+        if not 0 <= a < b <= n_layers:
+            raise UserError(f"device {d} range [{a}, {b}) is not inside the {n_layers} layers")
+        predicted = fwd[d, a:b].sum() + bwd[d, a:b].sum()
+        if predicted > 0 and meas > 0:
+            fwd[d] *= meas / predicted
+            bwd[d] *= meas / predicted
+    return fwd, bwd

@@ -105,16 +105,25 @@ def stage_sums(df: pd.DataFrame, *, stage: np.ndarray, predicted_ms: np.ndarray)
     return out[out["complete"]].drop(columns="complete").reset_index(drop=True)
 
 
-def measured_stage_slowdown(df: pd.DataFrame, *, stage: np.ndarray, current: int) -> np.ndarray:
-    """Per row: the measured slowdown of stage ``current`` of the row's run.
+def measured_stage_slowdown(
+    df: pd.DataFrame,
+    *,
+    stage: np.ndarray,
+    current: int,
+    reference_ms: np.ndarray | None = None,
+) -> np.ndarray:
+    """Per row: measured / reference time of stage ``current`` of the row's run.
 
-    That is sum(time_ms) / sum(time_alone_ms) over the stage's layers and phases, what a
-    device running that stage observes. NaN for runs without such a stage.
+    With the default reference (``time_alone_ms``) this is the stage's measured slowdown,
+    what a device running that stage observes. With a predictor's times as reference it is
+    the correction that makes the prediction of the current stage match its measurement.
+    Sums run over the stage's layers and both phases. NaN for runs without such a stage.
     """
     keys = run_keys(df)
+    ref = df["time_alone_ms"].to_numpy() if reference_ms is None else np.asarray(reference_ms)
     mask = stage == current
-    sub = df.loc[mask, [*keys, "time_ms", "time_alone_ms"]]
-    agg = sub.groupby(keys, sort=False)[["time_ms", "time_alone_ms"]].sum()
-    factor = agg["time_ms"] / agg["time_alone_ms"]
+    sub = df.loc[mask, keys].assign(_meas=df["time_ms"].to_numpy()[mask], _ref=ref[mask])
+    agg = sub.groupby(keys, sort=False)[["_meas", "_ref"]].sum()
+    factor = agg["_meas"] / agg["_ref"]
     idx = pd.MultiIndex.from_frame(df[keys]) if len(keys) > 1 else pd.Index(df[keys[0]])
     return factor.reindex(idx).to_numpy(dtype=np.float64)

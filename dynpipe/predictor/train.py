@@ -10,8 +10,8 @@ import numpy as np
 import pandas as pd
 
 from dynpipe.errors import UserError
+from dynpipe.predictor.crossval import TUNE_GRID
 from dynpipe.predictor.estimator import make_estimator
-from dynpipe.predictor.evaluate import TUNE_GRID
 from dynpipe.predictor.features import extract_features
 from dynpipe.predictor.io import Predictor, dataset_fingerprint, library_versions
 

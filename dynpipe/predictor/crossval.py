@@ -19,6 +19,8 @@ Per stage: one error per stage of the balanced 2- and 4-stage splits (``stages``
 summed. ``StageMean`` learns nothing; it is scored, for every split and every stage ``k`` the
 device might run now, on the layers and stages *other than* ``k`` (on ``k`` itself it is exact
 by construction): that is what a measurement-only system must guess when it moves layers.
+``<name>+measured`` combines both, as the run time can: the learned per-layer times rescaled so
+the current stage matches its measurement, scored the same way as ``StageMean``.
 """
 
 from __future__ import annotations
@@ -189,17 +191,28 @@ def _empty_stages() -> pd.DataFrame:
     return pd.DataFrame({"interferer": [], "measured_ms": [], "predicted_ms": [], "n_stages": []})
 
 
-def _stage_mean_frames(
-    df: pd.DataFrame, stage_ids: Mapping[int, np.ndarray]
+def _measured_frames(
+    df: pd.DataFrame, stage_ids: Mapping[int, np.ndarray], *, base_ms: np.ndarray | None = None
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Frames for a device that measures the stage it runs now, for every stage it might run.
+
+    ``base_ms`` None: ``StageMean`` (alone times scaled by the measured stage slowdown).
+    Otherwise a predictor's times, rescaled per run so its current stage matches the
+    measurement. Scored only off the current stage.
+    """
     est = StageMean()
     layer_parts, stage_parts = [], []
     alone = df["time_alone_ms"].to_numpy()
     for n_st, sid in stage_ids.items():
         for k in range(n_st):
-            col = measured_stage_slowdown(df, stage=sid, current=k)
-            Xk = pd.DataFrame({est.stage_column: col}, index=df.index)
-            pred = est.fit(Xk).predict(Xk) * alone
+            if base_ms is None:
+                col = measured_stage_slowdown(df, stage=sid, current=k)
+                Xk = pd.DataFrame({est.stage_column: col}, index=df.index)
+                pred = est.fit(Xk).predict(Xk) * alone
+            else:
+                pred = base_ms * measured_stage_slowdown(
+                    df, stage=sid, current=k, reference_ms=base_ms
+                )
             other = (sid >= 0) & (sid != k)
             layer_parts.append(_layer_frame(df[other], pred[other], n_stages=n_st, current_stage=k))
             st = stage_sums(df, stage=sid, predicted_ms=pred)
@@ -218,12 +231,16 @@ def evaluate(
     n_stages: Sequence[int] = (2, 4),
     n_folds: int = 5,
     tune: Sequence[str] = (),
+    calibrate: Sequence[str] = (),
 ) -> Evaluation:
     """Score every estimator on every split that the data supports.
 
     ``estimators`` maps a display name to an estimator; ``StageMean`` instances are scored
     as described in the module docstring. ``tune`` lists the names whose hyper-parameters are
-    chosen by nested grouped CV over ``TUNE_GRID``.
+    chosen by nested grouped CV over ``TUNE_GRID``. ``calibrate`` lists learned estimators to
+    score also as ``<name>+measured``: their out-of-fold times rescaled per run so that the
+    stage the device runs now matches its measured time (``runtime.rescale_to_measured``),
+    scored like ``StageMean`` off that stage.
     """
     df = df.reset_index(drop=True)
     X, schema = extract_features(df)
@@ -250,7 +267,7 @@ def evaluate(
             if isinstance(est, StageMean):
                 # Learns nothing, so its predictions are the same under every split.
                 if sm_frames is None:
-                    sm_frames = _stage_mean_frames(df, stage_ids)
+                    sm_frames = _measured_frames(df, stage_ids)
                 lay, stg = (f.assign(split=split, estimator=name) for f in sm_frames)
             else:
                 groups = _inner_groups(df, split) if name in tune else None
@@ -262,6 +279,13 @@ def evaluate(
                 ]
                 stg = pd.concat(parts, ignore_index=True) if parts else _empty_stages()
                 stg = stg.assign(split=split, estimator=name)
+                if name in calibrate:
+                    both = f"{name}+measured"
+                    cal = _measured_frames(df, stage_ids, base_ms=oof)
+                    cal_lay, cal_stg = (f.assign(split=split, estimator=both) for f in cal)
+                    layer_frames.append(cal_lay)
+                    stage_frames.append(cal_stg)
+                    results[split][both] = _summarise(cal_lay, cal_stg)
             layer_frames.append(lay)
             stage_frames.append(stg)
             results[split][name] = _summarise(lay, stg)
@@ -287,6 +311,7 @@ def evaluate(
             for name, est in estimators.items()
         },
         "tuned": list(tune),
+        "calibrated": [f"{n}+measured" for n in calibrate if n in estimators],
         "results": results,
     }
     return Evaluation(

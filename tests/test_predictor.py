@@ -1,0 +1,406 @@
+"""Slowdown predictor: features, estimators, persistence, stages and the run-time API."""
+
+from __future__ import annotations
+
+import pickle
+import pickletools
+import warnings
+
+import numpy as np
+import pandas as pd
+import pytest
+from sklearn.base import clone
+from sklearn.exceptions import NotFittedError
+from sklearn.model_selection import GridSearchCV, GroupKFold
+
+from dynpipe.errors import UserError
+from dynpipe.predictor import (
+    ForestSlowdown,
+    NoInterference,
+    RidgeSlowdown,
+    SlowdownRegressor,
+    StageMean,
+    extract_features,
+    fit_predictor,
+    load_predictor,
+    predict_layer_times,
+    prepare_layers,
+    rescale_to_measured,
+    save_predictor,
+)
+from dynpipe.predictor.features import NUMERIC_STATIC, FeatureSchema
+from dynpipe.predictor.io import dataset_fingerprint
+from dynpipe.predictor.stages import (
+    assign_stages,
+    balanced_ranges,
+    measured_stage_slowdown,
+    stage_sums,
+)
+from dynpipe.predictor.synthetic import synthetic_profiles
+from dynpipe.profiler.schema import COLUMNS
+
+SMALL_XGB = {"n_estimators": 60, "max_depth": 4, "learning_rate": 0.15, "n_jobs": 1}
+
+
+@pytest.fixture(scope="module")
+def df() -> pd.DataFrame:
+    return synthetic_profiles(seed=0)
+
+
+@pytest.fixture(scope="module")
+def xy(df):
+    X, schema = extract_features(df)
+    return X, df["slowdown"].to_numpy(), schema
+
+
+@pytest.fixture(scope="module")
+def predictor(df):
+    return fit_predictor(df, estimator="xgb", params=SMALL_XGB)
+
+
+# ---------------------------------------------------------------- features
+
+
+def test_synthetic_follows_profile_schema(df):
+    assert set(COLUMNS) <= set(df.columns)
+    none = df[df["interferer"] == "none"]
+    np.testing.assert_allclose(none["slowdown"], 1.0)
+
+
+def test_features_are_static_plus_telemetry_only(df, xy):
+    X, _, schema = xy
+    assert list(X.columns) == schema.names
+    for label in ("interferer", "intensity", "n_jobs", "condition"):
+        assert label not in X.columns and not any(c.startswith(label) for c in X.columns)
+    assert schema.telemetry == tuple(c for c in COLUMNS if c.startswith("tel_"))
+    kind_cols = [c for c in X.columns if c.startswith("kind_")]
+    np.testing.assert_array_equal(X[kind_cols].sum(axis=1), 1.0)
+    np.testing.assert_array_equal(X[["phase_fwd", "phase_bwd"]].sum(axis=1), 1.0)
+    row = df.iloc[5]
+    nbytes = row["param_bytes"] + row["in_bytes"] + row["out_bytes"]
+    assert X.iloc[5]["log_flops"] == pytest.approx(np.log10(1 + row["flops"]))
+    assert X.iloc[5]["log_arith_intensity"] == pytest.approx(np.log10(row["flops"] / nbytes))
+    assert X.iloc[5]["log_time_alone_ms"] == pytest.approx(np.log10(row["time_alone_ms"]))
+    assert X.iloc[5][f"kind_{row['kind']}"] == 1.0
+
+
+def test_extract_features_is_pure_and_follows_schema_order(df, xy):
+    X, _, schema = xy
+    before = df.copy()
+    shuffled = df[list(reversed(df.columns))].sample(frac=1.0, random_state=1)
+    X2, schema2 = extract_features(shuffled, schema=schema)
+    pd.testing.assert_frame_equal(df, before)
+    assert schema2 is schema
+    pd.testing.assert_frame_equal(X2.loc[X.index], X)
+
+
+def test_telemetry_mismatch_names_missing_and_extra(df, xy):
+    _, _, schema = xy
+    bad = df.drop(columns=["tel_power_w"]).assign(tel_fan_rpm=1.0)
+    with pytest.raises(UserError, match="missing tel_power_w; extra tel_fan_rpm") as info:
+        extract_features(bad, schema=schema)
+    assert "\n" not in str(info.value)
+    # Bookkeeping columns of the profiler are not telemetry readings.
+    X, _ = extract_features(df.assign(tel_samples=12), schema=schema)
+    assert "tel_samples" not in X.columns
+
+
+def test_missing_static_column_and_bad_alone_time(df):
+    with pytest.raises(UserError, match="flops"):
+        extract_features(df.drop(columns=["flops"]))
+    with pytest.raises(UserError, match="1 of"):
+        extract_features(df.assign(time_alone_ms=np.r_[0.0, df["time_alone_ms"].to_numpy()[1:]]))
+
+
+def test_unknown_kind_warns_and_has_no_one_hot(df, xy):
+    _, _, schema = xy
+    new = df.head(4).assign(kind="mamba")
+    with pytest.warns(UserWarning, match="mamba"):
+        X, _ = extract_features(new, schema=schema)
+    assert (X[[f"kind_{k}" for k in schema.kinds]].to_numpy() == 0).all()
+
+
+def test_schema_round_trips_as_dict(xy):
+    _, _, schema = xy
+    assert FeatureSchema.from_dict(schema.to_dict()) == schema
+    assert schema.names[: len(NUMERIC_STATIC)] == list(NUMERIC_STATIC)
+
+
+# ---------------------------------------------------------------- estimators
+
+
+ALL = [
+    SlowdownRegressor(**SMALL_XGB),
+    ForestSlowdown(n_estimators=20, n_jobs=1),
+    RidgeSlowdown(alpha=0.5),
+    NoInterference(),
+]
+
+
+@pytest.mark.parametrize("est", ALL, ids=lambda e: type(e).__name__)
+def test_sklearn_conventions(est, xy):
+    X, y, _ = xy
+    fresh = clone(est)
+    assert fresh.get_params() == est.get_params()
+    assert not [k for k in vars(fresh) if k.endswith("_")], "__init__ must only store params"
+    with pytest.raises(NotFittedError):
+        fresh.predict(X)
+    assert fresh.fit(X, y) is fresh
+    assert list(fresh.feature_names_in_) == list(X.columns)
+    pred = fresh.predict(X)
+    assert pred.shape == (len(X),) and (pred >= 1.0).all()
+    # clone of a fitted estimator is unfitted with the same hyper-parameters
+    with pytest.raises(NotFittedError):
+        clone(fresh).predict(X)
+
+
+def test_learned_models_fit_the_data_better_than_no_interference(xy):
+    X, y, _ = xy
+    err = {type(e).__name__: np.mean(np.abs(clone(e).fit(X, y).predict(X) - y) / y) for e in ALL}
+    assert err["SlowdownRegressor"] < 0.5 * err["NoInterference"]
+    assert err["ForestSlowdown"] < 0.5 * err["NoInterference"]
+
+
+def test_grid_search_with_grouped_folds(df, xy):
+    X, y, _ = xy
+    groups = df["condition"].to_numpy()
+    search = GridSearchCV(
+        SlowdownRegressor(**SMALL_XGB),
+        {"max_depth": [2, 4], "learning_rate": [0.1, 0.3]},
+        cv=GroupKFold(n_splits=3),
+        scoring="neg_mean_absolute_percentage_error",
+    )
+    search.fit(X, y, groups=groups)
+    assert search.best_params_["max_depth"] in (2, 4)
+    assert isinstance(search.best_estimator_, SlowdownRegressor)
+    assert search.predict(X).shape == (len(X),)
+
+
+def test_monotone_in_other_process_utilisation(xy):
+    X, y, _ = xy
+    est = SlowdownRegressor(**SMALL_XGB).fit(X, y)
+    assert est.monotone_constraints_["tel_other_util"] == 1
+    rng = np.random.default_rng(0)
+    base = X.iloc[rng.choice(len(X), 40, replace=False)]
+    grid = np.linspace(0, 100, 21)
+    for col, sign in (("tel_other_util", 1), ("tel_other_mem_util", 1), ("tel_clock_mhz", -1)):
+        values = grid if col != "tel_clock_mhz" else np.linspace(1500, 2100, 21)
+        sweep = pd.concat([base.assign(**{col: v}) for v in values])
+        pred = est.predict(sweep).reshape(len(values), len(base))
+        steps = sign * np.diff(pred, axis=0)
+        assert (steps >= -1e-9).all(), f"prediction not monotone in {col}"
+    # Unconstrained, the same model goes the wrong way somewhere: the constraint does work.
+    free = SlowdownRegressor(**{**SMALL_XGB, "monotone": None}).fit(X, y)
+    assert free.monotone_constraints_ == {}
+    sweep = pd.concat([base.assign(tel_other_util=v) for v in grid])
+    pred = free.predict(sweep).reshape(len(grid), len(base))
+    assert (np.diff(pred, axis=0) < -1e-9).any()
+
+
+def test_wrong_feature_matrix_is_refused_with_names(xy):
+    X, y, _ = xy
+    est = SlowdownRegressor(**SMALL_XGB).fit(X, y)
+    with pytest.raises(UserError, match="missing tel_util; extra tel_gpu_util"):
+        est.predict(X.rename(columns={"tel_util": "tel_gpu_util"}))
+    with pytest.raises(UserError, match="different order"):
+        est.predict(X[list(reversed(X.columns))])
+    with pytest.raises(UserError, match="<= 0"):
+        clone(est).fit(X, np.r_[-1.0, y[1:]])
+
+
+def test_stage_mean_reads_measured_column():
+    X = pd.DataFrame({"measured_stage_slowdown": [1.5, 2.0]})
+    assert StageMean().fit(X).predict(X).tolist() == [1.5, 2.0]
+    with pytest.raises(UserError, match="measured_stage_slowdown"):
+        StageMean().fit(pd.DataFrame({"a": [1.0]}))
+
+
+def test_booster_pickles_as_xgboost_json_not_a_pickled_object(xy):
+    X, y, _ = xy
+    est = SlowdownRegressor(**SMALL_XGB).fit(X, y)
+    blob = pickle.dumps(est)
+    # Module names of pickled globals appear as string arguments (GLOBAL / STACK_GLOBAL).
+    strings = [arg for _op, arg, _pos in pickletools.genops(blob) if isinstance(arg, str)]
+    assert any(s.startswith("dynpipe.predictor") for s in strings)
+    assert not any(s.startswith("xgboost") for s in strings)
+    state = est.__getstate__()
+    assert state["booster_json_"].lstrip().startswith(b"{")
+    back = pickle.loads(blob)
+    np.testing.assert_array_equal(back.predict(X), est.predict(X))
+
+
+# ---------------------------------------------------------------- persistence
+
+
+@pytest.mark.parametrize("kind", ["xgb", "rf", "ridge"])
+def test_save_load_round_trip_gives_identical_predictions(kind, df, tmp_path):
+    params = {"xgb": SMALL_XGB, "rf": {"n_estimators": 15, "n_jobs": 1}, "ridge": {}}[kind]
+    pred = fit_predictor(df, estimator=kind, params=params)
+    path = save_predictor(pred, tmp_path / f"{kind}.joblib")
+    back = load_predictor(path)
+    np.testing.assert_array_equal(back.predict_slowdown(df), pred.predict_slowdown(df))
+    assert back.schema == pred.schema
+    assert back.data_fingerprint == dataset_fingerprint(df)
+    assert {"xgboost", "scikit-learn", "numpy", "pandas"} <= set(back.versions)
+    assert back.training["rows"] == len(df)
+
+
+def test_load_refuses_mismatched_features_by_name(predictor, tmp_path):
+    path = save_predictor(predictor, tmp_path / "p.joblib")
+    names = [n for n in predictor.schema.names if n != "tel_power_w"] + ["tel_fan_rpm"]
+    with pytest.raises(UserError, match="missing tel_power_w; extra tel_fan_rpm") as info:
+        load_predictor(path, expect_features=names)
+    assert "\n" not in str(info.value)
+    assert load_predictor(path, expect_features=predictor.schema.names).schema == predictor.schema
+
+
+def test_load_refuses_non_predictor_files(tmp_path):
+    import joblib
+
+    with pytest.raises(UserError, match="does not exist"):
+        load_predictor(tmp_path / "nope.joblib")
+    joblib.dump({"hello": 1}, tmp_path / "other.joblib")
+    with pytest.raises(UserError, match="not a dynpipe predictor"):
+        load_predictor(tmp_path / "other.joblib")
+    (tmp_path / "junk.joblib").write_bytes(b"not a pickle")
+    with pytest.raises(UserError, match="cannot read predictor"):
+        load_predictor(tmp_path / "junk.joblib")
+
+
+def test_fingerprint_is_content_hash(df):
+    fp = dataset_fingerprint(df)
+    assert dataset_fingerprint(df.sample(frac=1.0, random_state=3)) == fp
+    changed = df.copy()
+    changed.loc[changed.index[7], "time_ms"] *= 1.0001
+    assert dataset_fingerprint(changed) != fp
+
+
+# ---------------------------------------------------------------- stages
+
+
+def test_balanced_ranges_are_contiguous_non_empty_and_balanced():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n = int(rng.integers(1, 40))
+        w = rng.uniform(0.1, 5.0, n)
+        for s in range(1, min(n, 6) + 1):
+            r = balanced_ranges(w, n_stages=s)
+            assert r[0][0] == 0 and r[-1][1] == n and len(r) == s
+            assert all(a < b for a, b in r) and all(r[i][1] == r[i + 1][0] for i in range(s - 1))
+    r = balanced_ranges([1.0] * 8, n_stages=4)
+    assert r == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    with pytest.raises(ValueError, match="cannot split 3 layers into 4"):
+        balanced_ranges([1, 1, 1], n_stages=4)
+
+
+def test_stage_sums_and_measured_stage_slowdown(df):
+    sid = assign_stages(df, n_stages=2)
+    assert (sid >= 0).all()
+    exact = stage_sums(df, stage=sid, predicted_ms=df["time_ms"].to_numpy())
+    np.testing.assert_allclose(exact["measured_ms"], exact["predicted_ms"])
+    # every run: 2 stages, both phases of each layer summed
+    runs = df.groupby(["model", "condition"]).ngroups
+    assert len(exact) == 2 * runs
+    run = (df["model"] == "gpt_a") & (df["condition"] == "gemm@1x2")
+    got = measured_stage_slowdown(df, stage=sid, current=1)[run.to_numpy()]
+    part = df[run & (sid == 1)]
+    assert np.allclose(got, part["time_ms"].sum() / part["time_alone_ms"].sum())
+
+
+# ---------------------------------------------------------------- run time
+
+
+def test_runtime_matches_frame_path(df, predictor):
+    model_rows = df[df["model"] == "cnn_a"]
+    conds = ["none", "gemm@1x2", "copy@0.5x1"]
+    alone = model_rows[model_rows["condition"] == "none"].set_index(["phase", "layer_index"])
+    a_f = alone.loc["fwd"].sort_index()["time_alone_ms"].to_numpy()
+    a_b = alone.loc["bwd"].sort_index()["time_alone_ms"].to_numpy()
+    tel_cols = list(predictor.schema.telemetry)
+    # one telemetry window per device: that of layer 0 fwd under each condition
+    windows, expect_f = [], []
+    for c in conds:
+        rows = model_rows[model_rows["condition"] == c]
+        first = rows[(rows["layer_index"] == 0) & (rows["phase"] == "fwd")].iloc[0]
+        windows.append({k: first[k] for k in tel_cols})
+        same_tel = rows.assign(**{k: first[k] for k in tel_cols}).sort_values(
+            ["phase", "layer_index"]
+        )
+        expect_f.append(predictor.predict_time_ms(same_tel[same_tel["phase"] == "fwd"]))
+    prepared = prepare_layers(predictor, model_rows)
+    fwd, bwd = predict_layer_times(
+        predictor, layers=prepared, alone_fwd_ms=a_f, alone_bwd_ms=a_b, telemetry=windows
+    )
+    assert fwd.shape == bwd.shape == (3, len(a_f))
+    np.testing.assert_allclose(fwd, np.vstack(expect_f), rtol=1e-6)
+    assert (fwd >= a_f - 1e-12).all() and (bwd >= a_b - 1e-12).all()
+    # Heavier interference is never predicted faster than no interference.
+    assert fwd[1].sum() > fwd[0].sum()
+
+
+def test_runtime_from_layer_stats(predictor):
+    from dynpipe.models import get_model
+    from dynpipe.models.stats import layer_stats
+
+    model = get_model("mlp", depth=4, width=64)
+    stats = layer_stats(model, batch_size=32)
+    n = len(stats)
+    quiet = dict.fromkeys(predictor.schema.telemetry, 0.0)
+    busy = {**quiet, "tel_other_util": 95.0, "tel_other_procs": 2.0, "tel_other_mem_util": 40.0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # mlp's kinds are known: no warning expected
+        fwd, bwd = predict_layer_times(
+            predictor,
+            layers=stats,
+            batch_size=32,
+            alone_fwd_ms=np.full(n, 0.05),
+            alone_bwd_ms=np.full((2, n), 0.1),
+            telemetry=[quiet, busy],
+        )
+    assert fwd.shape == (2, n) and (bwd >= 0.1 - 1e-12).all()
+    assert (fwd[1] >= fwd[0] - 1e-12).all()
+
+
+def test_runtime_refuses_bad_telemetry_and_shapes(df, predictor):
+    prepared = prepare_layers(predictor, df[df["model"] == "mlp_a"])
+    n = prepared.n_layers
+    good = dict.fromkeys(predictor.schema.telemetry, 1.0)
+    kw = {"layers": prepared, "alone_fwd_ms": np.ones(n), "alone_bwd_ms": np.ones(n)}
+    bad = {k: v for k, v in good.items() if k != "tel_util"} | {"tel_gpu_util": 3.0}
+    with pytest.raises(
+        UserError, match=r"telemetry of device 1 .*missing tel_util; extra tel_gpu_util"
+    ):
+        predict_layer_times(predictor, telemetry=[good, bad], **kw)
+    # None means "no such reading on this platform"; non-tel keys are ignored.
+    ok = {**good, "tel_mem_util": None, "tel_samples": 20, "timestamp": 1.0}
+    predict_layer_times(predictor, telemetry=[ok], **kw)
+    with pytest.raises(UserError, match="alone_fwd_ms has shape"):
+        predict_layer_times(predictor, telemetry=[good], **{**kw, "alone_fwd_ms": np.ones(n + 1)})
+    with pytest.raises(UserError, match="batch_size"):
+        prepare_layers(
+            predictor,
+            [
+                {
+                    "kind": "linear",
+                    "param_bytes": 1,
+                    "in_bytes": 1,
+                    "out_bytes": 1,
+                    "fwd_flops": 1,
+                    "bwd_flops": 2,
+                }
+            ],
+        )
+
+
+def test_rescale_to_measured_matches_current_stage_and_keeps_ratios():
+    fwd = np.array([[1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0]])
+    bwd = 2 * fwd
+    f2, b2 = rescale_to_measured(fwd, bwd, ranges=[(0, 2), None], measured_ms=[18.0, 5.0])
+    assert f2[0, :2].sum() + b2[0, :2].sum() == pytest.approx(18.0)
+    np.testing.assert_allclose(f2[0] / fwd[0], 2.0)  # 18 / (3 + 6)
+    np.testing.assert_array_equal(f2[1], fwd[1])  # no range: left as predicted
+    f3, _ = rescale_to_measured(fwd, bwd, ranges=[(1, 3), (0, 4)], measured_ms=[float("nan"), 6.0])
+    np.testing.assert_array_equal(f3[0], fwd[0])
+    np.testing.assert_allclose(f3[1], 0.5)
+    with pytest.raises(UserError, match=r"range \[3, 9\)"):
+        rescale_to_measured(fwd, bwd, ranges=[(3, 9), None], measured_ms=[1.0, 1.0])
