@@ -372,34 +372,38 @@ class CostModel:
         )
 
 
+def _num(text: str, whole: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise UserError(
+            f"cannot parse --slowdown {whole!r}; give factors like 1,2.4 or pairs like 1:2.4"
+        ) from None
+
+
 def parse_slowdown(text: str, num_devices: int) -> list[float]:
     """``"1,2.4"`` (one factor per device) or ``"1:2.4"`` (device:factor pairs) → ``[D]``."""
     out = [1.0] * num_devices
     parts = [p.strip() for p in text.split(",") if p.strip()]
-    try:
-        if parts and all(":" in p for p in parts):
-            for p in parts:
-                dev, fac = p.split(":")
-                d = int(dev)
-                if not 0 <= d < num_devices:
-                    raise UserError(
-                        f"--slowdown names device {d} but there are {num_devices} stages "
-                        f"(devices 0–{num_devices - 1})"
-                    )
-                out[d] = float(fac)
-        else:
-            vals = [float(p) for p in parts]
-            if len(vals) != num_devices:
+    if parts and all(":" in p for p in parts):
+        for p in parts:
+            dev, _, fac = p.partition(":")
+            d = int(_num(dev, text))
+            if not 0 <= d < num_devices:
                 raise UserError(
-                    f"--slowdown has {len(vals)} factors for {num_devices} stages; give one per "
-                    f"stage (e.g. {','.join(['1'] * (num_devices - 1) + ['2.4'])}) or "
-                    "device:factor pairs (e.g. 1:2.4)"
+                    f"--slowdown names device {d} but there are {num_devices} stages "
+                    f"(devices 0–{num_devices - 1})"
                 )
-            out = vals
-    except ValueError:
-        raise UserError(
-            f"cannot parse --slowdown {text!r}; give factors like 1,2.4 or pairs like 1:2.4"
-        ) from None
+            out[d] = _num(fac, text)
+    else:
+        vals = [_num(p, text) for p in parts]
+        if len(vals) != num_devices:
+            raise UserError(
+                f"--slowdown has {len(vals)} factors for {num_devices} stages; give one per "
+                f"stage (e.g. {','.join(['1'] * (num_devices - 1) + ['2.4'])}) or "
+                "device:factor pairs (e.g. 1:2.4)"
+            )
+        out = vals
     if any(not np.isfinite(v) or v <= 0 for v in out):
         raise UserError(f"--slowdown factors must be > 0, got {out}")
     return out
