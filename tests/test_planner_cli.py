@@ -180,3 +180,23 @@ def test_current_plan_and_migration_price(tmp_path, capsys) -> None:
     )
     plan = Plan.from_json(capsys.readouterr().out)
     assert plan.bounds == Plan.load(cur).bounds and plan.meta["migration_bytes"] == 0
+
+
+def test_replace_section_keeps_the_prose_around_it(tmp_path) -> None:
+    from dynpipe.planner.report import replace_section
+
+    path = tmp_path / "README.md"
+    path.write_text("intro\n<!-- t:begin -->\nold\n<!-- t:end -->\noutro\n")
+    replace_section(path, "t", "new table")
+    assert path.read_text() == "intro\n<!-- t:begin -->\nnew table\n<!-- t:end -->\noutro\n"
+    replace_section(path, "other", "x")
+    assert path.read_text().endswith("<!-- other:begin -->\nx\n<!-- other:end -->\n")
+
+
+def test_package_exports_resolve_lazily() -> None:
+    import dynpipe.planner as planner
+
+    for name in planner.__all__:
+        assert getattr(planner, name) is not None
+    with pytest.raises(AttributeError):
+        _ = planner.nothing_here

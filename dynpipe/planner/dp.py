@@ -257,7 +257,8 @@ def plan_partition(
     migration_ms_per_byte: float = 0.0,
     ranks: Sequence[int] | None = None,
     caps: int = 6,
-    sim_budget: float = 3e6,
+    sim_budget: float = 2e7,
+    max_exhaustive: int = 20000,
 ) -> PartitionResult:
     """The partition minimising simulated step time (+ migration cost from ``current``).
 
@@ -265,8 +266,9 @@ def plan_partition(
         (e.g. ``1e3 / bandwidth / steps_until_next_replan``); layers whose owner rank
         changes from ``current`` pay it, so a tiny gain does not move half the model.
     caps: how many caps between ``T*`` and the pruning bound feed min-sum candidates.
-    sim_budget: simulated actions (candidates x 2 M S) each search phase may spend; sets how
-        many candidates an exhaustive search may list and how far descent may go.
+    sim_budget: simulated actions (candidates x 2 M S) each search phase may spend; bounds
+        how many candidates an exhaustive search may list (at most ``max_exhaustive``) and
+        how far descent may go.
     """
     t0 = time.perf_counter()
     ranks = list(range(num_stages)) if ranks is None else list(ranks)
@@ -286,7 +288,7 @@ def plan_partition(
         raise _infeasible(prob)
     t_star, cuts0 = _bisect(prob)
     per_candidate = 2 * microbatches * num_stages
-    limit = max(16, int(sim_budget // per_candidate))
+    limit = max(16, min(max_exhaustive, int(sim_budget // per_candidate)))
 
     def score(cands: np.ndarray) -> np.ndarray:
         m = prob.metrics(cands)

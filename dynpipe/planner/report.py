@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from dynpipe.planner.plan import Plan
 
-__all__ = ["format_comparison", "format_plan"]
+__all__ = ["format_comparison", "format_plan", "replace_section"]
 
 
 def _mem(b: int | None) -> str:
@@ -120,3 +121,22 @@ def format_comparison(plans: Sequence[Plan]) -> str:
             "step / first",
         ],
     )
+
+
+def replace_section(path: str | Path, name: str, body: str) -> None:
+    """Rewrite the text between ``<!-- name:begin -->`` and ``<!-- name:end -->`` in ``path``.
+
+    Generated tables live between such markers so scripts can refresh them while the prose
+    around them stays hand-written. Missing markers are appended at the end.
+    """
+    p = Path(path)
+    text = p.read_text() if p.exists() else ""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        text = head + block + tail
+    else:
+        text = text.rstrip() + ("\n\n" if text else "") + block + "\n"
+    p.write_text(text)

@@ -79,7 +79,10 @@ def improve(
     if prob.S == 1:
         return cur, best, 1
     steps = [1]
-    while steps[-1] * 2 <= max(1, prob.L // prob.S):
+    # Step sizes up to the mean stage length, fewer if a round would not fit the budget.
+    while (
+        steps[-1] * 2 <= max(1, prob.L // prob.S) and 4 * (prob.S - 1) * len(steps) <= budget // 4
+    ):
         steps.append(steps[-1] * 2)
     deltas = np.array(steps + [-d for d in steps])
     ks = np.arange(1, prob.S)

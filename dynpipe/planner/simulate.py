@@ -227,12 +227,80 @@ def simulate(
 
 
 @lru_cache(maxsize=64)
-def _program(schedule: str, num_stages: int, microbatches: int) -> tuple[tuple[str, int, int], ...]:
-    # Which action may run next depends only on the structure, never on durations, so one
-    # dependency-driven run with unit times yields a topological order valid for any times.
-    n = num_stages
-    _, trace = _run([1.0] * n, [1.0] * n, [0.0] * (n - 1), schedule, microbatches)
-    return tuple(trace)
+def _levels(
+    schedule: str, num_stages: int, microbatches: int
+) -> tuple[int, tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], ...]]:
+    """The step as a DAG grouped into levels of mutually independent nodes.
+
+    Nodes are compute actions and transfers; each has at most two predecessors (the previous
+    action of its stage or link, and the data it needs) and a duration row: ``F`` of stage
+    ``s`` reads row ``s``, ``B`` row ``S + s``, a transfer over link ``l`` row ``2S + l``.
+    Node ``N`` is a zero sentinel standing in for a missing predecessor.
+    """
+    n, m = num_stages, microbatches
+    orders = _actions(schedule, n, m)
+    ids: dict[tuple[str, int, int], int] = {}
+    for s in range(n):
+        for kind, mb in orders[s]:
+            ids[(kind, s, mb)] = len(ids)
+        for mb in range(m):
+            if s < n - 1:
+                ids[("SF", s, mb)] = len(ids)
+            if s > 0:
+                ids[("SB", s, mb)] = len(ids)
+    sentinel = len(ids)
+    preds: dict[int, tuple[int, int]] = {}
+    row: dict[int, int] = {}
+    for s in range(n):
+        prev = sentinel
+        for kind, mb in orders[s]:
+            me = ids[(kind, s, mb)]
+            if kind == "F":
+                data = ids[("SF", s - 1, mb)] if s > 0 else sentinel
+                row[me] = s
+            else:
+                data = ids[("SB", s + 1, mb)] if s < n - 1 else sentinel
+                row[me] = n + s
+            preds[me] = (prev, data)
+            prev = me
+        for mb in range(m):
+            # Each direction of a link is FIFO in production order, which is microbatch order.
+            if s < n - 1:
+                me = ids[("SF", s, mb)]
+                preds[me] = (ids[("F", s, mb)], ids[("SF", s, mb - 1)] if mb else sentinel)
+                row[me] = 2 * n + s
+            if s > 0:
+                me = ids[("SB", s, mb)]
+                preds[me] = (ids[("B", s, mb)], ids[("SB", s, mb - 1)] if mb else sentinel)
+                row[me] = 2 * n + s - 1
+    level = {sentinel: 0}
+    pending = list(preds)
+    while pending:  # longest-path depth; every node waits for both predecessors' depths
+        left = []
+        for node in pending:
+            a, b = preds[node]
+            if a in level and b in level:
+                level[node] = 1 + max(level[a], level[b])
+            else:
+                left.append(node)
+        assert len(left) < len(pending), "schedule DAG has a cycle"
+        pending = left
+    groups: dict[int, list[int]] = {}
+    for node, lv in level.items():
+        if node != sentinel:
+            groups.setdefault(lv, []).append(node)
+    out = []
+    for lv in sorted(groups):
+        nodes = np.array(groups[lv])
+        out.append(
+            (
+                nodes,
+                np.array([preds[x][0] for x in nodes]),
+                np.array([preds[x][1] for x in nodes]),
+                np.array([row[x] for x in nodes]),
+            )
+        )
+    return sentinel, tuple(out)
 
 
 def step_times(
@@ -245,37 +313,22 @@ def step_times(
 ) -> np.ndarray:
     """Simulated step time of ``C`` candidates at once: inputs ``[C, S]`` and ``[C, S - 1]``.
 
-    Same dependencies and link model as ``simulate`` (tested equal); events are not kept.
+    Same dependencies and link model as ``simulate`` (tested equal), evaluated as a longest
+    path over the schedule's DAG one level of independent actions at a time, vectorised over
+    actions and candidates; events are not kept.
     """
     fwd = np.atleast_2d(np.asarray(fwd_ms, dtype=np.float64))
     bwd = np.atleast_2d(np.asarray(bwd_ms, dtype=np.float64))
     c, n = fwd.shape
     _check(schedule, n, microbatches)
-    comm = np.zeros((c, max(n - 1, 0))) if comm_ms is None else np.asarray(comm_ms, dtype=float)
-    comm = comm.reshape(c, max(n - 1, 0))
-    f, b, k = fwd.T.copy(), bwd.T.copy(), comm.T.copy()
-    free = np.zeros((n, c))
-    link_f = np.zeros((max(n - 1, 1), c))
-    link_b = np.zeros((max(n - 1, 1), c))
-    arrive_f = np.zeros((n, microbatches, c))
-    arrive_b = np.zeros((n, microbatches, c))
-    mx = np.maximum
-    for kind, s, mb in _program(schedule, n, microbatches):
-        if kind == "F":
-            t = (mx(free[s], arrive_f[s, mb]) if s else free[s]) + f[s]
-            free[s] = t
-            if s < n - 1:
-                lt = mx(link_f[s], t) + k[s]
-                link_f[s] = lt
-                arrive_f[s + 1, mb] = lt
-        else:
-            t = (mx(free[s], arrive_b[s, mb]) if s < n - 1 else free[s]) + b[s]
-            free[s] = t
-            if s > 0:
-                lt = mx(link_b[s - 1], t) + k[s - 1]
-                link_b[s - 1] = lt
-                arrive_b[s - 1, mb] = lt
-    return free.max(axis=0)
+    links = max(n - 1, 0)
+    comm = np.zeros((c, links)) if comm_ms is None else np.asarray(comm_ms, dtype=float)
+    dur = np.vstack([fwd.T, bwd.T, comm.reshape(c, links).T, np.zeros((1, c))])
+    sentinel, levels = _levels(schedule, n, microbatches)
+    finish = np.zeros((sentinel + 1, c))
+    for nodes, p1, p2, rows in levels:
+        finish[nodes] = np.maximum(finish[p1], finish[p2]) + dur[rows]
+    return finish.max(axis=0)
 
 
 def simulate_plan(plan: Plan, costs: CostModel) -> SimResult:
