@@ -142,7 +142,11 @@ class CostModel:
 
     # ---- transformations ---------------------------------------------------------------
     def for_devices(self, num_devices: int) -> CostModel:
-        """This model on ``num_devices`` devices: a one-device model is repeated (same link)."""
+        """This model on ``num_devices`` devices: a one-device model is repeated.
+
+        The repeated model's links take ``meta["link_bandwidth"]`` / ``["link_latency_ms"]``
+        (set by every constructor; 25 GB/s and 0 ms if absent).
+        """
         if num_devices == self.num_devices:
             return self
         if self.num_devices != 1:

@@ -67,12 +67,12 @@ def every(prob: Problem, tables: Bounded) -> np.ndarray:
 
 
 def improve(
-    prob: Problem, cuts: np.ndarray, score: Scorer, *, budget: int
+    prob: Problem, cuts: np.ndarray, score: Scorer, *, budget: int, rounds: int = 50
 ) -> tuple[np.ndarray, float, int]:
     """Steepest descent from ``cuts`` moving one boundary by ±1, ±2, ±4, … layers.
 
-    Stops at a local optimum or when ``budget`` candidate evaluations are spent; returns the
-    cuts, their score and the evaluations used.
+    Stops at a local optimum, after ``rounds`` moves, or when ``budget`` candidate
+    evaluations are spent; returns the cuts, their score and the evaluations used.
     """
     cur = np.asarray(cuts, dtype=np.int64)
     best = float(score(cur[None])[0])
@@ -89,7 +89,9 @@ def improve(
     k_rep = np.repeat(ks, len(deltas))
     d_rep = np.tile(deltas, len(ks))
     used = 1
-    while used + len(k_rep) <= budget:
+    for _ in range(rounds):
+        if used + len(k_rep) > budget:
+            break
         nb = np.repeat(cur[None], len(k_rep), axis=0)
         nb[np.arange(len(k_rep)), k_rep] += d_rep
         nb = nb[np.all(np.diff(nb, axis=1) > 0, axis=1)]
