@@ -20,7 +20,7 @@ from dynpipe.predictor import (
     load_predictor,
 )
 from dynpipe.predictor.crossval import cv_folds, score
-from dynpipe.predictor.synthetic import CONDITIONS, synthetic_profiles
+from dynpipe.predictor.synthetic import CONDITIONS, SyntheticDevice, synthetic_profiles
 from dynpipe.profiler.schema import write_profiles
 
 SMALL_XGB = {"n_estimators": 60, "max_depth": 4, "learning_rate": 0.15, "n_jobs": 1}
@@ -72,6 +72,14 @@ def test_folds_hold_out_whole_groups(df):
         assert held.isdisjoint(set(df["interferer"].iloc[train]))
         assert "none" in set(df["interferer"].iloc[train])
     assert cv_folds(df[df["model"] == "mlp_a"], split="model") is None
+    assert cv_folds(df, split="device") is None
+    other = synthetic_profiles(device=SyntheticDevice(device_name="Other GPU", peak_tflops=90.0))
+    both = pd.concat([df, other], ignore_index=True)
+    dev = cv_folds(both, split="device")
+    assert len(dev) == 2
+    for train, test in dev:
+        assert both["device_name"].iloc[test].nunique() == 1
+        assert set(both["device_name"].iloc[test]).isdisjoint(set(both["device_name"].iloc[train]))
 
 
 def test_every_estimator_scored_on_every_split(ev, df):

@@ -50,9 +50,10 @@ def register(subparsers: Any) -> None:
         )
         p.add_argument(
             "--splits",
-            default="condition,model,interferer",
+            default="condition,model,interferer,device",
             metavar="S,S",
-            help="held-out groups: condition, model, interferer",
+            help="held-out groups: condition, model, interferer, device (a split the data "
+            "cannot support, e.g. device with one device, is skipped)",
         )
         p.add_argument(
             "--n-jobs",

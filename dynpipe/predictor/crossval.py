@@ -6,7 +6,9 @@ never seen:
 - ``condition``: whole interference conditions (device + condition id), ``GroupKFold``;
 - ``model``: whole models, ``LeaveOneGroupOut`` (needs two or more models);
 - ``interferer``: whole interferer kinds (every intensity and job count of, say, ``copy``);
-  extrapolation to a new kind of co-located job, the hardest case.
+  extrapolation to a new kind of co-located job, the hardest case;
+- ``device``: whole devices (``LeaveOneGroupOut`` over ``device_name``; needs two or more),
+  e.g. trained on H100 profiles, scored on H200 ones.
 
 Every estimator is scored on the same folds from out-of-fold predictions. Hyper-parameters are
 fixed, or with ``tune`` chosen by an inner ``GroupKFold`` on the training folds only (nested
@@ -45,7 +47,7 @@ from dynpipe.predictor.stages import (
 
 __all__ = ["SPLITS", "TUNE_GRID", "Evaluation", "ape_summary", "cv_folds", "evaluate", "score"]
 
-SPLITS: tuple[str, ...] = ("condition", "model", "interferer")
+SPLITS: tuple[str, ...] = ("condition", "model", "interferer", "device")
 # Grid for nested tuning of the xgboost model (--tune); small on purpose: each point is a
 # full inner cross-validation.
 TUNE_GRID: dict[str, list] = {
@@ -94,6 +96,11 @@ def cv_folds(
         if len(np.unique(groups)) < 2:
             return None
         return list(LeaveOneGroupOut().split(df, groups=groups))
+    if split == "device":
+        groups = df["device_name"].astype(str).to_numpy()
+        if len(np.unique(groups)) < 2:
+            return None
+        return list(LeaveOneGroupOut().split(df, groups=groups))
     if split == "interferer":
         kinds = df["interferer"].astype(str).to_numpy()
         held = [k for k in pd.unique(kinds) if k != "none"]
@@ -106,8 +113,8 @@ def cv_folds(
 
 
 def _inner_groups(df: pd.DataFrame, split: str) -> np.ndarray:
-    if split == "model":
-        return df["model"].astype(str).to_numpy()
+    if split in ("model", "device"):
+        return df["model" if split == "model" else "device_name"].astype(str).to_numpy()
     return (df["device_name"].astype(str) + "/" + df["condition"].astype(str)).to_numpy()
 
 

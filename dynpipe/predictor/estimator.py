@@ -135,6 +135,9 @@ class _SlowdownBase(RegressorMixin, BaseEstimator):
 class SlowdownRegressor(_SlowdownBase):
     """Gradient-boosted trees (xgboost) on log-slowdown, monotone where physics says so.
 
+    The default size (150 trees of depth 6) is set by the run-time budget: prediction cost
+    grows with trees x rows, and 200 layers x 8 devices x 2 phases is 3200 rows per call.
+
     ``monotone``: ``"physics"`` applies ``PHYSICS_MONOTONE`` to the columns present, a dict
     gives ``{feature: +1|-1}`` explicitly, ``None`` turns constraints off. Constraints bind by
     feature name, so they need a DataFrame ``X`` (as ``extract_features`` returns).
@@ -143,9 +146,9 @@ class SlowdownRegressor(_SlowdownBase):
     def __init__(
         self,
         *,
-        n_estimators: int = 400,
+        n_estimators: int = 150,
         max_depth: int = 6,
-        learning_rate: float = 0.05,
+        learning_rate: float = 0.1,
         subsample: float = 0.8,
         colsample_bytree: float = 0.8,
         min_child_weight: float = 1.0,

@@ -20,6 +20,7 @@ SPLIT_TITLES = {
     "condition": "Held-out interference conditions",
     "model": "Held-out models",
     "interferer": "Held-out interferer kinds (extrapolation)",
+    "device": "Held-out devices",
 }
 
 
@@ -63,6 +64,9 @@ def render_markdown(summary: dict, *, primary: str, figure: str | None = None) -
         ),
         "",
     ]
+    skipped = [s for s, info in summary["splits"].items() if "skipped" in info]
+    if skipped:
+        lines += [f"Not possible on this data (fewer than two groups): {', '.join(skipped)}.", ""]
     for split, res in summary["results"].items():
         info = summary["splits"][split]
         lines += [f"## {SPLIT_TITLES.get(split, split)} ({info['n_folds']} folds)", ""]
