@@ -78,6 +78,36 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-schedule", choices=("constant", "cosine", "linear"), default="constant")
     g.add_argument("--clip-grad", type=float, default=0.0, help="global-norm clip (0 = off)")
     g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("adaptation")
+    g.add_argument(
+        "--adapt",
+        choices=("static", "measured", "adaptive", "restart"),
+        default="static",
+        help="static: never repartition; measured: from stage times; adaptive: "
+        "plus the predictor; restart: same decisions applied by checkpoint+relaunch",
+    )
+    g.add_argument("--scenario", default=None, help="interference scenario TOML")
+    g.add_argument("--predictor", default=None, help="trained slowdown predictor (.joblib)")
+    g.add_argument("--monitor-every", type=int, default=5, help="steps per monitoring window")
+    g.add_argument(
+        "--min-gain",
+        type=float,
+        default=0.05,
+        help="smallest relative step-time gain worth a repartition",
+    )
+    g.add_argument("--cooldown", type=int, default=10, help="steps between repartitions")
+    g.add_argument(
+        "--horizon",
+        type=int,
+        default=100,
+        help="steps over which a gain must pay back the migration pause",
+    )
+    g.add_argument(
+        "--no-telemetry",
+        dest="telemetry",
+        action="store_false",
+        help="do not sample device telemetry",
+    )
     g = p.add_argument_group("logs and checkpoints")
     g.add_argument(
         "--log", default=None, help="run log path (default runs/<model>-<time>/log.jsonl)"
@@ -107,6 +137,7 @@ def _parse_model_args(items: list[str]) -> dict[str, Any]:
 
 
 def config_from_args(args: argparse.Namespace):
+    from dynpipe.runtime.controller import AdaptConfig
     from dynpipe.runtime.optim import OptimConfig
     from dynpipe.runtime.train import TrainConfig
 
@@ -141,6 +172,16 @@ def config_from_args(args: argparse.Namespace):
         save_dir=args.save_dir,
         resume=args.resume,
         progress=args.progress,
+        adapt=AdaptConfig(
+            mode=args.adapt,
+            monitor_every=args.monitor_every,
+            min_gain=args.min_gain,
+            cooldown_steps=args.cooldown,
+            horizon_steps=args.horizon,
+        ),
+        scenario=args.scenario,
+        predictor=args.predictor,
+        telemetry=args.telemetry,
     )
 
 
@@ -179,7 +220,9 @@ def _launcher(cfg, args: argparse.Namespace) -> int:
     from dynpipe.runtime.launch import launch_local
 
     words = list(args.argv)
-    return launch_local(words[words.index("train") + 1 :], nproc=nproc)
+    # The restart baseline relaunches the workers after each decision: let the agent do so.
+    restarts = max(1, cfg.steps) if cfg.adapt.mode == "restart" else 0
+    return launch_local(words[words.index("train") + 1 :], nproc=nproc, max_restarts=restarts)
 
 
 def _worker(cfg, args: argparse.Namespace) -> int:
@@ -195,12 +238,21 @@ def _worker(cfg, args: argparse.Namespace) -> int:
         init_distributed(topo)
         train(cfg, topo=topo)
         return 0
+    except SystemExit as exc:  # RestartRequested: checkpoint written, relaunch wanted
+        return int(exc.code or 0)
     except UserError as exc:
         # Every rank sees the same bad input; one of them says so.
         if not quiet:
             print(f"dynpipe train: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
+        from dynpipe.runtime.health import StageFailure
+        from dynpipe.runtime.migrate import MigrationError
+
+        if not isinstance(exc, (StageFailure, MigrationError)):
+            import traceback
+
+            traceback.print_exc()  # not a known failure mode: the stack is what helps
         print(f"dynpipe train: rank {topo.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     finally:

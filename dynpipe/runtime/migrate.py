@@ -25,6 +25,7 @@ from torch import nn
 from dynpipe.planner.diff import Transfer, diff
 from dynpipe.planner.plan import Plan
 from dynpipe.runtime.engine import PipelineEngine
+from dynpipe.runtime.health import Heartbeat
 
 __all__ = ["MigrationError", "MigrationStats", "pack", "repartition", "unpack"]
 
@@ -69,9 +70,16 @@ def pack(tensors: dict[str, torch.Tensor], *, device: torch.device) -> tuple[dic
     for key, t in tensors.items():
         t = t.detach().contiguous()
         raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        entries.append({"key": key, "dtype": str(t.dtype).removeprefix("torch."),
-                        "shape": list(t.shape), "offset": offset, "nbytes": raw.numel(),
-                        "device": t.device.type})
+        entries.append(
+            {
+                "key": key,
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "offset": offset,
+                "nbytes": raw.numel(),
+                "device": t.device.type,
+            }
+        )
         parts.append(raw.to(device))
         offset += raw.numel()
     buf = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
@@ -90,7 +98,11 @@ def unpack(header: dict, buf: torch.Tensor, *, where: str) -> dict[str, torch.Te
     for e in header["entries"]:
         dtype = getattr(torch, e["dtype"])
         raw = buf[e["offset"] : e["offset"] + e["nbytes"]]
-        t = raw.view(dtype).reshape(e["shape"]) if e["nbytes"] else torch.empty(e["shape"], dtype=dtype)
+        t = (
+            raw.view(dtype).reshape(e["shape"])
+            if e["nbytes"]
+            else torch.empty(e["shape"], dtype=dtype)
+        )
         # AdamW keeps its step counter on the CPU; everything else lives on the stage device.
         out[e["key"]] = t.clone() if e["device"] != "cpu" else t.cpu().clone()
     return out
@@ -117,15 +129,57 @@ def _wait(works: list, *, timeout_s: float, what: str) -> None:
             raise TimeoutError(f"{what} did not complete within {timeout_s:.0f}s")
 
 
+def _vote(
+    *,
+    ok: bool,
+    where: str,
+    problem: str,
+    timeout_s: float,
+    beat: Heartbeat | None,
+    device: torch.device,
+    world_size: int,
+) -> None:
+    """Every rank's verdict on its transfers; raises on all ranks unless all succeeded."""
+    if world_size == 1:
+        if not ok:
+            raise MigrationError(problem)
+        return
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    try:
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True)
+        _wait([work], timeout_s=timeout_s, what="migration vote")
+    except Exception as exc:
+        dead = beat.dead_peers() if beat is not None else []
+        who = (
+            ", ".join(f"rank {r} silent for {age:.1f}s" for r, age in dead) or "no peer looks dead"
+        )
+        raise MigrationError(
+            f"{where}: a peer did not finish the migration ({who}); "
+            f"cause: {str(exc).splitlines()[0][:200]}"
+        ) from exc
+    if problem:
+        raise MigrationError(problem)
+    if int(flag.item()) == 0:
+        raise MigrationError(
+            f"{where}: another rank's transfer failed its checksum; "
+            "nothing was installed on any rank"
+        )
+
+
 def repartition(
     engine: PipelineEngine,
     new_plan: Plan,
     *,
     timeout_s: float | None = None,
+    beat: Heartbeat | None = None,
 ) -> MigrationStats:
     """Move layers from ``engine.plan`` to ``new_plan`` and rebuild this rank's stage.
 
     Collective: every rank calls it with the same ``new_plan`` at the same step boundary.
+    It is all-or-nothing: after the transfers every rank votes on whether its part arrived
+    intact, and no rank installs the new plan unless all of them did. A dead or failing peer
+    makes every rank raise ``MigrationError`` (naming the peers that stopped beating when a
+    heartbeat is given) instead of training on under a half-moved model.
     """
     old = engine.plan
     me = engine.topo.rank
@@ -151,17 +205,23 @@ def repartition(
             header, buf = pack(_layer_payload(engine, names), device=dev)
             hbytes = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
             packed[peer] = (hbytes.to(dev), buf)
-        sizes_out = {p: torch.tensor([h.numel(), b.numel()], dtype=torch.int64, device=dev)
-                     for p, (h, b) in packed.items()}
+        sizes_out = {
+            p: torch.tensor([h.numel(), b.numel()], dtype=torch.int64, device=dev)
+            for p, (h, b) in packed.items()
+        }
         sizes_in = {p: torch.zeros(2, dtype=torch.int64, device=dev) for p in in_by_peer}
         ops = [dist.P2POp(dist.isend, t, p) for p, t in sorted(sizes_out.items())]
         ops += [dist.P2POp(dist.irecv, t, p) for p, t in sorted(sizes_in.items())]
         if ops:
             _wait(dist.batch_isend_irecv(ops), timeout_s=timeout_s, what="size exchange")
         # Round 2: headers and payloads.
-        recv = {p: (torch.empty(int(s[0]), dtype=torch.uint8, device=dev),
-                    torch.empty(int(s[1]), dtype=torch.uint8, device=dev))
-                for p, s in sizes_in.items()}
+        recv = {
+            p: (
+                torch.empty(int(s[0]), dtype=torch.uint8, device=dev),
+                torch.empty(int(s[1]), dtype=torch.uint8, device=dev),
+            )
+            for p, s in sizes_in.items()
+        }
         ops = []
         for p, (h, b) in sorted(packed.items()):
             ops += [dist.P2POp(dist.isend, h, p), dist.P2POp(dist.isend, b, p)]
@@ -172,17 +232,30 @@ def repartition(
     except MigrationError:
         raise
     except Exception as exc:
+        dead = beat.dead_peers() if beat is not None else []
+        who = "".join(f"; rank {r} silent for {age:.1f}s" for r, age in dead)
         raise MigrationError(
-            f"{where}: transfer with peers {peers} failed ({str(exc).splitlines()[0][:200]})"
+            f"{where}: transfer with peers {peers} failed{who} ({str(exc).splitlines()[0][:200]})"
         ) from exc
     stats.bytes_sent = sum(b.numel() + h.numel() for h, b in packed.values())
     stats.bytes_received = sum(b.numel() + h.numel() for h, b in recv.values())
     received: dict[str, torch.Tensor] = {}
-    for p, (h, b) in recv.items():
-        header = json.loads(bytes(h.cpu().numpy()).decode())
-        received.update(unpack(header, b, where=f"{where}, from rank {p}"))
-    if engine.topo.is_cuda:
-        torch.cuda.synchronize(dev)
+    problem = ""
+    try:
+        for p, (h, b) in recv.items():
+            header = json.loads(bytes(h.cpu().numpy()).decode())
+            received.update(unpack(header, b, where=f"{where}, from rank {p}"))
+    except MigrationError as exc:
+        problem = str(exc)
+    _vote(
+        ok=not problem,
+        where=where,
+        problem=problem,
+        timeout_s=timeout_s,
+        beat=beat,
+        device=dev,
+        world_size=engine.topo.world_size,
+    )
     t1 = time.perf_counter()
 
     # Rebuild: kept layers are the same module objects (no copy); received ones are built
@@ -200,12 +273,14 @@ def repartition(
         else:
             layer = engine.model.build_layer(i, device=dev)
             prefix = f"model/{lname}."
-            layer.load_state_dict({k[len(prefix):]: v for k, v in received.items()
-                                   if k.startswith(prefix)})
+            layer.load_state_dict(
+                {k[len(prefix) :]: v for k, v in received.items() if k.startswith(prefix)}
+            )
             layers[lname] = layer
             oprefix = f"optim/{lname}."
-            opt_state.update({k[len("optim/"):]: v for k, v in received.items()
-                              if k.startswith(oprefix)})
+            opt_state.update(
+                {k[len("optim/") :]: v for k, v in received.items() if k.startswith(oprefix)}
+            )
     engine.rebuild(new_plan, layers=layers, opt_state=opt_state)
     stats.transfer_s = t1 - t0
     stats.rebuild_s = time.perf_counter() - t1

@@ -7,26 +7,48 @@ or a test harness creates it); everything it needs arrives by argument.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from dynpipe.errors import UserError
 from dynpipe.models import LayeredModel, get_model
 from dynpipe.planner.plan import Plan
-from dynpipe.runtime.checkpoint import load_checkpoint, save_checkpoint
+from dynpipe.runtime.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from dynpipe.runtime.controller import AdaptConfig, Controller, Decision, Monitor
 from dynpipe.runtime.engine import EngineConfig, NonFiniteLoss, PipelineEngine, StepResult
 from dynpipe.runtime.health import Heartbeat, StageFailure
 from dynpipe.runtime.optim import OptimConfig
 from dynpipe.runtime.runlog import RunLog, environment
 from dynpipe.runtime.topology import Topology
 
-__all__ = ["TrainConfig", "build_model_and_data", "resolve_plan", "train"]
+__all__ = [
+    "RESTART_EXIT",
+    "RestartRequested",
+    "TrainConfig",
+    "build_model_and_data",
+    "resolve_plan",
+    "train",
+]
+
+# Exit status of a worker that checkpointed to be relaunched under a new plan (restart mode).
+RESTART_EXIT = 3
+
+
+class RestartRequested(SystemExit):
+    """Raised by every rank after the restart baseline's checkpoint is written."""
+
+    def __init__(self) -> None:
+        super().__init__(RESTART_EXIT)
 
 
 @dataclass(frozen=True)
@@ -39,6 +61,10 @@ class TrainConfig:
     log: JSONL run-log path (written by the last stage's rank).
     log_every: steps between the gathers of per-stage timings (one small collective).
     save_every / save_dir: checkpoint cadence and folder; resume: checkpoint to resume from.
+    adapt: repartitioning policy (``static`` never repartitions); its ``monitor_every``
+        replaces ``log_every`` when adapting, since one gather serves both.
+    scenario: interference scenario file; predictor: trained slowdown predictor (adaptive).
+    telemetry: sample device telemetry in a side thread and gather it with stage times.
     """
 
     model: str = "mlp"
@@ -61,6 +87,10 @@ class TrainConfig:
     save_dir: str | None = None
     resume: str | None = None
     progress: bool = True
+    adapt: AdaptConfig = field(default_factory=lambda: AdaptConfig(mode="static"))
+    scenario: str | None = None
+    predictor: str | None = None
+    telemetry: bool = True
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -109,8 +139,9 @@ def resolve_plan(cfg: TrainConfig, model: LayeredModel, world_size: int) -> Plan
 
 
 class _StepLog:
-    """Buffers this rank's per-step timings; every ``log_every`` steps one all-gather hands
-    every rank every stage's numbers (the monitor reads them; the writer logs them)."""
+    """Buffers this rank's per-step timings; every window one all-gather hands every rank
+    every stage's numbers and every device's telemetry (the monitor reads them, the writer
+    logs them)."""
 
     def __init__(self, *, topo: Topology, plan: Plan, log: RunLog | None, batch_size: int):
         self.topo = topo
@@ -123,32 +154,35 @@ class _StepLog:
     def add(self, res: StepResult) -> None:
         self.pending.append(res)
 
-    def flush(self) -> list[dict[str, Any]]:
+    def flush(self, telemetry: dict[str, float] | None = None) -> tuple[list[dict], list[dict]]:
+        """Gather and log the pending steps; returns step records and per-rank telemetry."""
         if not self.pending:
-            return []
+            return [], []
+        from dynpipe.profiler.schema import TELEMETRY_COLUMNS
+
         k = len(self.pending)
-        mine = torch.tensor(
-            [
-                [r.timing.fwd_total, r.timing.bwd_total, r.timing.wait_ms, r.step_ms]
-                for r in self.pending
-            ],
-            dtype=torch.float64,
-        )
+        row = [
+            v
+            for r in self.pending
+            for v in (r.timing.fwd_total, r.timing.bwd_total, r.timing.wait_ms, r.step_ms)
+        ]
+        tel = telemetry or {}
+        row += [float(tel.get(c, float("nan"))) for c in TELEMETRY_COLUMNS]
+        mine = torch.tensor(row, dtype=torch.float64)
         if self.topo.world_size > 1:
             dev = self.topo.device
-            parts = [
-                torch.empty(k, 4, dtype=torch.float64, device=dev)
-                for _ in range(self.topo.world_size)
-            ]
+            parts = [torch.empty_like(mine, device=dev) for _ in range(self.topo.world_size)]
             dist.all_gather(parts, mine.to(dev))
             by_rank = [p.cpu() for p in parts]
         else:
             by_rank = [mine]
+        times = [p[: 4 * k].view(k, 4) for p in by_rank]
+        tels = [dict(zip(TELEMETRY_COLUMNS, p[4 * k :].tolist(), strict=True)) for p in by_rank]
         records = []
         for j, res in enumerate(self.pending):
             stages = []
             for s, st in enumerate(self.plan.stages):
-                f, b, w, _ = by_rank[st.rank][j].tolist()
+                f, b, w, _ = times[st.rank][j].tolist()
                 stages.append(
                     {
                         "stage": s,
@@ -172,8 +206,181 @@ class _StepLog:
             records.append(rec)
             if self.log is not None:
                 self.log.write("step", **rec)
+        if self.log is not None and telemetry is not None:
+            self.log.write(
+                "telemetry",
+                step=self.pending[-1].step,
+                devices=[{k2: _finite(v) for k2, v in t.items()} for t in tels],
+            )
         self.pending = []
-        return records
+        return records, tels
+
+
+def _finite(v: float) -> float | None:
+    return None if v != v else round(v, 4)  # NaN -> null in JSON
+
+
+class _Adapter:
+    """Monitor + controller + (restart or live) repartitioning, run at window boundaries."""
+
+    def __init__(
+        self, cfg: TrainConfig, *, engine: PipelineEngine, topo: Topology, log: RunLog | None
+    ) -> None:
+        from dynpipe.planner.costs import CostModel
+
+        self.cfg, self.engine, self.topo, self.log = cfg, engine, topo, log
+        self.adapt = cfg.adapt
+        self.initial_plan = engine.plan
+        self.beat: Heartbeat | None = None
+        plan = engine.plan
+        if self.adapt.mode == "static":
+            return
+        mb = cfg.batch_size // plan.microbatches
+        costs = CostModel.from_model(engine.model, microbatch_size=mb, num_devices=plan.num_stages)
+        predictor = prepared = None
+        if cfg.predictor and self.adapt.mode in ("adaptive", "restart"):
+            from dynpipe.models.stats import layer_stats
+            from dynpipe.predictor import load_predictor, prepare_layers
+
+            predictor = load_predictor(cfg.predictor)
+            prepared = prepare_layers(
+                predictor, layer_stats(engine.model, batch_size=mb), batch_size=mb
+            )
+        self.controller = Controller(
+            costs=costs, config=self.adapt, predictor=predictor, prepared_layers=prepared
+        )
+        self.monitor = Monitor(plan.num_stages, ewma=self.adapt.ewma, jump=self.adapt.jump)
+        self.settle = self.adapt.settle_windows
+        if log is not None:
+            log.event(
+                "adapt_mode",
+                mode=self.adapt.mode,
+                using=self.controller.mode_used,
+                description=self.controller.describe(),
+            )
+
+    def window(self, step: int, records: list[dict], tels: list[dict]) -> Decision | None:
+        """Feed one window (ending after ``step``); repartition if the controller says so."""
+        if self.adapt.mode == "static" or not records:
+            return None
+        if self.settle > 0:
+            self.settle -= 1
+            return None
+        plan = self.engine.plan
+        m = len(records)
+        fwd = np.array(
+            [sum(r["stages"][s]["fwd_ms"] for r in records) / m for s in range(plan.num_stages)]
+        )
+        bwd = np.array(
+            [sum(r["stages"][s]["bwd_ms"] for r in records) / m for s in range(plan.num_stages)]
+        )
+        self.monitor.update(fwd, bwd)
+        if not self.controller.calibrated:
+            self.controller.calibrate(plan, self.monitor.fwd, self.monitor.bwd)
+            if self.log is not None:
+                self.log.event("calibrated", step=step)
+            return None
+        t0 = time.perf_counter()
+        telemetry = tels if self.controller.mode_used != "measured" else None
+        decision = self.controller.decide(
+            step=step + 1,
+            plan=plan,
+            fwd_step_ms=self.monitor.fwd,
+            bwd_step_ms=self.monitor.bwd,
+            telemetry=telemetry,
+        )
+        new_plan = self._agree(decision.plan if decision.repartition else None)
+        decide_ms = (time.perf_counter() - t0) * 1e3
+        if self.log is not None:
+            self.log.event("decision", **decision.to_dict())
+        if new_plan is None:
+            return decision
+        if self.adapt.mode == "restart":
+            self._restart(new_plan, step=step + 1, decide_ms=decide_ms)
+        from dynpipe.runtime.migrate import repartition
+
+        old = plan
+        stats = repartition(self.engine, new_plan, beat=self.beat)
+        pause_ms = decide_ms + (stats.transfer_s + stats.rebuild_s) * 1e3
+        self.controller.applied(step + 1, pause_ms)
+        self.monitor.reset(new_plan.num_stages)
+        self.settle = self.adapt.settle_windows
+        moved = self._bytes(stats)  # collective: every rank takes part
+        if self.log is not None:
+            self.log.event(
+                "repartition",
+                step=step + 1,
+                mode=self.controller.mode_used,
+                old_plan=old.to_dict(),
+                new_plan=new_plan.to_dict(),
+                transfers=[repr(t) for t in stats.transfers],
+                bytes=moved,
+                decide_ms=round(decide_ms, 3),
+                transfer_ms=round(stats.transfer_s * 1e3, 3),
+                rebuild_ms=round(stats.rebuild_s * 1e3, 3),
+                pause_ms=round(pause_ms, 3),
+            )
+        return decision
+
+    def _bytes(self, stats) -> int:
+        # Every rank knows only what it sent; the sum over ranks is the bytes moved.
+        t = torch.tensor([stats.bytes_sent], dtype=torch.int64, device=self.topo.device)
+        if self.topo.world_size > 1:
+            dist.all_reduce(t)
+        return int(t.item())
+
+    def _agree(self, plan: Plan | None) -> Plan | None:
+        """The writer's decision, broadcast: ranks never act on different plans."""
+        if self.topo.world_size == 1:
+            return plan
+        cur = self.engine.plan
+        n = cur.num_stages
+        t = torch.zeros(n + 2, dtype=torch.int64, device=self.topo.device)
+        src = cur.stages[-1].rank
+        if self.topo.rank == src and plan is not None:
+            t[0] = 1
+            t[1:] = torch.tensor([st.start for st in plan.stages] + [plan.num_layers])
+        dist.broadcast(t, src=src)
+        if int(t[0]) == 0:
+            return None
+        cuts = t[1:].tolist()
+        if self.topo.rank == src and plan is not None:
+            return plan
+        return Plan.from_bounds(
+            self.engine.model,
+            list(itertools.pairwise(cuts)),
+            ranks=cur.ranks,
+            schedule=cur.schedule,
+            microbatches=cur.microbatches,
+            meta={**cur.meta, "method": f"controller:{self.controller.mode_used}"},
+        )
+
+    def _restart(self, new_plan: Plan, *, step: int, decide_ms: float) -> None:
+        meta_extra = {
+            "restart_plan": new_plan.to_dict(),
+            "controller": self.controller.state(),
+            "initial_plan": self.initial_plan.to_dict(),
+            "decided_time": time.time(),
+        }
+        _save(
+            self.engine,
+            self.cfg,
+            topo=self.topo,
+            step=step,
+            path=_restart_dir(self.cfg),
+            extra=meta_extra,
+        )
+        if self.log is not None:
+            self.log.event(
+                "restart", step=step, new_plan=new_plan.to_dict(), decide_ms=round(decide_ms, 3)
+            )
+            self.log.close()
+        raise RestartRequested()
+
+
+def _restart_dir(cfg: TrainConfig) -> Path:
+    base = Path(cfg.save_dir) if cfg.save_dir else Path(cfg.log or _default_log_path(cfg)).parent
+    return base / "restart"
 
 
 def train(
@@ -186,6 +393,17 @@ def train(
     torch.manual_seed(cfg.seed)
     model, data = build_model_and_data(cfg)
     plan = resolve_plan(cfg, model, topo.world_size)
+    initial_plan = plan
+    resume, restart_meta = cfg.resume, None
+    relaunched = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if relaunched and (_restart_dir(cfg) / "dynpipe.json").is_file():
+        # Restart baseline: this process is the relaunch; continue under the decided plan.
+        resume = str(_restart_dir(cfg))
+        restart_meta = json.loads((Path(find_checkpoint(resume)) / "dynpipe.json").read_text())
+        plan = Plan.from_dict(restart_meta["restart_plan"])
+        initial_plan = Plan.from_dict(
+            restart_meta.get("initial_plan", restart_meta["restart_plan"])
+        )
     engine = PipelineEngine(
         model,
         plan,
@@ -195,12 +413,12 @@ def train(
         ),
     )
     start = 0
-    if cfg.resume:
-        start = _resume(engine, cfg.resume, topo=topo)
+    if resume:
+        start = _resume(engine, resume, topo=topo)
     writer = plan.stages[-1].rank == topo.rank
     log = None
     if writer:
-        log = RunLog(cfg.log or _default_log_path(cfg), append=bool(cfg.resume))
+        log = RunLog(cfg.log or _default_log_path(cfg), append=bool(resume))
         log.header(
             config=cfg.to_dict(),
             plan=plan.to_dict(),
@@ -209,13 +427,36 @@ def train(
             env=environment(topo.device),
             start_step=start,
         )
+        if restart_meta is not None:
+            log.event(
+                "resumed",
+                step=start,
+                pause_ms=round((time.time() - restart_meta["decided_time"]) * 1e3, 3),
+            )
+    adapting = cfg.adapt.mode != "static"
+    every = cfg.adapt.monitor_every if adapting else cfg.log_every
     steplog = _StepLog(topo=topo, plan=plan, log=log, batch_size=cfg.batch_size)
+    adapter = _Adapter(cfg, engine=engine, topo=topo, log=log)
+    adapter.initial_plan = initial_plan
+    if restart_meta is not None:
+        adapter.controller.load_state(restart_meta.get("controller", {}))
+        adapter.controller.applied(start, 0.0)
+    runner = _scenario_runner(cfg, engine=engine, topo=topo, targets=initial_plan.ranks)
+    sampler = _sampler(cfg, topo)
     bar = _progress(cfg, start) if writer and cfg.progress else None
     beat = Heartbeat(rank=topo.rank, world_size=topo.world_size).start()
+    adapter.beat = beat
     losses: list[float] = []
     step = start
     try:
+        if runner is not None:
+            runner.prepare()
+            runner.resume_at(start)
         for step in range(start, cfg.steps):
+            if runner is not None:
+                for rec in runner.apply(step):
+                    if log is not None:
+                        log.event(rec.pop("event"), **rec)
             try:
                 res = engine.step(step, data.batch(step, cfg.batch_size))
             except NonFiniteLoss:
@@ -226,21 +467,27 @@ def train(
             steplog.add(res)
             if on_step is not None:
                 on_step(engine, res)
-            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-                steplog.flush()
+            if (step + 1) % every == 0 or step + 1 == cfg.steps:
+                steplog.plan = engine.plan
+                records, tels = steplog.flush(sampler.window() if sampler else None)
+                if step + 1 < cfg.steps:
+                    adapter.window(step, records, tels)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(
-                    loss=f"{res.loss:.4f}", sps=f"{cfg.batch_size / (res.step_ms / 1e3):.0f}"
-                )
+                split = "|".join(str(len(st)) for st in engine.plan.stages)
+                bar.set_postfix(loss=f"{res.loss:.4f}", ms=f"{res.step_ms:.0f}", split=split)
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
                 _save(engine, cfg, topo=topo, step=step + 1)
                 if log is not None:
                     log.event("checkpoint", step=step + 1, path=str(_ckpt_dir(cfg, step + 1)))
         if log is not None:
-            log.event("end", step=cfg.steps)
+            log.event("end", step=cfg.steps, plan=engine.plan.to_dict())
     finally:
         beat.stop()
+        if sampler is not None:
+            sampler.stop()
+        if runner is not None:
+            runner.close()
         if bar is not None:
             bar.close()
         if log is not None:
@@ -249,9 +496,32 @@ def train(
         "losses": losses,
         "start": start,
         "steps": cfg.steps,
-        "plan": plan,
+        "plan": engine.plan,
         "log": str(log.path) if log else None,
     }
+
+
+def _scenario_runner(
+    cfg: TrainConfig, *, engine: PipelineEngine, topo: Topology, targets: list[int]
+):
+    if not cfg.scenario:
+        return None
+    from dynpipe.runtime.scenario import ScenarioRunner, load_scenario
+
+    scenario = load_scenario(cfg.scenario, num_stages=engine.plan.num_stages)
+    device = f"cuda:{topo.device.index}" if topo.is_cuda else "cpu"
+    return ScenarioRunner(
+        scenario, rank=topo.rank, target_ranks=targets, device=device, timer=engine.timer
+    )
+
+
+def _sampler(cfg: TrainConfig, topo: Topology):
+    if not cfg.telemetry:
+        return None
+    from dynpipe.profiler.telemetry import TelemetrySampler
+
+    device = f"cuda:{topo.device.index}" if topo.is_cuda else "cpu"
+    return TelemetrySampler(device).start()
 
 
 def _failure(
@@ -276,8 +546,17 @@ def _ckpt_dir(cfg: TrainConfig, step: int) -> Path:
     return Path(cfg.save_dir or "checkpoints") / f"step_{step:08d}"
 
 
-def _save(engine: PipelineEngine, cfg: TrainConfig, *, topo: Topology, step: int) -> Path:
+def _save(
+    engine: PipelineEngine,
+    cfg: TrainConfig,
+    *,
+    topo: Topology,
+    step: int,
+    path: Path | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
     meta = {
+        **(extra or {}),
         "step": step,
         "plan": engine.plan.to_dict(),
         "config": cfg.to_dict(),
@@ -287,7 +566,7 @@ def _save(engine: PipelineEngine, cfg: TrainConfig, *, topo: Topology, step: int
         "world_size": topo.world_size,
     }
     return save_checkpoint(
-        _ckpt_dir(cfg, step),
+        path or _ckpt_dir(cfg, step),
         model_state=engine.model_state(),
         optim_state=engine.optim_state(),
         meta=meta,

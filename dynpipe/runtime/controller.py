@@ -1,0 +1,340 @@
+"""Monitor and controller: from measured stage times (and telemetry) to a repartition decision.
+
+Pure logic over plain numbers, so it is unit-tested without a process group. Every rank
+feeds it the same gathered numbers; the decision is still broadcast from one rank, so ranks
+can never disagree about the plan.
+
+The speed model. Clean per-layer costs start from the analytic cost model and are
+calibrated once, on the first settled window, by spreading each stage's measured compute
+over its layers in proportion to the model (this corrects the model where it is wrong
+about whole stages). Afterwards each device gets a *measured slowdown*: its stage's EWMA
+compute time over the clean cost of the layers it holds. Without a predictor every layer on
+that device is assumed slowed by that factor (``measured`` mode). With a predictor, the
+device's telemetry gives a per-layer slowdown for every layer, including those it does not
+hold, and the measured slowdown rescales it so it agrees with what the stage sees
+(``adaptive`` mode).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dynpipe.errors import UserError
+from dynpipe.planner.costs import CostModel
+from dynpipe.planner.diff import diff
+from dynpipe.planner.dp import plan_partition
+from dynpipe.planner.evaluate import stage_costs
+from dynpipe.planner.plan import Plan
+from dynpipe.planner.simulate import step_times
+
+__all__ = ["ADAPT_MODES", "AdaptConfig", "Controller", "Decision", "Monitor"]
+
+ADAPT_MODES = ("static", "measured", "adaptive", "restart")
+
+
+@dataclass(frozen=True)
+class AdaptConfig:
+    """When and how the runtime repartitions.
+
+    mode: ``static`` never; ``measured`` from stage times alone; ``adaptive`` adds the
+        predictor (falls back to measured without one); ``restart`` takes the same decisions
+        but applies them by checkpoint, exit and relaunch.
+    monitor_every: steps per monitoring window (one all-gather per window).
+    settle_windows: windows ignored at start and after each repartition (allocator warm-up,
+        first-touch effects) before times are trusted.
+    ewma: weight of the newest window; a window that differs from the average by more than
+        ``jump`` replaces it outright, so an onset is seen in one window, not several.
+    min_gain: smallest relative step-time gain worth a repartition (hysteresis: a plan is
+        only replaced by a clearly better one, so noise cannot make plans flap).
+    horizon_steps: steps over which a gain must pay back the migration pause.
+    cooldown_steps: steps after a repartition before another may be decided.
+    """
+
+    mode: str = "adaptive"
+    monitor_every: int = 5
+    settle_windows: int = 1
+    ewma: float = 0.5
+    jump: float = 0.25
+    min_gain: float = 0.05
+    horizon_steps: int = 100
+    cooldown_steps: int = 10
+
+    def __post_init__(self) -> None:
+        if self.mode not in ADAPT_MODES:
+            raise UserError(f"unknown --adapt {self.mode!r}; use one of {', '.join(ADAPT_MODES)}")
+        if self.monitor_every < 1:
+            raise UserError(f"--monitor-every must be >= 1, got {self.monitor_every}")
+        if not 0 < self.ewma <= 1:
+            raise UserError(f"ewma weight must be in (0, 1], got {self.ewma}")
+
+
+class Monitor:
+    """EWMA of each stage's forward and backward compute per step, with jump detection."""
+
+    def __init__(self, num_stages: int, *, ewma: float, jump: float) -> None:
+        self.ewma, self.jump = ewma, jump
+        self.fwd = np.full(num_stages, np.nan)
+        self.bwd = np.full(num_stages, np.nan)
+
+    def reset(self, num_stages: int) -> None:
+        self.fwd = np.full(num_stages, np.nan)
+        self.bwd = np.full(num_stages, np.nan)
+
+    def update(self, fwd_ms: np.ndarray, bwd_ms: np.ndarray) -> None:
+        """Feed one window's per-stage means (ms per step)."""
+        for cur, new in ((self.fwd, np.asarray(fwd_ms)), (self.bwd, np.asarray(bwd_ms))):
+            for s in range(len(cur)):
+                old = cur[s]
+                if math.isnan(old) or abs(new[s] / max(old, 1e-9) - 1) > self.jump:
+                    cur[s] = new[s]
+                else:
+                    cur[s] = self.ewma * new[s] + (1 - self.ewma) * old
+
+    @property
+    def ready(self) -> bool:
+        return not (np.isnan(self.fwd).any() or np.isnan(self.bwd).any())
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The controller's verdict for one window (plain data, logged as is)."""
+
+    step: int
+    mode: str
+    slowdown: tuple[float, ...]
+    current_ms: float
+    proposed_ms: float
+    migration_ms: float
+    moved_bytes: int
+    repartition: bool
+    reason: str
+    plan: Plan | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["plan"] = self.plan.to_dict() if self.plan is not None else None
+        return d
+
+
+class Controller:
+    """Decides, from monitored stage times, whether a new plan pays back its migration.
+
+    ``costs``: the analytic (or profiled) clean costs per microbatch, one device row.
+    ``predictor`` / ``layers``: a loaded predictor and ``prepare_layers`` output, or None.
+    """
+
+    def __init__(
+        self,
+        *,
+        costs: CostModel,
+        config: AdaptConfig,
+        predictor: Any = None,
+        prepared_layers: Any = None,
+        pause_ms: float | None = None,
+    ) -> None:
+        self.config = config
+        self.base = costs
+        self.predictor = predictor
+        self.prepared = prepared_layers
+        self.mode = config.mode
+        if self.mode in ("adaptive", "restart") and predictor is None:
+            self.mode_used = "measured"
+        else:
+            self.mode_used = self.mode
+        self.clean_fwd: np.ndarray | None = None  # [L] ms per microbatch, calibrated
+        self.clean_bwd: np.ndarray | None = None
+        self.last_change_step = -(10**9)
+        # Expected pause of a repartition (ms): learned from the ones we make.
+        self.pause_ms = pause_ms
+
+    @property
+    def calibrated(self) -> bool:
+        return self.clean_fwd is not None
+
+    def describe(self) -> str:
+        if self.mode == "static":
+            return "static: the plan never changes"
+        if self.mode_used == "measured" and self.mode != "measured":
+            return (
+                f"{self.mode}: no predictor given, deciding from measured stage times alone "
+                "(uniform slowdown per device)"
+            )
+        if self.mode_used == "measured":
+            return (
+                "measured: deciding from measured stage times alone (uniform slowdown per device)"
+            )
+        return f"{self.mode}: measured stage times calibrate the predictor's per-layer slowdowns"
+
+    # ---- calibration -------------------------------------------------------------------
+    def calibrate(self, plan: Plan, fwd_step_ms: np.ndarray, bwd_step_ms: np.ndarray) -> None:
+        """Clean per-layer costs from one settled window, assumed free of interference."""
+        m = plan.microbatches
+        wf, wb = self.base.fwd_ms[0].copy(), self.base.bwd_ms[0].copy()
+        cf, cb = np.empty_like(wf), np.empty_like(wb)
+        for s, (a, b) in enumerate(plan.bounds):
+            cf[a:b] = wf[a:b] * (fwd_step_ms[s] / m) / max(wf[a:b].sum(), 1e-12)
+            cb[a:b] = wb[a:b] * (bwd_step_ms[s] / m) / max(wb[a:b].sum(), 1e-12)
+        self.clean_fwd, self.clean_bwd = cf, cb
+
+    def state(self) -> dict[str, Any]:
+        """What a relaunch needs to continue (restart baseline): the calibration."""
+        return {
+            "clean_fwd": None if self.clean_fwd is None else self.clean_fwd.tolist(),
+            "clean_bwd": None if self.clean_bwd is None else self.clean_bwd.tolist(),
+            "pause_ms": self.pause_ms,
+        }
+
+    def load_state(self, st: dict[str, Any]) -> None:
+        if st.get("clean_fwd") is not None:
+            self.clean_fwd = np.asarray(st["clean_fwd"], dtype=np.float64)
+            self.clean_bwd = np.asarray(st["clean_bwd"], dtype=np.float64)
+        if st.get("pause_ms") is not None:
+            self.pause_ms = float(st["pause_ms"])
+
+    # ---- the speed model ---------------------------------------------------------------
+    def device_costs(
+        self,
+        plan: Plan,
+        fwd_step_ms: np.ndarray,
+        bwd_step_ms: np.ndarray,
+        telemetry: list[dict[str, float]] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Predicted per-microbatch fwd/bwd ms of every layer on every rank ``[R, L]``.
+
+        Rows are indexed by rank (device), and the per-device measured slowdowns ``[R]``.
+        """
+        assert self.clean_fwd is not None and self.clean_bwd is not None
+        m = plan.microbatches
+        n_dev = plan.num_stages
+        cf, cb = self.clean_fwd, self.clean_bwd
+        fwd = np.empty((n_dev, len(cf)))
+        bwd = np.empty((n_dev, len(cf)))
+        slow = np.ones(n_dev)
+        rel_f = rel_b = None
+        if self.mode_used != "measured" and telemetry is not None:
+            from dynpipe.predictor import predict_layer_times
+
+            pf, pb = predict_layer_times(
+                self.predictor,
+                layers=self.prepared,
+                alone_fwd_ms=cf,
+                alone_bwd_ms=cb,
+                telemetry=telemetry,
+            )
+            rel_f, rel_b = pf / np.maximum(cf, 1e-12), pb / np.maximum(cb, 1e-12)
+        for s, st in enumerate(plan.stages):
+            a, b = st.start, st.stop
+            clean = cf[a:b].sum() + cb[a:b].sum()
+            measured = (fwd_step_ms[s] + bwd_step_ms[s]) / m
+            sigma = measured / max(clean, 1e-12)
+            slow[st.rank] = sigma
+            if rel_f is None:
+                fwd[st.rank], bwd[st.rank] = cf * sigma, cb * sigma
+            else:
+                d = st.rank
+                predicted_held = (cf[a:b] * rel_f[d, a:b]).sum() + (cb[a:b] * rel_b[d, a:b]).sum()
+                kappa = measured / max(predicted_held, 1e-12)
+                fwd[d], bwd[d] = cf * rel_f[d] * kappa, cb * rel_b[d] * kappa
+        return fwd, bwd, slow
+
+    def _costs_for(self, plan: Plan, fwd: np.ndarray, bwd: np.ndarray) -> CostModel:
+        # The planner places stage s on device s; our rows are ranks, so order them by stage.
+        order = plan.ranks
+        return dataclasses.replace(
+            self.base,
+            fwd_ms=fwd[order],
+            bwd_ms=bwd[order],
+            bandwidth=np.resize(self.base.bandwidth, len(order) - 1),
+            latency_ms=np.resize(self.base.latency_ms, len(order) - 1),
+        )
+
+    def predicted_step_ms(self, plan: Plan, costs: CostModel) -> float:
+        sc = stage_costs(costs, plan.bounds, schedule=plan.schedule, microbatches=plan.microbatches)
+        return float(
+            step_times(
+                np.array([sc.fwd_ms]),
+                np.array([sc.bwd_ms]),
+                np.array([sc.comm_ms]),
+                schedule=plan.schedule,
+                microbatches=plan.microbatches,
+            )[0]
+        )
+
+    # ---- the decision ------------------------------------------------------------------
+    def decide(
+        self,
+        *,
+        step: int,
+        plan: Plan,
+        fwd_step_ms: np.ndarray,
+        bwd_step_ms: np.ndarray,
+        telemetry: list[dict[str, float]] | None = None,
+        model: Any = None,
+    ) -> Decision:
+        """Whether to move from ``plan`` now, and to which plan."""
+        fwd, bwd, slow = self.device_costs(plan, fwd_step_ms, bwd_step_ms, telemetry)
+        costs = self._costs_for(plan, fwd, bwd)
+        cur = self.predicted_step_ms(plan, costs)
+        pause = self.pause_ms if self.pause_ms is not None else cur  # first guess: one step
+        res = plan_partition(
+            costs,
+            num_stages=plan.num_stages,
+            schedule=plan.schedule,
+            microbatches=plan.microbatches,
+            current=plan,
+            migration_ms_per_byte=0.0,
+            ranks=plan.ranks,
+        )
+        new_plan = dataclasses.replace(
+            plan,
+            stages=tuple(
+                dataclasses.replace(st, start=a, stop=b, layers=tuple(self.base.layer_names[a:b]))
+                for st, (a, b) in zip(plan.stages, res.bounds, strict=True)
+            ),
+            meta={**plan.meta, "method": f"controller:{self.mode_used}", "decided_at": step},
+        )
+        moved = diff(plan, new_plan, param_bytes=list(self.base.state_bytes.astype(int)))
+        moved_bytes = int(sum(t.nbytes or 0 for t in moved))
+        gain = cur - res.step_ms
+        common = dict(
+            step=step,
+            mode=self.mode_used,
+            slowdown=tuple(round(float(x), 4) for x in slow),
+            current_ms=cur,
+            proposed_ms=res.step_ms,
+            migration_ms=pause,
+            moved_bytes=moved_bytes,
+        )
+        if not moved:
+            return Decision(**common, repartition=False, reason="current plan is best")
+        if step - self.last_change_step < self.config.cooldown_steps:
+            return Decision(**common, repartition=False, reason="cooldown")
+        if gain < self.config.min_gain * cur:
+            return Decision(
+                **common,
+                repartition=False,
+                reason=f"gain {gain / cur:.1%} below min {self.config.min_gain:.0%}",
+            )
+        if gain * self.config.horizon_steps <= pause:
+            return Decision(
+                **common,
+                repartition=False,
+                reason=f"gain {gain:.2f} ms/step does not pay {pause:.1f} ms within "
+                f"{self.config.horizon_steps} steps",
+            )
+        return Decision(
+            **common,
+            repartition=True,
+            reason=f"predicted {cur:.2f} -> {res.step_ms:.2f} ms/step",
+            plan=new_plan,
+        )
+
+    def applied(self, step: int, pause_ms: float) -> None:
+        """Record that a repartition happened at ``step`` and what it cost."""
+        self.last_change_step = step
+        self.pause_ms = pause_ms if self.pause_ms is None else 0.5 * (self.pause_ms + pause_ms)

@@ -1,0 +1,225 @@
+"""Interference scenarios: which interferer starts and stops at which step, on whose device.
+
+A scenario file (``runtime/scenarios/*.toml``)::
+
+    name = "gemm-on-stage-1"
+    [[events]]
+    step = 30            # before this step runs
+    action = "start"     # or "stop"
+    kind = "gemm"        # an interferer kind (dynpipe.profiler.interfere), or "emulate"
+    intensity = 1.0      # duty cycle of a real interferer
+    count = 1
+    stage = 1            # the device of the rank holding this stage in the initial plan
+    [[events]]
+    step = 80
+    action = "stop"
+    stage = 1
+
+Real interferers are separate processes on the target rank's device (its GPU, or its CPU
+cores), started idle before training and switched on and off at their steps, so an onset
+costs no process start-up inside the run. ``emulate`` instead stretches the target stage's
+compute by ``factor``; logs label it as emulation.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dynpipe.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["Scenario", "ScenarioEvent", "ScenarioRunner", "load_scenario"]
+
+
+@dataclass(frozen=True)
+class ScenarioEvent:
+    step: int
+    action: str
+    stage: int
+    kind: str = "emulate"
+    intensity: float = 1.0
+    count: int = 1
+    factor: float = 3.0
+
+    @property
+    def emulated(self) -> bool:
+        return self.kind == "emulate"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    events: tuple[ScenarioEvent, ...] = field(default_factory=tuple)
+
+    def active_at(self, step: int) -> dict[int, ScenarioEvent]:
+        """Interference running on each stage's device just before ``step`` runs."""
+        on: dict[int, ScenarioEvent] = {}
+        for ev in sorted(self.events, key=lambda e: e.step):
+            if ev.step > step:
+                break
+            if ev.action == "start":
+                on[ev.stage] = ev
+            else:
+                on.pop(ev.stage, None)
+        return on
+
+
+def load_scenario(path: str | Path, *, num_stages: int | None = None) -> Scenario:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"scenario file {p} does not exist; see runtime/scenarios/ for examples")
+    try:
+        doc = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"scenario {p} is not valid TOML: {exc}") from None
+    events = []
+    from dynpipe.profiler.interfere import KINDS
+
+    for i, raw in enumerate(doc.get("events", [])):
+        unknown = set(raw) - {"step", "action", "stage", "kind", "intensity", "count", "factor"}
+        if unknown:
+            raise UserError(f"scenario {p} event {i} has unknown keys {sorted(unknown)}")
+        action = raw.get("action")
+        if action not in ("start", "stop"):
+            raise UserError(f"scenario {p} event {i}: action must be start or stop, got {action!r}")
+        kind = raw.get("kind", "emulate")
+        if kind != "emulate" and kind not in KINDS:
+            raise UserError(
+                f"scenario {p} event {i}: unknown kind {kind!r}; use emulate or one of "
+                f"{', '.join(KINDS)}"
+            )
+        stage = int(raw.get("stage", -1))
+        if stage < 0 or (num_stages is not None and stage >= num_stages):
+            raise UserError(
+                f"scenario {p} event {i}: stage {stage} is not a stage of this "
+                f"{num_stages}-stage pipeline; use 0–{(num_stages or 1) - 1}"
+            )
+        if "step" not in raw or int(raw["step"]) < 0:
+            raise UserError(f"scenario {p} event {i} needs step = N (>= 0)")
+        factor = float(raw.get("factor", 3.0))
+        if kind == "emulate" and factor < 1:
+            raise UserError(f"scenario {p} event {i}: emulate factor {factor} must be >= 1")
+        events.append(
+            ScenarioEvent(
+                step=int(raw["step"]),
+                action=action,
+                stage=stage,
+                kind=kind,
+                intensity=float(raw.get("intensity", 1.0)),
+                count=int(raw.get("count", 1)),
+                factor=factor,
+            )
+        )
+    return Scenario(name=str(doc.get("name", p.stem)), events=tuple(events))
+
+
+class ScenarioRunner:
+    """Applies a scenario on this rank: real interferers on its device, or emulation.
+
+    ``target_ranks[s]`` is the rank whose device "stage s" names (fixed at the start: when
+    layers move, the interference stays on the device, which is the point).
+    """
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        *,
+        rank: int,
+        target_ranks: list[int],
+        device: str,
+        timer: Any,
+        timeout_s: float = 3600.0,
+    ) -> None:
+        self.scenario = scenario
+        self.rank = rank
+        self.targets = target_ranks
+        self.device = device
+        self.timer = timer
+        self.timeout_s = timeout_s
+        self._procs: dict[tuple[str, float, int], Any] = {}
+
+    def _mine(self, ev: ScenarioEvent) -> bool:
+        return self.targets[ev.stage] == self.rank
+
+    def prepare(self) -> None:
+        """Start every real interferer this rank will need, idle (intensity 0), and wait."""
+        from dynpipe.profiler.interfere import start_interferer
+
+        for ev in self.scenario.events:
+            if ev.action != "start" or ev.emulated or not self._mine(ev):
+                continue
+            key = (ev.kind, ev.intensity, ev.count)
+            if key in self._procs:
+                continue
+            kw: dict[str, Any] = {
+                "kind": ev.kind,
+                "intensity": 0.0,
+                "count": ev.count,
+                "device": self.device,
+            }
+            if self.device == "cpu" and hasattr(os, "sched_getaffinity"):
+                kw["cores"] = tuple(sorted(os.sched_getaffinity(0)))
+            self._procs[key] = start_interferer(timeout_s=self.timeout_s, wait=True, **kw)
+
+    def apply(self, step: int) -> list[dict[str, Any]]:
+        """Switch interference on/off for events at ``step``; returns event records (all ranks)."""
+        records = []
+        running = self.scenario.active_at(step - 1)
+        for ev in self.scenario.events:
+            if ev.step != step:
+                continue
+            if ev.action == "stop":
+                if ev.stage not in running:
+                    continue  # nothing runs there: a stop without a start is a no-op
+                ev = ScenarioEvent(
+                    step=ev.step,
+                    action="stop",
+                    stage=ev.stage,
+                    kind=running[ev.stage].kind,
+                    intensity=running[ev.stage].intensity,
+                    count=running[ev.stage].count,
+                    factor=running[ev.stage].factor,
+                )
+            rec = {
+                "step": step,
+                "kind": ev.kind,
+                "intensity": ev.intensity,
+                "count": ev.count,
+                "factor": ev.factor if ev.emulated else None,
+                "stage": ev.stage,
+                "rank": self.targets[ev.stage],
+                "emulated": ev.emulated,
+                "event": f"interference_{ev.action}",
+            }
+            records.append(rec)
+            if self._mine(ev):
+                self._switch(ev, on=ev.action == "start")
+        return records
+
+    def resume_at(self, step: int) -> None:
+        """After a relaunch: turn on what the scenario has running at ``step``."""
+        for stage, ev in self.scenario.active_at(step - 1).items():
+            if self.targets[stage] == self.rank and ev.step < step:
+                self._switch(ev, on=True)
+
+    def _switch(self, ev: ScenarioEvent, *, on: bool) -> None:
+        if ev.emulated:
+            self.timer.dilation = ev.factor if on else 1.0
+            return
+        for (kind, intensity, _count), proc in self._procs.items():
+            if kind == ev.kind and (not on or intensity == ev.intensity):
+                proc.set_intensity(ev.intensity if on else 0.0)
+
+    def close(self) -> None:
+        for proc in self._procs.values():
+            proc.stop()
+        self._procs.clear()
+        self.timer.dilation = 1.0
