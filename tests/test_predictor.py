@@ -404,3 +404,14 @@ def test_rescale_to_measured_matches_current_stage_and_keeps_ratios():
     np.testing.assert_allclose(f3[1], 0.5)
     with pytest.raises(UserError, match=r"range \[3, 9\)"):
         rescale_to_measured(fwd, bwd, ranges=[(3, 9), None], measured_ms=[1.0, 1.0])
+
+
+def test_fit_with_tuning_picks_from_the_grid(df, monkeypatch):
+    from dynpipe.predictor import train
+
+    monkeypatch.setattr(train, "TUNE_GRID", {"max_depth": [2, 5]})
+    pred = fit_predictor(df, estimator="xgb", params={**SMALL_XGB, "n_estimators": 20}, tune=True)
+    assert pred.estimator.max_depth in (2, 5)
+    assert pred.estimator.n_estimators == 20
+    with pytest.raises(UserError, match="xgb estimator only"):
+        fit_predictor(df, estimator="ridge", tune=True)

@@ -286,16 +286,16 @@ def evaluate(
                 ]
                 stg = pd.concat(parts, ignore_index=True) if parts else _empty_stages()
                 stg = stg.assign(split=split, estimator=name)
-                if name in calibrate:
-                    both = f"{name}+measured"
-                    cal = _measured_frames(df, stage_ids, base_ms=oof)
-                    cal_lay, cal_stg = (f.assign(split=split, estimator=both) for f in cal)
-                    layer_frames.append(cal_lay)
-                    stage_frames.append(cal_stg)
-                    results[split][both] = _summarise(cal_lay, cal_stg)
             layer_frames.append(lay)
             stage_frames.append(stg)
             results[split][name] = _summarise(lay, stg)
+            if name in calibrate and not isinstance(est, StageMean):
+                both = f"{name}+measured"
+                cal = _measured_frames(df, stage_ids, base_ms=lay["predicted_ms"].to_numpy())
+                cal_lay, cal_stg = (f.assign(split=split, estimator=both) for f in cal)
+                layer_frames.append(cal_lay)
+                stage_frames.append(cal_stg)
+                results[split][both] = _summarise(cal_lay, cal_stg)
     if not results:
         raise UserError(
             "no cross-validation split is possible: the profiles need at least two interference "

@@ -123,7 +123,7 @@ def measured_stage_slowdown(
     ref = df["time_alone_ms"].to_numpy() if reference_ms is None else np.asarray(reference_ms)
     mask = stage == current
     sub = df.loc[mask, keys].assign(_meas=df["time_ms"].to_numpy()[mask], _ref=ref[mask])
-    agg = sub.groupby(keys, sort=False)[["_meas", "_ref"]].sum()
+    agg = sub.groupby(keys, sort=False)[["_meas", "_ref"]].sum(min_count=1)
     factor = agg["_meas"] / agg["_ref"]
     idx = pd.MultiIndex.from_frame(df[keys]) if len(keys) > 1 else pd.Index(df[keys[0]])
     return factor.reindex(idx).to_numpy(dtype=np.float64)
