@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +106,10 @@ def load_checkpoint(
     sd: dict[str, Any] = {"model": model_state, "optim": optim}
     if rng_key in stored:
         sd["rng"] = {f"rank{rank}": torch.empty(tuple(stored[rng_key].size), dtype=torch.uint8)}
-    dcp.load(sd, checkpoint_id=str(ckpt), no_dist=not dist.is_initialized())
+    with warnings.catch_warnings():
+        # Loading into one process is a supported use, not something to warn about.
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
+        dcp.load(sd, checkpoint_id=str(ckpt), no_dist=not dist.is_initialized())
     if "rng" in sd:
         torch.set_rng_state(sd["rng"][f"rank{rank}"])
     return {

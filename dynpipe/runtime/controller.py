@@ -50,7 +50,9 @@ class AdaptConfig:
     ewma: weight of the newest window; a window that differs from the average by more than
         ``jump`` replaces it outright, so an onset is seen in one window, not several.
     min_gain: smallest relative step-time gain worth a repartition (hysteresis: a plan is
-        only replaced by a clearly better one, so noise cannot make plans flap).
+        only replaced by a clearly better one, so noise cannot make plans flap). A gain
+        under ``confirm_below`` must be proposed by two windows in a row before it is taken;
+        a larger one (a real onset) is taken at once.
     horizon_steps: steps over which a gain must pay back the migration pause.
     cooldown_steps: steps after a repartition before another may be decided.
     """
@@ -61,6 +63,7 @@ class AdaptConfig:
     ewma: float = 0.5
     jump: float = 0.25
     min_gain: float = 0.05
+    confirm_below: float = 0.2
     horizon_steps: int = 100
     cooldown_steps: int = 10
 
@@ -149,6 +152,7 @@ class Controller:
         self.clean_fwd: np.ndarray | None = None  # [L] ms per microbatch, calibrated
         self.clean_bwd: np.ndarray | None = None
         self.last_change_step = -(10**9)
+        self._proposed: tuple[tuple[int, int], ...] | None = None
         # Expected pause of a repartition (ms): learned from the ones we make.
         self.pause_ms = pause_ms
 
@@ -278,6 +282,11 @@ class Controller:
     ) -> Decision:
         """Whether to move from ``plan`` now, and to which plan."""
         fwd, bwd, slow = self.device_costs(plan, fwd_step_ms, bwd_step_ms, telemetry)
+        if (slow < 1 - self.config.jump).all():
+            # Every device runs faster than its "clean" baseline: that baseline was taken
+            # under a transient load. Take this window as the clean one instead.
+            self.calibrate(plan, fwd_step_ms, bwd_step_ms)
+            fwd, bwd, slow = self.device_costs(plan, fwd_step_ms, bwd_step_ms, telemetry)
         costs = self._costs_for(plan, fwd, bwd)
         cur = self.predicted_step_ms(plan, costs)
         pause = self.pause_ms if self.pause_ms is not None else cur  # first guess: one step
@@ -311,6 +320,7 @@ class Controller:
             moved_bytes=moved_bytes,
         )
         if not moved:
+            self._proposed = None
             return Decision(**common, repartition=False, reason="current plan is best")
         if step - self.last_change_step < self.config.cooldown_steps:
             return Decision(**common, repartition=False, reason="cooldown")

@@ -267,12 +267,13 @@ class _Adapter:
             self.settle -= 1
             return None
         plan = self.engine.plan
-        m = len(records)
+        # Medians over the window's steps: one step stalled by something else on the machine
+        # must not look like a slowed device.
         fwd = np.array(
-            [sum(r["stages"][s]["fwd_ms"] for r in records) / m for s in range(plan.num_stages)]
+            [np.median([r["stages"][s]["fwd_ms"] for r in records]) for s in range(plan.num_stages)]
         )
         bwd = np.array(
-            [sum(r["stages"][s]["bwd_ms"] for r in records) / m for s in range(plan.num_stages)]
+            [np.median([r["stages"][s]["bwd_ms"] for r in records]) for s in range(plan.num_stages)]
         )
         self.monitor.update(fwd, bwd)
         if not self.controller.calibrated:
