@@ -87,14 +87,14 @@ def main() -> None:
     st = plan.stages[s]
     wire = torch.bfloat16 if bf16 else torch.float32
     last = s == plan.num_stages - 1
-    plain_mod = _Plain(model.build_range(st.start, st.stop, device=dev), bf16,
-                       torch.float32 if last else wire)
-    inp, out = boundary_examples(model, plan, s, microbatch_size=args.batch_size // args.microbatches,
-                                 wire_dtype=wire)
-    plain_stage = PipelineStage(plain_mod, s, plan.num_stages, dev, input_args=inp,
-                                output_args=out)
-    plain_sched = Schedule1F1B(plain_stage, n_microbatches=args.microbatches,
-                               loss_fn=model.loss_fn)
+    plain_mod = _Plain(
+        model.build_range(st.start, st.stop, device=dev), bf16, torch.float32 if last else wire
+    )
+    inp, out = boundary_examples(
+        model, plan, s, microbatch_size=args.batch_size // args.microbatches, wire_dtype=wire
+    )
+    plain_stage = PipelineStage(plain_mod, s, plan.num_stages, dev, input_args=inp, output_args=out)
+    plain_sched = Schedule1F1B(plain_stage, n_microbatches=args.microbatches, loss_fn=model.loss_fn)
     plain_opt = torch.optim.AdamW(plain_mod.parameters(), lr=optim.lr)
 
     def plain_step() -> None:
@@ -109,9 +109,12 @@ def main() -> None:
 
     # --- dynpipe -------------------------------------------------------------------------
     engines = {
-        timing: PipelineEngine(model, plan, topo=topo,
-                               config=EngineConfig(batch_size=args.batch_size, optim=optim,
-                                                   bf16=bf16, timing=timing))
+        timing: PipelineEngine(
+            model,
+            plan,
+            topo=topo,
+            config=EngineConfig(batch_size=args.batch_size, optim=optim, bf16=bf16, timing=timing),
+        )
         for timing in (True, False)
     }
     variants = {
@@ -147,8 +150,12 @@ def main() -> None:
     med = dict(zip(variants, t.tolist(), strict=True))
     if topo.rank == 0:
         res = {
-            "model": args.model, "config": PRESETS[args.model], "batch_size": args.batch_size,
-            "microbatches": args.microbatches, "stages": plan.num_stages, "bf16": bf16,
+            "model": args.model,
+            "config": PRESETS[args.model],
+            "batch_size": args.batch_size,
+            "microbatches": args.microbatches,
+            "stages": plan.num_stages,
+            "bf16": bf16,
             "median_step_ms": med,
             "throughput_ratio_vs_torch": {
                 k: med["torch"] / med[k] for k in ("dynpipe", "dynpipe_no_timing")
@@ -160,8 +167,12 @@ def main() -> None:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         name = f"pipeline-{args.model}-{'gpu' if topo.is_cuda else 'cpu'}-{plan.num_stages}st.json"
         (Path(args.out) / name).write_text(json.dumps(res, indent=1) + "\n")
-        print(json.dumps({k: res[k] for k in ("model", "median_step_ms",
-                                               "throughput_ratio_vs_torch")}, indent=1))
+        print(
+            json.dumps(
+                {k: res[k] for k in ("model", "median_step_ms", "throughput_ratio_vs_torch")},
+                indent=1,
+            )
+        )
         print(f"device: {res['env']['device_name']}")
     dist.destroy_process_group()
 
