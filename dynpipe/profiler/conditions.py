@@ -222,8 +222,12 @@ def _make_spec(
 
 
 def _grid(raw: dict[str, Any]) -> list[dict[str, Any]]:
-    """Expand list-valued ``intensity`` / ``count`` into one dict per combination."""
-    keys = [k for k in ("intensity", "count") if isinstance(raw.get(k), list)]
+    """Expand list-valued ``intensity`` / ``count`` into one dict per combination.
+
+    Intensity varies fastest: consecutive conditions then differ only in duty cycle, and the
+    sweep switches them on the running processes instead of restarting them.
+    """
+    keys = [k for k in ("count", "intensity") if isinstance(raw.get(k), list)]
     if not keys:
         return [raw]
     out = []

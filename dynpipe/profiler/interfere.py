@@ -181,14 +181,20 @@ class _Child:
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         env.setdefault("OMP_NUM_THREADS", str(len(spec["cores"]) if spec.get("cores") else 1))
+        # Own process group, so killpg reaches everything it may start, but the parent's
+        # session: with autogroup scheduling a new session would get a CPU share of its own,
+        # and how hard an interferer hits would depend on how the machine groups sessions.
+        # In the parent's session it inherits the parent's priority and competes on equal
+        # terms with the job being measured.
+        group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dynpipe.profiler.workloads", json.dumps(spec)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             bufsize=1,
-            start_new_session=True,  # own process group: killpg reaches all it may start
             env=env,
+            **group,
         )
         self.reader = threading.Thread(
             target=self._read, name=f"interferer-{self.pid}", daemon=True

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -75,6 +75,7 @@ class LayerTiming:
     time_p90_ms: float
     repeats: int
     iters_per_sample: int
+    samples_ms: tuple[float, ...] = field(default=(), repr=False)
 
 
 def static_features(
@@ -214,6 +215,7 @@ class LayerBench:
             time_p90_ms=float(np.percentile(samples, 90)),
             repeats=int(samples.size),
             iters_per_sample=k,
+            samples_ms=tuple(float(x) for x in samples),
         )
 
     def time_all(self, config: TimingConfig) -> Iterator[LayerTiming]:

@@ -141,7 +141,9 @@ class _CpuProbe:
         util = 100.0 * busy / total if total > 0 else _NAN
         own_pct = 100.0 * (own - self._last_own) / (dt * len(self.cores)) if dt > 0 else _NAN
         self._last_cpu, self._last_own, self._last_t = cpu, own, now
-        if now - self._last_scan >= self.scan_interval_s:
+        # Until the first count exists, scan again soon: a short first window needs one.
+        wait = self.scan_interval_s if not math.isnan(self._other_procs) else 0.1
+        if now - self._last_scan >= wait:
             self._scan()
         # /proc/stat counts 10 ms clock ticks, so one 50 ms tick is coarse; it is left
         # unclamped here so the window mean is unbiased, and clamped in window().

@@ -243,10 +243,10 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    _bind_to_parent(int(spec["parent_pid"]), bool(spec.get("pdeathsig", True)))
     cores = spec.get("cores")
     if cores:
-        os.sched_setaffinity(0, cores)
+        os.sched_setaffinity(0, cores)  # first: threads started below inherit it
+    _bind_to_parent(int(spec["parent_pid"]), bool(spec.get("pdeathsig", True)))
     try:
         unit = _UNITS[spec["kind"]](spec)
         unit()  # warm-up: first CUDA kernel, page faults, allocator
