@@ -51,9 +51,25 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="without --plan: equal-layer stages (default: world size)",
     )
-    g.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
-    g.add_argument("--microbatches", type=int, default=4)
+    g.add_argument(
+        "--schedule",
+        choices=("gpipe", "1f1b"),
+        default=None,
+        help="pipeline schedule (default: the plan's, else 1f1b)",
+    )
+    g.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="microbatches per step (default: the plan's, else 4)",
+    )
     g.add_argument("--device", default="auto", help="auto, cpu or cuda (one GPU per rank)")
+    g.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="CPU runs: pin each worker to its own core (local rank modulo the "
+        "cores available), one compute thread each",
+    )
     g.add_argument("--bf16", action="store_true", help="bfloat16 autocast on GPU")
     g.add_argument(
         "--no-timing",
@@ -232,6 +248,12 @@ def _worker(cfg, args: argparse.Namespace) -> int:
 
     topo = Topology.from_env(device=args.device, timeout_s=args.timeout)
     quiet = topo.rank != topo.world_size - 1
+    if args.pin_cores and hasattr(os, "sched_setaffinity"):
+        import torch
+
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[topo.local_rank % len(cores)]})
+        torch.set_num_threads(1)
     try:
         model, _ = build_model_and_data(cfg)
         resolve_plan(cfg, model, topo.world_size)  # before any collective

@@ -73,8 +73,8 @@ class TrainConfig:
     data_path: str | None = None
     steps: int = 100
     batch_size: int = 32
-    microbatches: int = 4
-    schedule: str = "1f1b"
+    microbatches: int | None = None
+    schedule: str | None = None
     stages: int | None = None
     plan: str | None = None
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -120,6 +120,7 @@ def build_model_and_data(cfg: TrainConfig) -> tuple[LayeredModel, Any]:
 
 def resolve_plan(cfg: TrainConfig, model: LayeredModel, world_size: int) -> Plan:
     """The run's plan, validated against the model and the world before any collective."""
+    # A plan file's schedule and microbatches hold unless the command line overrides them.
     if cfg.plan:
         plan = Plan.load(cfg.plan)
         plan = dataclasses.replace(
@@ -129,7 +130,10 @@ def resolve_plan(cfg: TrainConfig, model: LayeredModel, world_size: int) -> Plan
         )
     else:
         plan = Plan.even(
-            model, cfg.stages or world_size, schedule=cfg.schedule, microbatches=cfg.microbatches
+            model,
+            cfg.stages or world_size,
+            schedule=cfg.schedule or "1f1b",
+            microbatches=cfg.microbatches or 4,
         )
     plan.validate(model, world_size)
     from dynpipe.runtime.engine import check_batch
