@@ -1,0 +1,281 @@
+"""Run logs as tidy pandas frames: one ``Run`` per JSONL file.
+
+A run log (``dynpipe.runtime.runlog``) holds a header per process launch, step records and
+events. ``load_run`` turns one file into a ``Run``: per-step and per-stage frames, the events,
+the interference windows and the phase of every step. Nothing is edited: every number in a
+frame is a number of the file, or arithmetic on them that the column docs below spell out.
+
+Step records are written in windows (one gather per window), so all steps of a window carry
+the same ``time``: the moment the window was written, just after its last step ended. The end
+time of every other step of the window is that time minus the ``step_ms`` of the steps after
+it. Pauses between windows (a repartition, a relaunch) stay where they happened, because a
+window is always written before the pause begins.
+"""
+
+from __future__ import annotations
+
+import glob
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from dynpipe.analysis.phases import Window, assign_phases, interference_windows
+from dynpipe.errors import UserError
+
+__all__ = ["Run", "expand_log_paths", "load_run", "load_runs", "stages_frame", "steps_frame"]
+
+
+@dataclass
+class Run:
+    """One run log, read.
+
+    name: unique label of this run among those loaded together (figure legends).
+    system: the label given by the user, else the adapt mode (``static``, ``measured``,
+        ``adaptive``, ``restart``); runs with the same system share a colour.
+    steps: one row per step (a step redone after a relaunch keeps its last attempt):
+        ``step, segment`` (index of the process launch), ``t_end`` (unix s),
+        ``elapsed_s`` (since the first header), ``step_ms, loss, lr, samples_per_s,
+        phase, condition``.
+    stages: one row per (step, stage): ``step, stage, rank, start, stop, fwd_ms, bwd_ms,
+        wait_ms, busy`` (= (fwd + bwd) / step_ms of that step).
+    events: one row per event record: ``event, step, time, elapsed_s, segment, record``
+        (the record as a dict).
+    windows: interference windows, in onset order.
+    """
+
+    name: str
+    system: str
+    mode: str
+    path: Path
+    model: str
+    device: str
+    world_size: int
+    batch_size: int
+    microbatches: int
+    schedule: str
+    headers: list[dict[str, Any]]
+    steps: pd.DataFrame = field(repr=False)
+    stages: pd.DataFrame = field(repr=False)
+    events: pd.DataFrame = field(repr=False)
+    windows: list[Window] = field(default_factory=list)
+    t0: float = 0.0
+    redone_steps: int = 0
+
+    @property
+    def condition(self) -> str:
+        """The interference this run saw, in onset order, or ``no interference``."""
+        labels = list(dict.fromkeys(w.label for w in self.windows))
+        return " then ".join(labels) if labels else "no interference"
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.headers[0]["plan"]["stages"])
+
+    def events_of(self, name: str) -> list[dict[str, Any]]:
+        """The records of every ``name`` event, in file order."""
+        if self.events.empty:
+            return []
+        return list(self.events.loc[self.events["event"] == name, "record"])
+
+    def __repr__(self) -> str:
+        return (
+            f"Run({self.name!r} {self.model} on {self.device}, {len(self.steps)} steps, "
+            f"{self.condition}, {len(self.events_of('repartition'))} repartitions)"
+        )
+
+
+def expand_log_paths(items: Iterable[str | Path]) -> list[Path]:
+    """Files, folders (every ``*.jsonl`` below) and glob patterns, in the order given."""
+    out: list[Path] = []
+    for item in items:
+        p = Path(item)
+        if p.is_dir():
+            found = sorted(p.rglob("*.jsonl"))
+        elif p.is_file():
+            found = [p]
+        else:
+            found = sorted(Path(g) for g in glob.glob(str(item), recursive=True))
+        if not found:
+            raise UserError(
+                f"no run log at {item}; give JSONL files written by `dynpipe train --log FILE` "
+                "or a folder holding them"
+            )
+        out.extend(f for f in found if f not in out)
+    return out
+
+
+def _mode(header: dict[str, Any]) -> str:
+    adapt = header.get("config", {}).get("adapt") or {}
+    return str(adapt.get("mode", "static")) if isinstance(adapt, Mapping) else "static"
+
+
+def _end_times(records: list[dict[str, Any]], segments: list[int]) -> np.ndarray:
+    """End time of each step: its window's write time minus the later steps of the window.
+
+    A window's records are written back to back (microseconds apart); the next window's
+    first record comes at least one full step later. So record ``i + 1`` opens a new window
+    when it was written more than half its own step time after record ``i``.
+    """
+    t = np.array([r["time"] for r in records], dtype=np.float64)
+    ms = np.array([r["step_ms"] for r in records], dtype=np.float64)
+    n = len(records)
+    new = np.ones(n, dtype=bool)
+    new[1:] = (t[1:] - t[:-1] > 0.5 * ms[1:] / 1e3) | (np.diff(segments) != 0)
+    window = np.cumsum(new) - 1
+    out = np.empty(n)
+    for w in np.unique(window):
+        idx = np.flatnonzero(window == w)
+        # The first record is written right after the window's last step ended.
+        after = np.concatenate([np.cumsum(ms[idx][::-1])[::-1][1:], [0.0]])
+        out[idx] = t[idx[0]] - after / 1e3
+    return out
+
+
+def load_run(path: str | Path, *, label: str | None = None) -> Run:
+    """Read one run log (every process launch appended to it) into a ``Run``."""
+    from dynpipe.runtime.runlog import read_log
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"run log {path} does not exist; write one with `dynpipe train --log FILE`")
+    headers, step_recs, segs, ev_recs, ev_segs = [], [], [], [], []
+    for rec in read_log(path):
+        kind = rec.get("type")
+        if kind == "header":
+            headers.append(rec)
+        elif not headers:
+            continue  # records before any header belong to no launch we can describe
+        elif kind == "step":
+            step_recs.append(rec)
+            segs.append(len(headers) - 1)
+        elif kind == "event":
+            ev_recs.append(rec)
+            ev_segs.append(len(headers) - 1)
+    if not headers:
+        raise UserError(
+            f"{path} has no header record; is it a run log written by `dynpipe train --log`?"
+        )
+    if not step_recs:
+        raise UserError(
+            f"{path} has no step records; the run stopped before its first window was written "
+            "(rerun with more steps or a smaller --log-every)"
+        )
+    h0 = headers[0]
+    cfg = h0.get("config", {})
+    t0 = float(h0["time"])
+    steps = pd.DataFrame(
+        {
+            "step": [int(r["step"]) for r in step_recs],
+            "segment": segs,
+            "t_end": _end_times(step_recs, segs),
+            "step_ms": [float(r["step_ms"]) for r in step_recs],
+            "loss": [np.nan if r.get("loss") is None else float(r["loss"]) for r in step_recs],
+            "lr": [np.nan if r.get("lr") is None else float(r["lr"]) for r in step_recs],
+            "samples_per_s": [float(r.get("samples_per_s") or np.nan) for r in step_recs],
+        }
+    )
+    steps["elapsed_s"] = steps["t_end"] - t0
+    stage_rows = [
+        {
+            "step": int(r["step"]),
+            "segment": seg,
+            "stage": int(st["stage"]),
+            "rank": int(st["rank"]),
+            "start": int(st["layers"][0]),
+            "stop": int(st["layers"][1]),
+            "fwd_ms": float(st["fwd_ms"]),
+            "bwd_ms": float(st["bwd_ms"]),
+            "wait_ms": float(st["wait_ms"]),
+            "step_ms": float(r["step_ms"]),
+        }
+        for r, seg in zip(step_recs, segs, strict=True)
+        for st in r.get("stages", [])
+    ]
+    stages = pd.DataFrame(stage_rows)
+    # A relaunch may redo steps a killed process had already logged: keep the last attempt.
+    n_all = len(steps)
+    steps = steps.drop_duplicates("step", keep="last").sort_values("step", kind="stable")
+    steps = steps.reset_index(drop=True)
+    if not stages.empty:
+        stages = stages.drop_duplicates(["step", "stage"], keep="last")
+        stages = stages.sort_values(["step", "stage"], kind="stable").reset_index(drop=True)
+        stages["busy"] = (stages["fwd_ms"] + stages["bwd_ms"]) / stages["step_ms"]
+    events = pd.DataFrame(
+        {
+            "event": [str(r.get("event")) for r in ev_recs],
+            "step": [r.get("step") for r in ev_recs],
+            "time": [float(r["time"]) for r in ev_recs],
+            "segment": ev_segs,
+            "record": ev_recs,
+        }
+    )
+    events["elapsed_s"] = events["time"] - t0
+    windows = interference_windows(ev_recs, last_step=int(steps["step"].max()), t0=t0)
+    steps["phase"], steps["condition"] = assign_phases(steps["step"].to_numpy(), windows)
+    mode = _mode(h0)
+    return Run(
+        name=label or mode,
+        system=label or mode,
+        mode=mode,
+        path=path,
+        model=str(cfg.get("model") or h0["plan"].get("model")),
+        device=str(h0.get("env", {}).get("device_name", "?")),
+        world_size=int(h0.get("world_size", len(h0["plan"]["stages"]))),
+        batch_size=int(cfg.get("batch_size", 0)),
+        microbatches=int(h0["plan"].get("microbatches", cfg.get("microbatches", 1))),
+        schedule=str(h0["plan"].get("schedule", cfg.get("schedule", "?"))),
+        headers=headers,
+        steps=steps,
+        stages=stages,
+        events=events,
+        windows=windows,
+        t0=t0,
+        redone_steps=n_all - len(steps),
+    )
+
+
+def load_runs(
+    paths: Iterable[str | Path] = (), *, labels: Mapping[str, str | Path] | None = None
+) -> list[Run]:
+    """Load logs; ``labels`` maps a system name to a log (loaded too if not in ``paths``).
+
+    Names are made unique: a second run of the same system is named after its folder (or
+    file) so figures can tell them apart.
+    """
+    by_path: dict[Path, str | None] = {p.resolve(): None for p in expand_log_paths(paths)}
+    for name, log in (labels or {}).items():
+        for p in expand_log_paths([log]):
+            by_path[p.resolve()] = name
+    runs = [load_run(p, label=lab) for p, lab in by_path.items()]
+    seen: dict[str, int] = {}
+    for run in runs:
+        seen[run.name] = seen.get(run.name, 0) + 1
+    taken: set[str] = set()
+    for run in runs:
+        if seen[run.name] > 1:
+            for cand in (f"{run.name} ({run.path.parent.name})", f"{run.name} ({run.path.stem})"):
+                if cand not in taken:
+                    run.name = cand
+                    break
+            else:
+                run.name = f"{run.name} #{len(taken) + 1}"
+        taken.add(run.name)
+    return runs
+
+
+def steps_frame(runs: Iterable[Run]) -> pd.DataFrame:
+    """Every run's steps in one frame, with ``run``, ``system``, ``model`` and ``device``."""
+    parts = [
+        r.steps.assign(run=r.name, system=r.system, model=r.model, device=r.device) for r in runs
+    ]
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+
+
+def stages_frame(runs: Iterable[Run]) -> pd.DataFrame:
+    """Every run's per-stage timings in one frame, with ``run`` and ``system``."""
+    parts = [r.stages.assign(run=r.name, system=r.system) for r in runs if not r.stages.empty]
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()

@@ -1,0 +1,179 @@
+"""Numbers the figures and the summary table show, computed from ``Run`` frames only.
+
+- ``phase_stats``: per run and phase, mean step time, compute throughput, repartitions,
+  bytes moved and pause; the first ``warmup`` steps of a run (allocator and first-touch
+  effects, not part of any phase's steady state) are left out of the step statistics.
+- ``throughput``: end to end, samples of the steps kept over the wall time from the first
+  step's start to the last step's end, so pauses (migration, relaunch) count against it.
+- ``time_to_target``: wall time until the trailing mean loss first reaches a target.
+- ``migration_costs``: one row per live repartition or restart, with its pause broken down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from dynpipe.analysis.logs import Run
+from dynpipe.analysis.phases import PHASES
+from dynpipe.errors import UserError
+
+__all__ = [
+    "choose_target",
+    "migration_costs",
+    "phase_stats",
+    "smoothed_loss",
+    "throughput",
+    "time_to_target",
+]
+
+
+def _in_phase(run: Run, phase: str, condition: str | None) -> pd.Series:
+    s = run.steps
+    mask = s["phase"] == phase
+    if condition is not None and phase != "clean":
+        mask &= s["condition"] == condition
+    return mask
+
+
+def phase_stats(run: Run, *, warmup: int = 2) -> pd.DataFrame:
+    """One row per (phase, condition) the run went through, in phase order.
+
+    Columns: ``run, system, model, phase, condition, steps, mean_ms, std_ms, median_ms,
+    samples_per_s`` (batch × steps / summed step time), ``repartitions, bytes, pause_ms``
+    (live repartitions and restarts decided in the phase, their bytes and pauses).
+    """
+    s = run.steps
+    first = int(s["step"].min())
+    rows = []
+    keys = (
+        s[["phase", "condition"]]
+        .drop_duplicates()
+        .assign(order=lambda d: d["phase"].map(PHASES.index))
+        .sort_values("order", kind="stable")
+    )
+    moves = migration_costs([run])
+    for phase, cond in keys[["phase", "condition"]].itertuples(index=False):
+        cond = None if pd.isna(cond) else cond
+        mask = _in_phase(run, phase, cond)
+        steps_here = s.loc[mask, "step"]
+        ms = s.loc[mask & (s["step"] >= first + warmup), "step_ms"].to_numpy()
+        m = moves[moves["step"].isin(steps_here)] if len(moves) else moves
+        rows.append(
+            {
+                "run": run.name,
+                "system": run.system,
+                "model": run.model,
+                "phase": phase,
+                "condition": cond,
+                "steps": len(ms),
+                "mean_ms": float(ms.mean()) if len(ms) else np.nan,
+                "std_ms": float(ms.std()) if len(ms) else np.nan,
+                "median_ms": float(np.median(ms)) if len(ms) else np.nan,
+                "samples_per_s": run.batch_size * len(ms) / (ms.sum() / 1e3) if len(ms) else np.nan,
+                "repartitions": int((m["kind"] == "repartition").sum()) if len(m) else 0,
+                "restarts": int((m["kind"] == "restart").sum()) if len(m) else 0,
+                "bytes": int(m["bytes"].fillna(0).sum()) if len(m) else 0,
+                "pause_ms": float(m["pause_ms"].fillna(0).sum()) if len(m) else 0.0,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def throughput(run: Run) -> float:
+    """Samples per second, end to end: pauses between steps count against the run."""
+    s = run.steps
+    if len(s) < 2:
+        raise UserError(f"run {run.name} ({run.path}) has {len(s)} step(s); need two or more")
+    first = s.iloc[0]
+    span = float(s["t_end"].iloc[-1] - (first["t_end"] - first["step_ms"] / 1e3))
+    return run.batch_size * len(s) / span
+
+
+def smoothed_loss(run: Run, *, smooth: int = 5) -> pd.Series:
+    """Trailing mean of the loss over ``smooth`` steps (uses no future steps)."""
+    return run.steps["loss"].rolling(max(1, smooth), min_periods=1).mean()
+
+
+def choose_target(runs: Sequence[Run], *, quantile: float = 0.1, smooth: int = 5) -> float:
+    """A loss every run reaches: the largest over runs of each one's ``quantile`` of its
+    smoothed loss."""
+    if not 0 <= quantile <= 1:
+        raise UserError(f"loss quantile must be in [0, 1], got {quantile}")
+    vals = [float(smoothed_loss(r, smooth=smooth).quantile(quantile)) for r in runs]
+    vals = [v for v in vals if np.isfinite(v)]
+    if not vals:
+        raise UserError("no run has a finite loss; time to target cannot be computed")
+    return max(vals)
+
+
+def time_to_target(run: Run, target: float, *, smooth: int = 5) -> float | None:
+    """Seconds since the run's start until its smoothed loss is first <= ``target``."""
+    loss = smoothed_loss(run, smooth=smooth).to_numpy()
+    hit = np.flatnonzero(loss <= target)
+    return float(run.steps["elapsed_s"].iloc[hit[0]]) if len(hit) else None
+
+
+def migration_costs(runs: Sequence[Run]) -> pd.DataFrame:
+    """One row per live repartition and per restart of the runs.
+
+    Columns: ``run, system, kind`` (``repartition`` or ``restart``), ``step, bytes,
+    decide_ms, transfer_ms, rebuild_ms, relaunch_ms, pause_ms``. A restart's relaunch time is
+    the ``pause_ms`` of its ``resumed`` event (from the decision to the relaunched process
+    being ready); its pause adds the decision time to that.
+    """
+    rows = []
+    for run in runs:
+        for ev in run.events_of("repartition"):
+            rows.append(
+                {
+                    "run": run.name,
+                    "system": run.system,
+                    "kind": "repartition",
+                    "step": int(ev["step"]),
+                    "bytes": ev.get("bytes"),
+                    "decide_ms": ev.get("decide_ms"),
+                    "transfer_ms": ev.get("transfer_ms"),
+                    "rebuild_ms": ev.get("rebuild_ms"),
+                    "relaunch_ms": None,
+                    "pause_ms": ev.get("pause_ms"),
+                }
+            )
+        resumed = {int(ev["step"]): ev for ev in run.events_of("resumed")}
+        for ev in run.events_of("restart"):
+            res = resumed.get(int(ev["step"]))
+            relaunch = None if res is None else res.get("pause_ms")
+            decide = ev.get("decide_ms")
+            pause = None if relaunch is None else float(relaunch) + float(decide or 0.0)
+            rows.append(
+                {
+                    "run": run.name,
+                    "system": run.system,
+                    "kind": "restart",
+                    "step": int(ev["step"]),
+                    "bytes": None,
+                    "decide_ms": decide,
+                    "transfer_ms": None,
+                    "rebuild_ms": None,
+                    "relaunch_ms": relaunch,
+                    "pause_ms": pause,
+                }
+            )
+    cols = [
+        "run",
+        "system",
+        "kind",
+        "step",
+        "bytes",
+        "decide_ms",
+        "transfer_ms",
+        "rebuild_ms",
+        "relaunch_ms",
+        "pause_ms",
+    ]
+    out = pd.DataFrame(rows, columns=cols)
+    num = cols[4:]
+    out[num] = out[num].astype(float)
+    return out

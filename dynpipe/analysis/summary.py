@@ -1,0 +1,208 @@
+"""``summary.md``: the numbers behind the figures, per run and phase, as markdown tables."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from dynpipe.analysis.logs import Run
+from dynpipe.analysis.metrics import (
+    choose_target,
+    migration_costs,
+    phase_stats,
+    throughput,
+    time_to_target,
+)
+
+__all__ = ["render_summary", "run_table", "write_summary"]
+
+
+def _num(v: object, fmt: str) -> str:
+    if v is None or (isinstance(v, float) and not np.isfinite(v)):
+        return "–"
+    return format(v, fmt)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return out + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def run_table(
+    runs: Sequence[Run], *, target: float | None = None, quantile: float = 0.1, smooth: int = 5
+) -> pd.DataFrame:
+    """Per run: end-to-end samples/s, speed-up over the static run of the same model and
+    condition, time to the target loss, total pause, repartitions and restarts."""
+    if target is None:
+        target = choose_target(runs, quantile=quantile, smooth=smooth)
+    moves = migration_costs(runs)
+    rows = []
+    for r in runs:
+        m = moves[moves["run"] == r.name]
+        rows.append(
+            {
+                "run": r.name,
+                "system": r.system,
+                "model": r.model,
+                "device": r.device,
+                "condition": r.condition,
+                "steps": len(r.steps),
+                "samples_per_s": throughput(r),
+                "time_to_target_s": time_to_target(r, target, smooth=smooth),
+                "target": target,
+                "repartitions": int((m["kind"] == "repartition").sum()),
+                "restarts": int((m["kind"] == "restart").sum()),
+                "bytes": float(m["bytes"].fillna(0).sum()),
+                "pause_ms": float(m["pause_ms"].fillna(0).sum()),
+                "redone_steps": r.redone_steps,
+            }
+        )
+    df = pd.DataFrame(rows)
+    base = df[df["system"] == "static"].groupby(["model", "condition"])["samples_per_s"].mean()
+    df["speedup"] = [
+        row.samples_per_s / base[(row.model, row.condition)]
+        if (row.model, row.condition) in base.index
+        else np.nan
+        for row in df.itertuples()
+    ]
+    return df
+
+
+def render_summary(
+    runs: Sequence[Run],
+    *,
+    target: float | None = None,
+    quantile: float = 0.1,
+    smooth: int = 5,
+    warmup: int = 2,
+) -> str:
+    per_run = run_table(runs, target=target, quantile=quantile, smooth=smooth)
+    phases = pd.concat([phase_stats(r, warmup=warmup) for r in runs], ignore_index=True)
+    tgt = float(per_run["target"].iloc[0])
+    how = "given" if target is not None else f"the {quantile:.0%} quantile every run reaches"
+    lines = ["# Run summary", "", "Drawn from these run logs:", ""]
+    lines += [
+        f"- `{r.path}`: **{r.name}** ({r.mode}), {r.model} on {r.device}, "
+        f"{r.num_stages} stages, {r.schedule} M={r.microbatches}, batch {r.batch_size}, "
+        f"{len(r.steps)} steps, {r.condition}"
+        for r in runs
+    ]
+    lines += [
+        "",
+        "## Per run",
+        "",
+        f"Samples/s end to end (pauses included). Time to target: wall seconds until the "
+        f"trailing mean of {smooth} losses first reaches {tgt:.4g} ({how}).",
+        "",
+    ]
+    lines += _table(
+        [
+            "run",
+            "model",
+            "condition",
+            "samples/s",
+            "vs static",
+            "time to target (s)",
+            "repartitions",
+            "restarts",
+            "moved (MiB)",
+            "pause (ms)",
+        ],
+        [
+            [
+                r.run,
+                r.model,
+                r.condition,
+                _num(r.samples_per_s, ".2f"),
+                _num(r.speedup, ".2f"),
+                _num(r.time_to_target_s, ".1f"),
+                str(r.repartitions),
+                str(r.restarts),
+                _num(r.bytes / 2**20, ".2f"),
+                _num(r.pause_ms, ".1f"),
+            ]
+            for r in per_run.itertuples()
+        ],
+    )
+    lines += [
+        "",
+        "## Per run and phase",
+        "",
+        f"Phases come from the interference events in each log. Step statistics leave out "
+        f"the first {warmup} steps of a run; samples/s here is batch × steps over summed "
+        "step time (pauses are in the last column).",
+        "",
+    ]
+    lines += _table(
+        [
+            "run",
+            "phase",
+            "condition",
+            "steps",
+            "mean step (ms)",
+            "sd (ms)",
+            "samples/s",
+            "repartitions",
+            "restarts",
+            "moved (MiB)",
+            "pause (ms)",
+        ],
+        [
+            [
+                r.run,
+                r.phase,
+                "–" if pd.isna(r.condition) else r.condition,
+                str(r.steps),
+                _num(r.mean_ms, ".2f"),
+                _num(r.std_ms, ".2f"),
+                _num(r.samples_per_s, ".2f"),
+                str(r.repartitions),
+                str(r.restarts),
+                _num(r.bytes / 2**20, ".2f"),
+                _num(r.pause_ms, ".1f"),
+            ]
+            for r in phases.itertuples()
+        ],
+    )
+    moves = migration_costs(runs)
+    if len(moves):
+        lines += ["", "## Repartitions and restarts", ""]
+        lines += _table(
+            [
+                "run",
+                "kind",
+                "step",
+                "moved (MiB)",
+                "decide (ms)",
+                "transfer (ms)",
+                "rebuild (ms)",
+                "relaunch (ms)",
+                "pause (ms)",
+            ],
+            [
+                [
+                    m.run,
+                    m.kind,
+                    str(m.step),
+                    _num(m.bytes / 2**20, ".2f"),
+                    _num(m.decide_ms, ".2f"),
+                    _num(m.transfer_ms, ".2f"),
+                    _num(m.rebuild_ms, ".2f"),
+                    _num(m.relaunch_ms, ".1f"),
+                    _num(m.pause_ms, ".2f"),
+                ]
+                for m in moves.itertuples()
+            ],
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(runs: Sequence[Run], path: str | Path, **kwargs: object) -> Path:
+    """Write ``render_summary(runs, **kwargs)`` to ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_summary(runs, **kwargs))  # type: ignore[arg-type]
+    return path
