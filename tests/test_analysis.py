@@ -21,7 +21,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dynpipe.analysis.logs import load_run, load_runs, stages_frame, steps_frame
+from dynpipe.analysis.logs import (
+    group_experiments,
+    load_run,
+    load_runs,
+    stages_frame,
+    steps_frame,
+)
 from dynpipe.analysis.metrics import (
     choose_target,
     migration_costs,
@@ -168,7 +174,8 @@ def test_load_runs_labels_and_unique_names(tmp_path) -> None:
     copy.parent.mkdir()
     copy.write_bytes((LOGS / "static.jsonl").read_bytes())
     runs = load_runs([LOGS / "static.jsonl", copy])
-    assert len({r.name for r in runs}) == 2 and {r.system for r in runs} == {"static"}
+    # Two static runs of one model and condition are two systems, told apart by folder.
+    assert sorted(r.system for r in runs) == ["static (again)", "static (logs)"]
     assert len(load_runs([LOGS])) == 3  # a folder: every log below it
     assert set(steps_frame(runs)["run"]) == {r.name for r in runs}
     assert len(stages_frame(runs)) == 2 * len(steps_frame(runs))
@@ -198,3 +205,23 @@ def test_summary_tables(static, measured, restart) -> None:
     for name in ("static", "measured", "restart", "interference", "after", "emulated ×3"):
         assert name in md
     assert md.count("\n| measured | repartition |") == len(measured.events_of("repartition"))
+
+
+def test_experiments_and_systems_from_file_names(tmp_path) -> None:
+    # The flat layout bench/gpu_adapt.sh writes: <model>-<kind>-<mode>.jsonl in one folder.
+    flat = tmp_path / "bench"
+    flat.mkdir()
+    for src, dst in (
+        ("static", "mlp-emul-static"),
+        ("static", "mlp-emul-static_tuned"),
+        ("measured", "mlp-emul-measured"),
+        ("restart", "mlp-other-restart"),
+    ):
+        (flat / f"{dst}.jsonl").write_bytes((LOGS / f"{src}.jsonl").read_bytes())
+    groups = group_experiments(tmp_path)
+    assert {k: len(v) for k, v in groups.items()} == {"bench/mlp-emul": 3, "bench/mlp-other": 1}
+    runs = load_runs(groups["bench/mlp-emul"])
+    assert sorted(r.system for r in runs) == ["measured", "static", "static_tuned"]
+    assert group_experiments(LOGS) == {"logs": sorted(LOGS.glob("*.jsonl"))}
+    with pytest.raises(UserError, match="no run logs under"):
+        group_experiments(tmp_path / "none")

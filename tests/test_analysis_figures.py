@@ -200,9 +200,7 @@ def test_predictor_from_report(predictor_files, tmp_path) -> None:
     assert preds.primary == "xgb" and "held-out interference conditions" in preds.source
     assert set(preds.frame["estimator"]) == {"xgb", "stage-mean"}
     assert (preds.frame["interferer"] != "none").all()
-    fig = plot_predictor(preds, out=tmp_path)
-    _labelled(fig, words=("Synthetic GPU", "xgb"))
-    assert (tmp_path / "predictor.png").stat().st_size > 10_000
+    _labelled(plot_predictor(preds), words=("Synthetic GPU", "xgb"))
     with pytest.raises(UserError, match=r"predictions_layers\.parquet"):
         predictions_from_report(tmp_path)
 
@@ -231,3 +229,60 @@ def test_cli_predictor_and_errors(predictor_files, tmp_path, capsys) -> None:
     assert main(["figures", "-o", str(tmp_path), "--label", "oops"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "NAME=LOG" in err
+
+
+def _script(name: str):
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "analysis" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"analysis_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SCRIPTS = {
+    "fig_step_time": "cpu/step_time.png",
+    "fig_busy": "cpu/busy_fraction.png",
+    "fig_loss": "cpu/loss_time.png",
+    "fig_migration": "cpu/migration.png",
+    "fig_bubbles": "cpu/bubbles.png",
+    "fig_phases": "phases_mlp.png",
+    "fig_throughput": "throughput.png",
+    "adapt_table": "cpu/summary.md",
+}
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("alogs")
+    (logs / "cpu").mkdir()
+    for f in LOGS.glob("*.jsonl"):
+        (logs / "cpu" / f.name).write_bytes(f.read_bytes())
+    return logs
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_analysis_scripts(name, experiment, tmp_path, capsys) -> None:
+    mod = _script(name)
+    assert "python analysis/" in mod.__doc__  # the exact command to run it
+    args = ["--logs", str(experiment), "--out", str(tmp_path)]
+    if name == "fig_bubbles":
+        args += ["--partitions", str(tmp_path / "none")]
+    assert mod.main(args) == 0
+    out = tmp_path / SCRIPTS[name]
+    assert out.stat().st_size > 1_000
+    assert str(out) in capsys.readouterr().out
+    empty = ["--logs", str(tmp_path / "empty"), "--out", str(tmp_path)]
+    if name == "fig_bubbles":
+        empty += ["--partitions", str(tmp_path / "none")]
+    assert mod.main(empty) == 2
+    assert "no run logs" in capsys.readouterr().err
+
+
+def test_predictor_script(predictor_files, tmp_path) -> None:
+    mod = _script("fig_predictor")
+    assert mod.main(["--report", str(predictor_files / "report"), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "predictor_report.png").stat().st_size > 10_000
+    args = ["--predictor", str(predictor_files / "p.joblib"), "--out", str(tmp_path)]
+    assert mod.main(args) == 2  # a predictor alone has nothing to be scored on

@@ -43,7 +43,8 @@ _COLUMNS = [
 
 
 def _plan_text(bounds: Sequence[tuple[int, int]]) -> str:
-    return "|".join(f"{a}-{b - 1}" for a, b in bounds)
+    """``0-4|5-9``: the layers of each stage, inclusive (a one-layer stage is one number)."""
+    return "|".join(f"{a}-{b - 1}" if b - 1 > a else f"{a}" for a, b in bounds)
 
 
 def run_bubbles(runs: Sequence[Run], *, warmup: int = 2) -> pd.DataFrame:

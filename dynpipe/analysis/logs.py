@@ -26,7 +26,15 @@ import pandas as pd
 from dynpipe.analysis.phases import Window, assign_phases, interference_windows
 from dynpipe.errors import UserError
 
-__all__ = ["Run", "expand_log_paths", "load_run", "load_runs", "stages_frame", "steps_frame"]
+__all__ = [
+    "Run",
+    "expand_log_paths",
+    "group_experiments",
+    "load_run",
+    "load_runs",
+    "stages_frame",
+    "steps_frame",
+]
 
 
 @dataclass
@@ -105,6 +113,38 @@ def expand_log_paths(items: Iterable[str | Path]) -> list[Path]:
                 "or a folder holding them"
             )
         out.extend(f for f in found if f not in out)
+    return out
+
+
+def group_experiments(root: str | Path) -> dict[str, list[Path]]:
+    """Experiments under ``root``, each a list of run logs (one per system).
+
+    Every folder holding ``*.jsonl`` logs is an experiment, named by its path below ``root``
+    (``root``'s own name for logs lying directly in it). A folder of logs named
+    ``<experiment>-<system>.jsonl`` with several experiment prefixes (what
+    ``bench/gpu_adapt.sh`` writes) is split by prefix.
+    """
+    root = Path(root)
+    found = sorted(root.rglob("*.jsonl")) if root.is_dir() else []
+    if not found:
+        raise UserError(
+            f"no run logs under {root}; put each experiment's logs in {root}/<experiment>/"
+            "<system>.jsonl (written by `dynpipe train --log FILE`)"
+        )
+    folders: dict[Path, list[Path]] = {}
+    for f in found:
+        folders.setdefault(f.parent, []).append(f)
+    out: dict[str, list[Path]] = {}
+    for folder, files in folders.items():
+        rel = folder.relative_to(root).as_posix()
+        base = root.name if rel == "." else rel
+        prefixes = {f.stem.rpartition("-")[0] for f in files}
+        if "" in prefixes or len(prefixes) < 2:
+            out[base] = files
+            continue
+        for f in files:
+            prefix = f.stem.rpartition("-")[0]
+            out.setdefault(prefix if rel == "." else f"{rel}/{prefix}", []).append(f)
     return out
 
 
@@ -243,28 +283,62 @@ def load_runs(
 ) -> list[Run]:
     """Load logs; ``labels`` maps a system name to a log (loaded too if not in ``paths``).
 
-    Names are made unique: a second run of the same system is named after its folder (or
-    file) so figures can tell them apart.
+    A run's system is its label, else its adapt mode. Two unlabelled runs of one mode, model
+    and interference are different systems (a static run of another plan, say): each is
+    named after what its file name adds to the others' (``static`` and ``static_tuned`` for
+    ``…-static.jsonl`` and ``…-static_tuned.jsonl``). Run names are then made unique by
+    folder or file name, so runs of one system under different interference stay apart.
     """
     by_path: dict[Path, str | None] = {p.resolve(): None for p in expand_log_paths(paths)}
     for name, log in (labels or {}).items():
         for p in expand_log_paths([log]):
             by_path[p.resolve()] = name
     runs = [load_run(p, label=lab) for p, lab in by_path.items()]
-    seen: dict[str, int] = {}
-    for run in runs:
-        seen[run.name] = seen.get(run.name, 0) + 1
-    taken: set[str] = set()
-    for run in runs:
-        if seen[run.name] > 1:
-            for cand in (f"{run.name} ({run.path.parent.name})", f"{run.name} ({run.path.stem})"):
-                if cand not in taken:
-                    run.name = cand
-                    break
-            else:
-                run.name = f"{run.name} #{len(taken) + 1}"
-        taken.add(run.name)
+    groups: dict[tuple[str, str, str], list[Run]] = {}
+    for run, lab in zip(runs, by_path.values(), strict=True):
+        if lab is None:
+            groups.setdefault((run.system, run.model, run.condition), []).append(run)
+    for (mode, _, _), group in groups.items():
+        if len(group) < 2:
+            continue
+        common = _common_prefix([r.path.stem for r in group])
+        for r in group:
+            rest = r.path.stem[len(common) :]
+            if rest and rest[0] in "_-.":
+                r.system = r.name = f"{mode}{rest}"
+            elif rest:
+                r.system = r.name = f"{mode} ({r.path.stem})"
+        if len({r.system for r in group}) < len(group):
+            for r in group:
+                r.system = r.name = f"{r.system} ({r.path.parent.name})"
+    _unique_names(runs)
     return runs
+
+
+def _common_prefix(words: list[str]) -> str:
+    # The lexicographically first and last words differ where any two differ first.
+    lo, hi = min(words), max(words)
+    n = 0
+    while n < len(lo) and lo[n] == hi[n]:
+        n += 1
+    return lo[:n]
+
+
+def _unique_names(runs: list[Run]) -> None:
+    counts: dict[str, int] = {}
+    for run in runs:
+        counts[run.name] = counts.get(run.name, 0) + 1
+    taken = {r.name for r in runs if counts[r.name] == 1}
+    for run in runs:
+        if counts[run.name] == 1:
+            continue
+        for cand in (f"{run.name} ({run.path.parent.name})", f"{run.name} ({run.path.stem})"):
+            if cand not in taken:
+                break
+        else:
+            cand = f"{run.name} #{len(taken) + 1}"
+        run.name = cand
+        taken.add(cand)
 
 
 def steps_frame(runs: Iterable[Run]) -> pd.DataFrame:
