@@ -165,8 +165,9 @@ def test_interferer_started_in_thread_survives_thread_exit():
     # The converse of the SIGKILL test: a thread that starts an interferer and ends must not
     # take the interferer with it.
     box = {}
-    t = threading.Thread(target=lambda: box.setdefault("itf", start_interferer(kind="spin",
-                                                                              intensity=0.2)))
+    t = threading.Thread(
+        target=lambda: box.setdefault("itf", start_interferer(kind="spin", intensity=0.2))
+    )
     t.start()
     t.join()
     itf = box["itf"]
@@ -181,8 +182,19 @@ def test_interferer_started_in_thread_survives_thread_exit():
 def test_cli_interfere_runs_until_timeout(capsys):
     from dynpipe.cli import main
 
-    rc = main(["interfere", "--kind", "spin", "--intensity", "0.2", "--timeout", "0.5",
-               "--cores", str(LAST_CORE)])
+    rc = main(
+        [
+            "interfere",
+            "--kind",
+            "spin",
+            "--intensity",
+            "0.2",
+            "--timeout",
+            "0.5",
+            "--cores",
+            str(LAST_CORE),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "ready: spin@0.2x1" in out and "stopped:" in out

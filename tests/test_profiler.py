@@ -98,15 +98,20 @@ def test_spin_on_our_core_slows_a_layer_and_telemetry_sees_it(pinned):
             alone, loaded, tel_alone, tel_loaded = _spin_trial(bench, cfg, sampler, rounds=10)
             # Two baselines pooled from alternate rounds: their ratio is the slowdown the
             # profiler reports with no interferer.
-            noise = float(np.median(np.concatenate(alone[1::2]))
-                          / np.median(np.concatenate(alone[0::2])))
+            noise = float(
+                np.median(np.concatenate(alone[1::2])) / np.median(np.concatenate(alone[0::2]))
+            )
             t_alone = float(np.median(np.concatenate(alone)))
             slowdown = float(np.median(np.concatenate(loaded))) / t_alone
             other_alone = _mean(tel_alone, "tel_other_util")
             other_loaded = _mean(tel_loaded, "tel_other_util")
             procs_loaded = _mean(tel_loaded, "tel_other_procs")
-            if (0.9 <= noise <= 1.1 and slowdown >= 1.3 and other_loaded >= other_alone + 10
-                    and procs_loaded >= 0.5):
+            if (
+                0.9 <= noise <= 1.1
+                and slowdown >= 1.3
+                and other_loaded >= other_alone + 10
+                and procs_loaded >= 0.5
+            ):
                 break
     assert 0.3 <= t_alone <= 20, f"layer took {t_alone:.2f} ms; the test wants ~1-5 ms"
     assert 0.9 <= noise <= 1.1, [np.median(a) for a in alone]
@@ -144,7 +149,9 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 
 def test_sweep_grid_and_condition_ids(tmp_path):
-    p = _write(tmp_path, """
+    p = _write(
+        tmp_path,
+        """
 [sweep]
 name = "t"
 sample_ms = 30
@@ -160,7 +167,8 @@ intensity = 0.5
 cores = "other"
 [[conditions]]
 mix = [{kind = "spin", intensity = 0.5}, {kind = "membw", intensity = 1.0}]
-""")
+""",
+    )
     sw = load_sweep(p, device="cpu", cores=[0])
     ids = [c.id for c in sw.conditions]
     assert ids[0] == NONE
@@ -182,7 +190,7 @@ mix = [{kind = "spin", intensity = 0.5}, {kind = "membw", intensity = 1.0}]
     [
         ('[[conditions]]\nkind = "gpu_burn"\n', "'gpu_burn'"),
         ('[[conditions]]\nmix = [{kind = "spin"}, {kind = "hog"}]\n', "'hog'"),
-        ('[defaults.hog]\nsize = 3\n', "'hog'"),
+        ("[defaults.hog]\nsize = 3\n", "'hog'"),
     ],
 )
 def test_sweep_unknown_kind_is_one_clear_line(tmp_path, body, needle):
@@ -199,9 +207,9 @@ def test_sweep_other_errors_are_one_line(tmp_path):
         ('[[conditions]]\nkind = "gemm"\n', "needs a GPU"),
         ('[[conditions]]\nkind = "spin"\nintensity = 2\n', "outside [0, 1]"),
         ('[[conditions]]\nkind = "spin"\nwidth = 2\n', "unknown interferer field"),
-        ('[sweep]\nrepeat = 3\n', "unknown [sweep] key"),
-        ('[sweep]\nsample_ms = 5\nperiod_ms = 25\n', "sample_ms"),
-        ('[[conditions]\n', "not valid TOML"),
+        ("[sweep]\nrepeat = 3\n", "unknown [sweep] key"),
+        ("[sweep]\nsample_ms = 5\nperiod_ms = 25\n", "sample_ms"),
+        ("[[conditions]\n", "not valid TOML"),
     ]
     for body, needle in cases:
         with pytest.raises(UserError, match=None) as err:
@@ -212,8 +220,19 @@ def test_sweep_other_errors_are_one_line(tmp_path):
 
 def test_cli_unknown_kind_exits_2_with_one_line(tmp_path, capsys):
     p = _write(tmp_path, '[[conditions]]\nkind = "stress"\nintensity = 0.5\n')
-    rc = main(["profile", "--model", "mlp", "--batch-size", "4", "--sweep", str(p),
-               "-o", str(tmp_path / "x.parquet")])
+    rc = main(
+        [
+            "profile",
+            "--model",
+            "mlp",
+            "--batch-size",
+            "4",
+            "--sweep",
+            str(p),
+            "-o",
+            str(tmp_path / "x.parquet"),
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert rc == 2
     assert len(err.splitlines()) == 1
@@ -235,7 +254,9 @@ def test_shipped_sweeps_parse():
 
 def test_sweep_end_to_end_resume_and_summary(tmp_path, capsys):
     out = tmp_path / "p.parquet"
-    sweep = _write(tmp_path, """
+    sweep = _write(
+        tmp_path,
+        """
 [sweep]
 warmup = 1
 repeats = 2
@@ -246,10 +267,26 @@ recheck_baseline = false
 [[conditions]]
 kind = "spin"
 intensity = [0.5, 1.0]
-""")
-    args = ["profile", "--model", "mlp", "--set", "depth=1", "--set", "width=32",
-            "--batch-size", "8,16", "--sweep", str(sweep), "--cores", str(CORE), "--quiet",
-            "-o", str(out)]
+""",
+    )
+    args = [
+        "profile",
+        "--model",
+        "mlp",
+        "--set",
+        "depth=1",
+        "--set",
+        "width=32",
+        "--batch-size",
+        "8,16",
+        "--sweep",
+        str(sweep),
+        "--cores",
+        str(CORE),
+        "--quiet",
+        "-o",
+        str(out),
+    ]
     old_aff, old_threads = os.sched_getaffinity(0), torch.get_num_threads()
     try:
         assert main(args) == 0
@@ -285,9 +322,14 @@ def test_resume_measures_only_missing_windows(tmp_path):
     from dynpipe.profiler.sweep import run_sweep
 
     out = tmp_path / "r.parquet"
-    full = load_sweep(_write(tmp_path, '[sweep]\nsample_ms = 5\nperiod_ms = 5\nwarmup = 1\n'
-                             'repeats = 1\nsettle_s = 0\nrecheck_baseline = false\n'
-                             '[[conditions]]\nkind = "spin"\nintensity = 0.5\n'))
+    full = load_sweep(
+        _write(
+            tmp_path,
+            "[sweep]\nsample_ms = 5\nperiod_ms = 5\nwarmup = 1\n"
+            "repeats = 1\nsettle_s = 0\nrecheck_baseline = false\n"
+            '[[conditions]]\nkind = "spin"\nintensity = 0.5\n',
+        )
+    )
     first = Sweep(**{**full.__dict__, "conditions": full.conditions[:1]})
     models = [("mlp", {"depth": 1, "width": 16})]
     run_sweep(models, batch_sizes=[4], sweep=first, out=out, progress=False)
@@ -300,13 +342,59 @@ def test_resume_measures_only_missing_windows(tmp_path):
     pd.testing.assert_series_equal(kept["time_ms"], df1["time_ms"], check_names=False)
 
 
+@pytest.mark.filterwarnings("ignore:the 'none' baseline:RuntimeWarning")  # µs layers: noisy
+def test_repeated_baselines_are_pooled(tmp_path):
+    from dynpipe.profiler.sweep import run_sweep
+
+    sweep = load_sweep(
+        _write(
+            tmp_path,
+            """
+[sweep]
+sample_ms = 5
+period_ms = 5
+warmup = 1
+repeats = 2
+settle_s = 0
+baseline_every = 1
+recheck_baseline = true
+[[conditions]]
+kind = "spin"
+intensity = [0.5, 1.0]
+""",
+        )
+    )
+    out = tmp_path / "b.parquet"
+    df = run_sweep(
+        [("mlp", {"depth": 1, "width": 16})], batch_sizes=[4], sweep=sweep, out=out, progress=False
+    )
+    runs = read_metadata(out)["baseline_runs"]
+    # After every interference condition; the one after the last is the final recheck.
+    assert [r["after"] for r in runs] == ["spin@0.5x1", "spin@1x1"]
+    assert all(r["n"] == len(df[df["condition"] == NONE]) for r in runs)
+    base = df[df["condition"] == NONE]
+    assert (base["repeats"] == 3 * 2).all()  # three baseline measurements of two samples
+    assert base["samples_ms"].map(len).eq(6).all()
+    assert (base["slowdown"] == 1.0).all()
+    assert read_metadata(out)["baseline_drift"] == runs[-1]
+
+
 # ---------------------------------------------------------------------------- datasets
 
 
 def _tiny_frame() -> pd.DataFrame:
     row = {c: 0 for c in COLUMNS}
-    row.update(model="mlp", layer="fc00", kind="linear", phase="fwd", dtype="float32",
-               device_type="cpu", device_name="x", condition="none", interferer="none")
+    row.update(
+        model="mlp",
+        layer="fc00",
+        kind="linear",
+        phase="fwd",
+        dtype="float32",
+        device_type="cpu",
+        device_name="x",
+        condition="none",
+        interferer="none",
+    )
     for c, fam in COLUMNS.items():
         if fam == "float":
             row[c] = 1.0
@@ -314,8 +402,14 @@ def _tiny_frame() -> pd.DataFrame:
 
 
 def _meta():
-    return {"device_name": "x", "device_type": "cpu", "driver": "d", "torch_version": "t",
-            "date": "now", "command": "test"}
+    return {
+        "device_name": "x",
+        "device_type": "cpu",
+        "driver": "d",
+        "torch_version": "t",
+        "date": "now",
+        "command": "test",
+    }
 
 
 def test_dataset_missing_or_renamed_column_is_one_line(tmp_path):
@@ -356,8 +450,12 @@ def test_dataset_corrupt_inputs_are_one_line(tmp_path):
     wrong_type = tmp_path / "type.parquet"
     write_profiles(_tiny_frame(), tmp_path / "ok.parquet", meta=_meta())
     _write_raw(_tiny_frame().assign(time_ms="fast"), wrong_type, tmp_path / "ok.parquet")
-    cases = [(tmp_path / "none.parquet", "does not exist"), (junk, "not a readable parquet"),
-             (bare, "no 'dynpipe' metadata"), (wrong_type, "time_ms")]
+    cases = [
+        (tmp_path / "none.parquet", "does not exist"),
+        (junk, "not a readable parquet"),
+        (bare, "no 'dynpipe' metadata"),
+        (wrong_type, "time_ms"),
+    ]
     for path, needle in cases:
         with pytest.raises(UserError) as err:
             load_profiles(path)

@@ -116,6 +116,8 @@ def run_profile(args: argparse.Namespace) -> int:
             except ValueError:
                 raise UserError(f"--batch-size {item!r}: give integers like 32 or 32,64") from None
     cores = parse_cores(args.cores)
+    if args.device == "cuda":
+        args.device = "cuda:0"  # one name per device in the dataset and its interferers
     sweep = load_sweep(args.sweep, device=args.device, cores=cores)
     overrides = {
         k: getattr(args, k)

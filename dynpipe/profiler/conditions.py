@@ -11,6 +11,8 @@ one intensity and count (``gemm@0.5x2``), or a mix (``gemm@0.5x1+copy@0.5x1``). 
     sample_ms = 30      # minimum length of one sample; >= period_ms
     period_ms = 25      # interferer duty-cycle period
     settle_s = 0.3      # wait after the interferers are ready, before timing
+    baseline_every = 4  # time ``none`` again after every 4 conditions (0: only first)
+    recheck_baseline = true   # and once more at the end
 
     [defaults]          # fields for every interferer; [defaults.<kind>] for one kind
     [defaults.train]
@@ -62,6 +64,7 @@ _SWEEP_KEYS = {
     "settle_s",
     "max_iters",
     "recheck_baseline",
+    "baseline_every",
 }
 
 
@@ -119,7 +122,12 @@ class Condition:
 
 @dataclass(frozen=True)
 class Sweep:
-    """A parsed sweep file: timing settings and conditions (``none`` first)."""
+    """A parsed sweep file: timing settings and conditions (``none`` first).
+
+    ``baseline_every`` re-times ``none`` after every that many interference conditions and
+    ``recheck_baseline`` once more at the end; all baseline measurements are pooled into the
+    ``none`` rows, and how far each moved is kept in the dataset's ``baseline_runs``.
+    """
 
     name: str
     conditions: tuple[Condition, ...]
@@ -130,6 +138,7 @@ class Sweep:
     settle_s: float = 0.3
     max_iters: int = 2000
     recheck_baseline: bool = True
+    baseline_every: int = 0
     path: str = ""
     sha1: str = ""
 

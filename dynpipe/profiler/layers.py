@@ -143,6 +143,8 @@ class LayerBench:
         self.device = torch.device(device)
         self.dtype = dtype_of(dtype)
         if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.layers = [
             model.build_layer(i, device=self.device).to(self.dtype).train()

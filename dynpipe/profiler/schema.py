@@ -95,6 +95,7 @@ EXTRA_COLUMNS: dict[str, str] = {
     "param_count": "int",
     "iters_per_sample": "int",  # back-to-back iterations averaged into one timing sample
     "tel_samples": "int",  # telemetry ticks behind the tel_* means
+    "samples_ms": "list",  # every timing sample behind time_ms (ms per iteration)
 }
 
 _PHASES = ("fwd", "bwd")

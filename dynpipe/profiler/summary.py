@@ -11,6 +11,7 @@ intensity, and how well each telemetry column ranks the slowdowns (Spearman).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -199,9 +200,13 @@ def _device_section(df: Any, device: str) -> list[str]:
 
 def _answer(mvc: Any, dtype: str) -> list[str]:
     mk, ck = _MEMORY_KIND.get(dtype), _COMPUTE_KIND.get(dtype)
-    one = mvc[mvc["n_jobs"] == 1]
-    m = one[one["interferer"] == mk].set_index("intensity")
-    c = one[one["interferer"] == ck].set_index("intensity")
+
+    # Single interferers on the profiler's own placement only: ids like ``copy@0.5x1``.
+    def pick(kind: str) -> Any:
+        sel = mvc[[bool(re.fullmatch(rf"{kind}@[0-9.]+x1", str(i))) for i in mvc.index]]
+        return sel.set_index("intensity")
+
+    m, c = pick(mk), pick(ck)
     common = sorted(set(m.index) & set(c.index))
     if not common:
         return [f"(No {mk} and {ck} conditions at a common intensity: cannot compare.)", ""]
@@ -240,9 +245,12 @@ def summarize(df: Any) -> str:
     """Markdown report of one or more loaded datasets (see ``load_profiles``)."""
     lines = ["# Profile summary", ""]
     for meta in df.attrs.get(META_KEY, []):
-        drift = meta.get("baseline_drift")
+        runs = meta.get("baseline_runs", [])
         drift_s = (
-            f"; baseline re-measured at the end: x{drift['median_ratio']:.3f}" if drift else ""
+            "; baseline re-timed after "
+            + ", ".join(f"{r['after']} (x{r['median_ratio']:.2f})" for r in runs)
+            if runs
+            else ""
         )
         lines.append(
             f"- `{meta.get('path', '?')}`: {meta.get('device_name')} ({meta.get('driver')}), "

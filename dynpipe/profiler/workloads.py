@@ -138,6 +138,7 @@ def _torch_device(spec: dict[str, Any]):
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(f"{spec['kind']} interferer needs CUDA but torch sees no GPU")
+        dev = torch.device("cuda", dev.index or 0)
         torch.cuda.set_device(dev)
     else:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
