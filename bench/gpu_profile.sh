@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# GPU profile datasets for the predictor, on one GPU (written for an H100; about 7 minutes).
+# GPU profile datasets for the predictor, on one GPU (written for an H100; about 8 minutes:
+# ~1 min of checks, ~7 min of sweep — the same sweep took 233 s per batch size on an H200).
 #
 #   OUT=/path/to/results bash bench/gpu_profile.sh
 #
 # 1. checks the GPU paths (interferers, NVML telemetry, timing) with tests/test_profiler_gpu.py;
-# 2. times every layer of vgg16 and resnet50 (224x224 images) and gpt (256 tokens) at batch
-#    sizes 32 and 64, forward and backward, alone and beside gemm / copy / train interferers at
+# 2. times every layer of vgg16 and resnet50 (224x224 images, 1000 classes) and gpt (512
+#    tokens) in bfloat16 at batch sizes 32 and 64, forward and backward — the settings of the
+#    shipped profiles/h200-*.parquet — alone and beside gemm / copy / train interferers at
 #    four duty cycles, 2-3 co-located training jobs and a gemm+copy mix
 #    (runtime/sweeps/gpu.toml), with three 20 ms timing samples per (layer, phase, condition);
 # 3. writes $OUT/profiles/<gpu>-zoo.parquet and a markdown summary beside it.
@@ -42,7 +44,8 @@ python -m dynpipe profile telemetry --device cuda:0 --seconds 2
 
 log "sweep -> $DATA"
 python -m dynpipe profile \
-    --model vgg16,resnet50,gpt --batch-size 32,64 --set image_size=224 \
+    --model vgg16,resnet50,gpt --batch-size 32,64 \
+    --set image_size=224 --set num_classes=1000 --set gpt.seq_len=512 --dtype bfloat16 \
     --sweep runtime/sweeps/gpu.toml --device cuda:0 --repeats 3 \
     -o "$DATA"
 

@@ -99,12 +99,13 @@ def test_own_timeout_ends_processes():
 def test_signal_stops_child_cleanly(sig):
     itf = start_interferer(kind="spin", intensity=0.5, cores=(LAST_CORE,))
     pid = itf.pids[0]
+    time.sleep(0.3)  # inside its duty loop
     os.kill(pid, sig)
     assert itf.wait(timeout_s=5)
     # A clean exit: the child reported what it did before leaving.
     assert itf._children[0].proc.returncode == 0
     itf.stop()
-    assert itf.stats and itf.stats[0]["wall_s"] > 0
+    assert itf.stats and itf.stats[0]["wall_s"] > 0 and itf.stats[0]["iters"] > 0
 
 
 def test_failed_start_is_reported():

@@ -68,7 +68,7 @@ def test_gemm_neighbour_slows_a_layer_and_nvml_sees_it(bench):
     if not math.isnan(busy["tel_other_util"]):  # NaN only when NVML pids are foreign
         assert busy["tel_other_util"] > quiet.get("tel_other_util", 0.0), (quiet, busy)
     assert _gone(pids)
-    assert tel.tick_cost_ms < 2.0
+    assert tel.tick_cost_ms < 2.5  # CPU per 50 ms tick: under 5 % of one core
 
 
 @pytest.mark.parametrize("kind", ["gemm", "copy", "train"])

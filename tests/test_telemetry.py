@@ -84,15 +84,22 @@ def _fake_nvml(proc_pids: list[int], util_samples: dict[int, tuple[int, int]]):
     def init():
         nv.calls["init"] += 1
 
+    nv.buffer = []
+
     def proc_util(handle, last_seen):
+        # Like the driver: a buffer of timestamped samples, filled less often than it is read;
+        # samples newer than ``last_seen`` come back, none at all is NotFound.
         nv.calls["proc_util"] += 1
-        if nv.calls["proc_util"] % 3 == 0:
-            raise _NotFound()  # NVML has no new sample on some ticks
-        nv.ts += 100
-        return [
-            SimpleNamespace(pid=p, timeStamp=nv.ts, smUtil=sm, memUtil=mem)
-            for p, (sm, mem) in util_samples.items()
-        ]
+        if nv.calls["proc_util"] % 3:
+            nv.ts += 100_000
+            nv.buffer += [
+                SimpleNamespace(pid=p, timeStamp=nv.ts, smUtil=sm, memUtil=mem)
+                for p, (sm, mem) in util_samples.items()
+            ]
+        fresh = [smp for smp in nv.buffer if smp.timeStamp > last_seen]
+        if not fresh:
+            raise _NotFound()
+        return fresh
 
     nv.nvmlInit = init
     nv.nvmlShutdown = lambda: None
@@ -127,6 +134,28 @@ def test_nvml_readings_and_other_processes(monkeypatch):
     assert w["tel_throttle"] == 1.0  # a reason other than idle
     assert w["tel_other_procs"] == 2  # ourselves excluded
     assert w["tel_other_util"] == 50 and w["tel_other_mem_util"] == 15  # sums of the others
+    s.close()
+
+
+def test_nvml_listed_process_without_recent_samples_counts_as_idle(monkeypatch):
+    me = os.getpid()
+    nv = _fake_nvml([me, 111], {me: (70, 20), 111: (40, 10)})
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    s = TelemetrySampler("cuda:0")
+    s._tick()
+    assert s.window()["tel_other_util"] == 40
+    nv.ts += 5_000_000  # the driver moves on; process 111 stops launching kernels
+    nv.buffer.append(SimpleNamespace(pid=me, timeStamp=nv.ts, smUtil=90, memUtil=30))
+    nv.nvmlDeviceGetProcessUtilization = lambda h, since: [
+        smp for smp in nv.buffer if smp.timeStamp > since and smp.pid == me
+    ]
+    for _ in range(3):  # slow readings refresh every 4th tick; these repeat the old one
+        s._tick()
+    s.reset()
+    for _ in range(4):
+        s._tick()
+    w = s.window()
+    assert w["tel_other_procs"] == 1 and w["tel_other_util"] == 0.0
     s.close()
 
 

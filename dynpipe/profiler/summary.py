@@ -220,12 +220,17 @@ def _answer(mvc: Any, dtype: str) -> list[str]:
         ]
         for i in common
     ]
-    more = sum(r[1] / r[2] > r[3] / r[4] for r in rows)
-    verdict = "yes" if more > len(rows) / 2 else "no"
+    n = len(rows)
+    worse = sum(r[1] > r[2] for r in rows)  # memory-bound: slower beside mk than beside ck
+    rel = sum(r[1] / r[2] > r[3] / r[4] for r in rows)  # ... relative to compute-bound layers
+    top = rows[-1]
     return [
         f"Do memory-bound layers suffer more under `{mk}` than under `{ck}`? "
-        f"**{verdict}** — at {more} of {len(rows)} matched intensities the {mk}/{ck} slowdown "
-        "ratio is larger for memory-bound than for compute-bound layers.",
+        f"**{'yes' if worse > n / 2 else 'no'}** — at {worse} of {n} matched intensities their "
+        f"median slowdown beside {mk} exceeds the one beside {ck} (at intensity {top[0]:g}: "
+        f"{top[1]:.2f} vs {top[2]:.2f}). Relative to compute-bound layers, {mk} hurts them "
+        f"{'more' if rel > n / 2 else 'not more'}: the {mk}/{ck} slowdown ratio is larger for "
+        f"memory-bound than for compute-bound layers at {rel} of {n} intensities.",
         "",
         _table(
             [

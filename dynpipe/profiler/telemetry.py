@@ -158,9 +158,19 @@ class _CpuProbe:
 
 
 class _NvmlProbe:
-    """NVML readings for one GPU, with the other processes told apart by pid."""
+    """NVML readings for one GPU, with the other processes told apart by pid.
 
-    def __init__(self, index: int, own_pids: set[int], self_on_device: bool) -> None:
+    Utilisation is read every tick; the slower-moving readings (clock, memory, power,
+    throttle reasons, the process list and per-process utilisation, which the driver itself
+    samples only a few times a second) every ``slow_every`` ticks and repeated in between:
+    each NVML call costs a fraction of a millisecond of CPU.
+    """
+
+    _LOOKBACK_US = 1_000_000  # per-process samples: the latest within this window counts
+
+    def __init__(
+        self, index: int, own_pids: set[int], self_on_device: bool, slow_every: int = 4
+    ) -> None:
         import pynvml
 
         self.nv = pynvml
@@ -168,10 +178,13 @@ class _NvmlProbe:
         self.handle = self._handle(index)
         self.own_pids = own_pids
         self.self_on_device = self_on_device
+        self.slow_every = max(1, int(slow_every))
         self._dead: set[str] = set()  # readings this GPU does not support: not retried
         self._last_ts = 0
         self._warned_ns = False
-        self._proc_util()  # start the per-process sample cursor at "now"
+        self._ticks = 0
+        self._slow: dict[str, float] = {}
+        self._proc_util()  # learn where the driver's sample clock is
 
     def _handle(self, index: int):
         # CUDA numbers the visible devices; NVML numbers all of them.
@@ -195,29 +208,31 @@ class _NvmlProbe:
             pass
         return None
 
-    def _proc_util(self) -> dict[int, tuple[float, float]]:
-        # Samples newer than the cursor; NVML raises NotFound when there are none yet.
+    def _proc_util(self) -> dict[int, tuple[float, float]] | None:
+        """Latest (SM %, memory %) per pid within the look-back window; None if unknown.
+
+        The cursor trails the newest sample seen by the look-back, so a process whose samples
+        carry slightly older timestamps than ours is not skipped for good.
+        """
+        since = max(0, self._last_ts - self._LOOKBACK_US)
         try:
-            samples = self.nv.nvmlDeviceGetProcessUtilization(self.handle, self._last_ts)
+            samples = self.nv.nvmlDeviceGetProcessUtilization(self.handle, since)
         except self.nv.NVMLError_NotSupported:
             self._dead.add("proc_util")
-            return {}
-        except self.nv.NVMLError:
-            return {}
-        per: dict[int, tuple[float, float]] = {}
-        for s in samples:
-            self._last_ts = max(self._last_ts, int(s.timeStamp))
-            sm, mem = per.get(s.pid, (0.0, 0.0))
-            per[s.pid] = (max(sm, float(s.smUtil)), max(mem, float(s.memUtil)))
-        return per
+            return None
+        except self.nv.NVMLError:  # NotFound: no sample in the window, every process idle
+            return {} if self._last_ts else None
+        latest: dict[int, tuple[int, float, float]] = {}
+        for smp in samples:
+            ts = int(smp.timeStamp)
+            self._last_ts = max(self._last_ts, ts)
+            if smp.pid not in latest or ts >= latest[smp.pid][0]:
+                latest[smp.pid] = (ts, float(smp.smUtil), float(smp.memUtil))
+        return {pid: (sm, mem) for pid, (_, sm, mem) in latest.items()}
 
-    def read(self) -> dict[str, float]:
+    def _read_slow(self) -> dict[str, float]:
         nv = self.nv
-        out = dict.fromkeys(TELEMETRY_COLUMNS, _NAN)
-        rates = self._try("util", nv.nvmlDeviceGetUtilizationRates, self.handle)
-        if rates is not None:
-            out["tel_util"] = float(rates.gpu)
-            out["tel_mem_util"] = float(rates.memory)
+        out: dict[str, float] = {}
         clock = self._try("clock", nv.nvmlDeviceGetClockInfo, self.handle, nv.NVML_CLOCK_SM)
         if clock is not None:
             out["tel_clock_mhz"] = float(clock)
@@ -236,12 +251,13 @@ class _NvmlProbe:
             idle = getattr(nv, "nvmlClocksThrottleReasonGpuIdle", 1)
             out["tel_throttle"] = 1.0 if int(reasons) & ~int(idle) else 0.0
         procs = self._try("procs", nv.nvmlDeviceGetComputeRunningProcesses, self.handle)
-        if procs is None:
-            return out
-        pids = {int(p.pid) for p in procs}
+        if procs is not None:
+            out.update(self._others({int(p.pid) for p in procs}))
+        return out
+
+    def _others(self, pids: set[int]) -> dict[str, float]:
         others = pids - self.own_pids
-        known_self = bool(pids & self.own_pids)
-        if not known_self and self.self_on_device and pids:
+        if pids and self.self_on_device and not pids & self.own_pids:
             # NVML reports pids of another pid namespace (containers): we cannot tell which
             # process is us, so we count ourselves out but cannot split the utilisation.
             if not self._warned_ns:
@@ -253,20 +269,29 @@ class _NvmlProbe:
                     stacklevel=2,
                 )
                 self._warned_ns = True
-            out["tel_other_procs"] = float(max(0, len(pids) - 1))
-            return out
-        out["tel_other_procs"] = float(len(others))
-        if "proc_util" in self._dead:
-            return out
+            return {"tel_other_procs": float(len(pids) - 1)}
+        out = {"tel_other_procs": float(len(others))}
         if not others:
-            out["tel_other_util"] = 0.0
-            out["tel_other_mem_util"] = 0.0
+            out.update(tel_other_util=0.0, tel_other_mem_util=0.0)
             return out
-        per = self._proc_util()
-        seen = [per[p] for p in others if p in per]
-        if seen:  # no new samples this tick: leave NaN so the window mean skips the tick
-            out["tel_other_util"] = min(100.0, sum(s for s, _ in seen))
-            out["tel_other_mem_util"] = min(100.0, sum(m for _, m in seen))
+        per = self._proc_util() if "proc_util" not in self._dead else None
+        if per is not None:
+            # A listed process without a sample in the look-back window ran no kernel.
+            vals = [per.get(p, (0.0, 0.0)) for p in others]
+            out["tel_other_util"] = min(100.0, sum(v[0] for v in vals))
+            out["tel_other_mem_util"] = min(100.0, sum(v[1] for v in vals))
+        return out
+
+    def read(self) -> dict[str, float]:
+        out = dict.fromkeys(TELEMETRY_COLUMNS, _NAN)
+        rates = self._try("util", self.nv.nvmlDeviceGetUtilizationRates, self.handle)
+        if rates is not None:
+            out["tel_util"] = float(rates.gpu)
+            out["tel_mem_util"] = float(rates.memory)
+        if self._ticks % self.slow_every == 0:
+            self._slow = self._read_slow()
+        self._ticks += 1
+        out.update(self._slow)
         return out
 
     def close(self) -> None:
