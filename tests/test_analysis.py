@@ -8,9 +8,11 @@ tests/data/logs/ holds three real CPU runs of the mlp on two gloo ranks:
     dynpipe train --nproc 2 --model mlp --steps 80 --adapt restart --cooldown 100 \
         --scenario runtime/scenarios/emulate-3x-stage1.toml --log tests/data/logs/restart.jsonl \
         --save-dir /tmp/restart_ckpt
+    dynpipe train --nproc 2 --model mlp --steps 60 --adapt measured \
+        --scenario tests/data/logs/emulate-1.5x-stage1.toml --log tests/data/logs/light.jsonl
 
-The scenario switched a 3x emulated slowdown on stage 1's device on before step 30 and off
-before step 70.
+The heavy scenario switched a 3x emulated slowdown on stage 1's device on before step 30 and
+off before step 70; the light one 1.5x from step 20 to 45.
 """
 
 from __future__ import annotations
@@ -176,8 +178,13 @@ def test_load_runs_labels_and_unique_names(tmp_path) -> None:
     runs = load_runs([LOGS / "static.jsonl", copy])
     # Two static runs of one model and condition are two systems, told apart by folder.
     assert sorted(r.system for r in runs) == ["static (again)", "static (logs)"]
-    assert len(load_runs([LOGS])) == 3  # a folder: every log below it
+    # A folder: every log below it. Two measured runs under different interference are one
+    # system, two runs: named after their files.
+    runs = load_runs([LOGS])
+    assert len(runs) == 4 and sum(r.system == "measured" for r in runs) == 2
+    assert {"measured (light)", "measured (measured)"} <= {r.name for r in runs}
     assert set(steps_frame(runs)["run"]) == {r.name for r in runs}
+    assert len(steps_frame(runs)) == sum(len(r.steps) for r in runs)
     assert len(stages_frame(runs)) == 2 * len(steps_frame(runs))
 
 

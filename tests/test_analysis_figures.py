@@ -80,7 +80,8 @@ def test_cli_notes_what_it_skipped_and_writes_summary(drawn) -> None:
     _, out, printed = drawn
     assert "skipped predictor: needs --predictor" in printed
     summary = (out / "summary.md").read_text()
-    assert "| restart | restart |" in summary and "| measured | interference |" in summary
+    assert "| restart | restart |" in summary
+    assert "| measured (light) | interference | emulated ×1.5 on stage 1 |" in summary
 
 
 def test_step_time(runs) -> None:
@@ -106,6 +107,17 @@ def test_phases_and_throughput(runs) -> None:
     _labelled(fig)
     texts = {t.get_text() for t in fig.axes[0].texts}
     assert {f"{throughput(r):.1f}" for r in runs} <= texts
+
+
+def test_phases_light_vs_heavy(runs) -> None:
+    light = load_runs([LOGS / "light.jsonl"])
+    fig = plot_phases([*runs, *light])
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["light: emulated ×1.5 on stage 1", "heavy: emulated ×3 on stage 1"]
+    texts = {t.get_text() for t in fig.axes[0].texts}
+    inter = light[0].steps.query("phase == 'interference'")["step_ms"].mean()
+    clean_static = runs[0].steps["step_ms"].iloc[2:].mean()
+    assert {f"{inter:.0f}", f"{clean_static:.0f}"} <= texts
 
 
 def test_loss_marks_time_to_target(runs) -> None:

@@ -118,13 +118,15 @@ def plot_phases(
             & (stats["condition"].isna() | (stats["condition"] == cond))
         ]
         panels.append((cond, sel))
-    if len(conds) == 2:
+    kinds = {w.label: w.kind for r in runs for w in r.windows}
+    same_kind = len({kinds.get(p) for c in conds for p in c.split(" + ")}) == 1
+    if len(conds) == 2 and same_kind:  # light vs heavy only within one kind of interferer
         panels = [
             (f"{tag}: {c}", sel) for tag, (c, sel) in zip(("light", "heavy"), panels, strict=True)
         ]
     all_systems = system_order(stats["system"])
     fig = new_figure(width=max(6.0, 4.6 * len(panels)), height=4.6)
-    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    axes = fig.subplots(1, len(panels), squeeze=False, sharey=True)[0]
     for ax, (title, sel) in zip(axes, panels, strict=True):
         phases = [p for p in PHASES if p in set(sel["phase"])]
         # Several runs of one system in one cell (repeats) are averaged.

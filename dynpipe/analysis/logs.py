@@ -325,20 +325,21 @@ def _common_prefix(words: list[str]) -> str:
 
 
 def _unique_names(runs: list[Run]) -> None:
-    counts: dict[str, int] = {}
+    """Runs sharing a name get their file's name added, or their folder's if the files are
+    named alike (one log per experiment folder)."""
+    by_name: dict[str, list[Run]] = {}
     for run in runs:
-        counts[run.name] = counts.get(run.name, 0) + 1
-    taken = {r.name for r in runs if counts[r.name] == 1}
-    for run in runs:
-        if counts[run.name] == 1:
+        by_name.setdefault(run.name, []).append(run)
+    taken = {name for name, group in by_name.items() if len(group) == 1}
+    for name, group in by_name.items():
+        if len(group) == 1:
             continue
-        for cand in (f"{run.name} ({run.path.parent.name})", f"{run.name} ({run.path.stem})"):
-            if cand not in taken:
-                break
-        else:
-            cand = f"{run.name} #{len(taken) + 1}"
-        run.name = cand
-        taken.add(cand)
+        stems_differ = len({r.path.stem for r in group}) == len(group)
+        for k, run in enumerate(group):
+            tag = run.path.stem if stems_differ else run.path.parent.name
+            cand = f"{name} ({tag})"
+            run.name = cand if cand not in taken else f"{name} #{k + 1}"
+            taken.add(run.name)
 
 
 def steps_frame(runs: Iterable[Run]) -> pd.DataFrame:
