@@ -159,27 +159,33 @@ def plot_bubbles(
     ys = np.arange(len(table))[::-1]
     fig = new_figure(width=10, height=2.2 + 0.5 * len(table))
     ax = fig.add_subplot()
-    h = 0.38
     sim = table["simulated_bubble"].to_numpy(dtype=float)
     meas = table["measured_bubble"].to_numpy(dtype=float)
-    ax.barh(ys + h / 2, sim, h, color="#4c72b0", label="simulated (schedule dependencies)")
-    ax.barh(
-        ys - h / 2,
-        np.nan_to_num(meas),
-        h,
-        color="#dd8452",
-        label="measured (1 − Σ compute / (stages × step))",
-    )
-    for y, a, b in zip(ys, sim, meas, strict=True):
-        ax.text(a, y + h / 2, f" {a:.0%}", va="center", fontsize=8)
-        if np.isfinite(b):
-            ax.text(b, y - h / 2, f" {b:.0%}", va="center", fontsize=8)
+    both = bool(np.isfinite(meas).any())
+    h = 0.38 if both else 0.6
+    up = h / 2 if both else 0.0
+    ax.barh(ys + up, sim, h, color="#4c72b0", label="simulated (event simulator)")
+    for y, a in zip(ys, sim, strict=True):
+        ax.text(a, y + up, f" {a:.0%}", va="center", fontsize=8)
+    if both:
+        ax.barh(
+            ys - h / 2,
+            np.nan_to_num(meas),
+            h,
+            color="#dd8452",
+            label="measured (1 − Σ compute / (stages × step))",
+        )
+        for y, b in zip(ys, meas, strict=True):
+            if np.isfinite(b):
+                ax.text(b, y - h / 2, f" {b:.0%}", va="center", fontsize=8)
     ax.set_yticks(ys, labels, fontsize=8)
     ax.set_xlim(0, min(1.0, float(np.nanmax(np.r_[sim, meas])) * 1.25 + 0.05))
     ax.xaxis.set_major_formatter(lambda v, _pos: f"{v:.0%}")
     ax.set_xlabel("bubble fraction of the step (idle share of stage time)")
     ax.set_ylabel("run or plan file: layers per stage (phase, schedule)")
     title = describe(runs) if runs else "plan files"
+    if runs and (table["phase"] == "planned").any():
+        title += " and plan files"
     ax.set_title(f"Pipeline bubbles per plan: {title} (plan = layer ranges per stage)", fontsize=10)
     fig.legend(fontsize=8, loc="outside lower center", ncols=2)
     ax.grid(axis="x", alpha=0.3)
