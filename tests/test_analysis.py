@@ -212,6 +212,8 @@ def test_summary_tables(static, measured, restart) -> None:
     for name in ("static", "measured", "restart", "interference", "after", "emulated ×3"):
         assert name in md
     assert md.count("\n| measured | repartition |") == len(measured.events_of("repartition"))
+    both = render_summary(load_runs([LOGS / "light.jsonl", LOGS / "measured.jsonl"]))
+    assert "| measured (light) | interference | emulated ×1.5 on stage 1 |" in both
 
 
 def test_experiments_and_systems_from_file_names(tmp_path) -> None:
