@@ -213,7 +213,13 @@ def test_predictor_from_report(predictor_files, tmp_path) -> None:
     assert preds.primary == "xgb" and "held-out interference conditions" in preds.source
     assert set(preds.frame["estimator"]) == {"xgb", "stage-mean"}
     assert (preds.frame["interferer"] != "none").all()
-    _labelled(plot_predictor(preds), words=("Synthetic GPU", "xgb"))
+    fig = plot_predictor(preds)
+    _labelled(fig, words=("Synthetic GPU", "xgb"))
+    # The figure's error numbers are the report's own, recomputed from the raw pairs.
+    report = json.loads((predictor_files / "report" / "report.json").read_text())
+    xgb = report["results"]["condition"]["xgb"]["layer"]["all"]
+    assert f"MAPE {xgb['mape']:.1f}%, p90 {xgb['p90']:.1f}%" in fig.axes[0].get_title()
+    assert xgb["n"] == (preds.frame["estimator"] == "xgb").sum()
     with pytest.raises(UserError, match=r"predictions_layers\.parquet"):
         predictions_from_report(tmp_path)
 
@@ -262,7 +268,7 @@ SCRIPTS = {
     "fig_bubbles": "cpu/bubbles.png",
     "fig_phases": "phases_mlp.png",
     "fig_throughput": "throughput.png",
-    "adapt_table": "cpu/summary.md",
+    "summary_tables": "cpu/summary.md",
 }
 
 

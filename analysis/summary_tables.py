@@ -1,7 +1,7 @@
 """The numbers behind the figures, per experiment: one markdown summary per experiment.
 
-    python analysis/adapt_table.py
-    python analysis/adapt_table.py --logs /path/to/bench/OUTDIR --target-loss 2.0
+    python analysis/summary_tables.py
+    python analysis/summary_tables.py --logs /path/to/bench/OUTDIR --target-loss 2.0
 
 Reads every experiment's raw run logs (analysis/logs/<experiment>/*.jsonl, or the flat
 <experiment>-<system>.jsonl files bench/gpu_adapt.sh writes) and writes
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.print:
                 print(path.read_text())
     except UserError as exc:
-        print(f"adapt_table: {exc}", file=sys.stderr)
+        print(f"summary_tables: {exc}", file=sys.stderr)
         return 2
     return 0
 
