@@ -1,7 +1,7 @@
 """Per-stage busy fraction, (forward + backward) / step time, over steps, per experiment.
 
     python analysis/fig_busy.py
-    python analysis/fig_busy.py --logs analysis/logs/vgg16-h100-heavy
+    python analysis/fig_busy.py --logs analysis/logs/gpu
 
 Reads analysis/logs/<experiment>/*.jsonl and writes
 analysis/figures/<experiment>/busy_fraction.{png,pdf}: one panel per run, one line per stage.

@@ -1,7 +1,7 @@
 """Training loss against wall time per system, with time to a target loss, per experiment.
 
     python analysis/fig_loss.py
-    python analysis/fig_loss.py --logs analysis/logs/vgg16-h100-heavy --target-loss 1.2
+    python analysis/fig_loss.py --logs analysis/logs/gpu --target-loss 2.0
 
 Reads analysis/logs/<experiment>/*.jsonl and writes
 analysis/figures/<experiment>/loss_time.{png,pdf}. Without --target-loss the target is the

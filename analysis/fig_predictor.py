@@ -1,8 +1,8 @@
 """Slowdown predictor accuracy: predicted vs measured layer times and the error CDF.
 
     python analysis/fig_predictor.py
-    python analysis/fig_predictor.py --report predictor/h100_report
-    python analysis/fig_predictor.py --predictor predictor/h100.joblib --profiles profiles/h100.parquet
+    python analysis/fig_predictor.py --report predictor/h200_report
+    python analysis/fig_predictor.py --predictor predictor/h200.joblib --profiles profiles/h200-bs64.parquet
 
 Without arguments it draws every evaluation report under predictor/ (folders holding the
 out-of-fold predictions_layers.parquet that `dynpipe predictor eval ... -o DIR` writes) into

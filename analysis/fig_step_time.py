@@ -1,7 +1,7 @@
 """Step time over training steps, one line per system, for every experiment.
 
     python analysis/fig_step_time.py
-    python analysis/fig_step_time.py --logs analysis/logs/vgg16-h100-heavy
+    python analysis/fig_step_time.py --logs analysis/logs/gpu
 
 Reads the raw run logs analysis/logs/<experiment>/*.jsonl (one per system: static, measured,
 adaptive, restart) and writes analysis/figures/<experiment>/step_time.{png,pdf}. Shaded:

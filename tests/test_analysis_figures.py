@@ -175,7 +175,7 @@ def predictor_files(tmp_path_factory):
     from dynpipe.predictor.estimator import make_estimator
     from dynpipe.predictor.report import write_report
     from dynpipe.predictor.synthetic import CONDITIONS, synthetic_profiles
-    from dynpipe.profiler.schema import write_profiles
+    from dynpipe.profiler.schema import load_profiles, write_profiles
 
     d = tmp_path_factory.mktemp("pred")
     conds = tuple(c for c in CONDITIONS if c[0] == "none" or (c[1] == 1.0 and c[2] == 1))
@@ -192,7 +192,7 @@ def predictor_files(tmp_path_factory):
     write_profiles(train, d / "train.parquet", meta=meta)
     write_profiles(other, d / "other.parquet", meta=meta)
     small = {"n_estimators": 30, "max_depth": 3, "n_jobs": 1}
-    pred = fit_predictor(train, estimator="xgb", params=small)
+    pred = fit_predictor(load_profiles(d / "train.parquet"), estimator="xgb", params=small)
     save_predictor(pred, d / "p.joblib")
     ev = evaluate(
         train,
@@ -230,6 +230,10 @@ def test_predictor_from_profiles_says_in_sample(predictor_files) -> None:
     assert "in-sample" in same.source
     new = predictions_from_predictor(d / "p.joblib", profiles=[d / "other.parquet"])
     assert "not fit on" in new.source
+    # A file its training metadata lists, among others: still flagged as in-sample.
+    mixed = [d / "other.parquet", d / "train.parquet"]
+    part = predictions_from_predictor(d / "p.joblib", profiles=mixed)
+    assert "train.parquet (in-sample" in part.source
     f = new.frame
     assert len(f) > 0 and np.all(f["predicted_ms"] > 0) and np.all(f["measured_ms"] > 0)
     _labelled(plot_predictor(new), words=("Synthetic GPU",))

@@ -6,8 +6,8 @@ Two sources of (predicted, measured) pairs, both raw:
   the out-of-fold predictions it saved (``predictions_layers.parquet``) for every estimator;
 - a saved predictor and profile datasets: the predictor's time for every interfered row,
   ``time_alone_ms`` × predicted slowdown, against the row's measured ``time_ms``. If the
-  profiles are the ones it was trained on (same dataset fingerprint), the figure says so:
-  in-sample error flatters it.
+  profiles trained it (same dataset fingerprint, or a file its training metadata lists), the
+  figure says so: in-sample error flatters it.
 
 Rows of condition ``none`` are left out: their slowdown is 1 by construction.
 """
@@ -111,11 +111,23 @@ def predictions_from_predictor(
             "predicted_ms": pred.predict_time_ms(rows),
         }
     )
-    what = "in-sample: these profiles trained it" if in_sample else "profiles it was not fit on"
+    trained_on = {
+        Path(str(m.get("path", ""))).name
+        for m in pred.training.get("metadata", {}).get("dynpipe", [])
+        if isinstance(m, dict)
+    }
+    shared = sorted(Path(p).name for p in profiles if Path(p).name in trained_on)
+    name = Path(predictor).name
+    if in_sample:
+        source = f"{name} scored on its own training profiles (in-sample)"
+    elif shared:
+        source = f"{name} scored on {', '.join(shared)} (in-sample: in its training data)"
+    else:
+        source = f"{name} scored on profiles it was not fit on"
     return Predictions(
         frame=frame,
         primary=pred.estimator_name,
-        source=f"{Path(predictor).name} on {what}",
+        source=source,
         devices=tuple(sorted(map(str, df["device_name"].unique()))),
     )
 
