@@ -134,6 +134,9 @@ def test_migration_costs_from_events(measured, restart) -> None:
     assert set(m["kind"]) == {"repartition"} and len(m) >= 1
     parts = m[["decide_ms", "transfer_ms", "rebuild_ms"]].sum(axis=1)
     assert np.allclose(parts, m["pause_ms"], atol=0.01)  # the runtime's own sum, rounded
+    # The step records see every logged pause as a gap between two steps.
+    both = migration_costs([measured, restart])
+    assert (both["gap_ms"] >= 0.99 * both["pause_ms"]).all()
     r = migration_costs([restart])
     (row,) = r.itertuples()
     (resumed,) = restart.events_of("resumed")

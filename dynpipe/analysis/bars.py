@@ -200,7 +200,8 @@ def plot_migration(
 ) -> Figure:
     """Left: every live repartition's pause broken into decide / transfer / rebuild. Right:
     the whole pause of every repartition and restart (decide + checkpoint, exit, relaunch)
-    on one log scale, since a restart costs orders of magnitude more."""
+    on one log scale, since a restart costs orders of magnitude more, with a tick at the
+    wall-clock gap the step records show around each (an independent check of the pause)."""
     costs = migration_costs(runs)
     if costs.empty:
         raise UserError(
@@ -233,7 +234,6 @@ def plot_migration(
             left.text(a, y, f" {total:.2f} ms", va="center", fontsize=8)
         left.set_yticks(ys, [label(r) for r in live.itertuples()], fontsize=8)
         left.set_xlim(0, max(float(acc.max()), 1e-3) * 1.3)
-        left.legend(fontsize=8, loc="lower right")
     else:
         left.text(
             0.5,
@@ -257,15 +257,19 @@ def plot_migration(
     bars = right.barh(ys, np.where(np.isfinite(totals), totals, np.nan), color=colors, height=0.7)
     for b, h in zip(bars, hatches, strict=True):
         b.set_hatch(h)
+    gaps = costs["gap_ms"].to_numpy(dtype=float)
+    if np.isfinite(gaps).any():
+        right.plot(gaps, ys, "k|", ms=16, mew=2, label="wall gap between the steps around it")
     finite = totals[np.isfinite(totals) & (totals > 0)]
     lo = float(finite.min()) / 3 if len(finite) else 0.1
-    for y, t in zip(ys, totals, strict=True):
+    for y, t, g in zip(ys, totals, gaps, strict=True):
         text = (
             (f" {t / 1e3:.2f} s" if t >= 1e3 else f" {t:.2f} ms")
             if np.isfinite(t)
             else (" no resumed event")
         )
-        right.text(t if np.isfinite(t) else lo, y, text, va="center", fontsize=8)
+        at = np.nanmax([t, g]) if np.isfinite([t, g]).any() else lo
+        right.text(at * 1.08, y, text, va="center", fontsize=8)
     right.set_xscale("log")
     restarts = bool((costs["kind"] == "restart").any())
     if restarts and len(live):
@@ -288,6 +292,13 @@ def plot_migration(
     if len(finite):
         right.set_xlim(lo, float(finite.max()) * 12)
     right.grid(axis="x", alpha=0.3)
+    handles, names = [], []
+    for ax in (left, right):
+        h, n = ax.get_legend_handles_labels()
+        handles += h
+        names += n
+    if names:
+        fig.legend(handles, names, loc="outside lower center", ncols=len(names), fontsize=8)
     fig.suptitle(f"Migration cost: {describe(runs)}", fontsize=11)
     save_figure(fig, out, name)
     return fig

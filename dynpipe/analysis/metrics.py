@@ -120,12 +120,15 @@ def migration_costs(runs: Sequence[Run]) -> pd.DataFrame:
     """One row per live repartition and per restart of the runs.
 
     Columns: ``run, system, kind`` (``repartition`` or ``restart``), ``step, bytes,
-    decide_ms, transfer_ms, rebuild_ms, relaunch_ms, pause_ms``. A restart's relaunch time is
-    the ``pause_ms`` of its ``resumed`` event (from the decision to the relaunched process
-    being ready); its pause adds the decision time to that.
+    decide_ms, transfer_ms, rebuild_ms, relaunch_ms, pause_ms, gap_ms``. A restart's relaunch
+    time is the ``pause_ms`` of its ``resumed`` event (from the decision to the relaunched
+    process being ready); its pause adds the decision time to that. ``gap_ms`` is checked
+    independently: the wall-clock time between the end of the step before and the start of
+    the step at which the move took effect (the pause plus the timing gather around it).
     """
     rows = []
     for run in runs:
+        gaps = _step_gaps_ms(run)
         for ev in run.events_of("repartition"):
             rows.append(
                 {
@@ -139,6 +142,7 @@ def migration_costs(runs: Sequence[Run]) -> pd.DataFrame:
                     "rebuild_ms": ev.get("rebuild_ms"),
                     "relaunch_ms": None,
                     "pause_ms": ev.get("pause_ms"),
+                    "gap_ms": gaps.get(int(ev["step"])),
                 }
             )
         resumed = {int(ev["step"]): ev for ev in run.events_of("resumed")}
@@ -159,6 +163,7 @@ def migration_costs(runs: Sequence[Run]) -> pd.DataFrame:
                     "rebuild_ms": None,
                     "relaunch_ms": relaunch,
                     "pause_ms": pause,
+                    "gap_ms": gaps.get(int(ev["step"])),
                 }
             )
     cols = [
@@ -172,8 +177,18 @@ def migration_costs(runs: Sequence[Run]) -> pd.DataFrame:
         "rebuild_ms",
         "relaunch_ms",
         "pause_ms",
+        "gap_ms",
     ]
     out = pd.DataFrame(rows, columns=cols)
     num = cols[4:]
     out[num] = out[num].astype(float)
     return out
+
+
+def _step_gaps_ms(run: Run) -> dict[int, float]:
+    """Wall-clock ms between the end of step ``k - 1`` and the start of step ``k``."""
+    s = run.steps
+    k = s["step"].to_numpy()
+    start = s["t_end"].to_numpy() - s["step_ms"].to_numpy() / 1e3
+    gap = (start[1:] - s["t_end"].to_numpy()[:-1]) * 1e3
+    return {int(b): float(g) for a, b, g in zip(k[:-1], k[1:], gap, strict=True) if b == a + 1}

@@ -169,7 +169,15 @@ def render_summary(
     )
     moves = migration_costs(runs)
     if len(moves):
-        lines += ["", "## Repartitions and restarts", ""]
+        lines += [
+            "",
+            "## Repartitions and restarts",
+            "",
+            "Pause and its parts as the runtime logged them; wall gap: the time between the "
+            "steps around the move, measured from the step records (pause plus the timing "
+            "gather).",
+            "",
+        ]
         lines += _table(
             [
                 "run",
@@ -181,6 +189,7 @@ def render_summary(
                 "rebuild (ms)",
                 "relaunch (ms)",
                 "pause (ms)",
+                "wall gap (ms)",
             ],
             [
                 [
@@ -193,6 +202,7 @@ def render_summary(
                     _num(m.rebuild_ms, ".2f"),
                     _num(m.relaunch_ms, ".1f"),
                     _num(m.pause_ms, ".2f"),
+                    _num(m.gap_ms, ".1f"),
                 ]
                 for m in moves.itertuples()
             ],
