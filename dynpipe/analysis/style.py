@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 __all__ = [
     "color_of",
     "describe",
+    "line_styles",
     "new_figure",
     "save_figure",
     "shade_windows",
@@ -51,6 +52,18 @@ def color_of(system: str, systems: Sequence[str] = ()) -> str:
     others = [s for s in system_order(systems) if s not in _SYSTEM_COLORS]
     i = others.index(system) if system in others else abs(hash(system))
     return _OTHER[i % len(_OTHER)]
+
+
+def line_styles(runs: Sequence[Run]) -> dict[str, str]:
+    """A line style per run: solid, then dash-dot, dotted… for further runs of one system
+    (same colour), so they stay apart."""
+    seen: dict[str, int] = {}
+    out = {}
+    for run in runs:
+        k = seen.get(run.system, 0)
+        seen[run.system] = k + 1
+        out[run.name] = ("-", "-.", ":", (0, (5, 1)))[k % 4]
+    return out
 
 
 def describe(runs: Sequence[Run]) -> str:

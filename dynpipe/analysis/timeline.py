@@ -13,6 +13,7 @@ from dynpipe.analysis.metrics import choose_target, smoothed_loss, time_to_targe
 from dynpipe.analysis.style import (
     color_of,
     describe,
+    line_styles,
     new_figure,
     save_figure,
     shade_windows,
@@ -72,12 +73,13 @@ def plot_step_time(
     ax = fig.add_subplot()
     shade_windows(ax, runs)
     kinds: set[str] = set()
+    styles = line_styles(runs)
     for run in runs:
         c = color_of(run.system, systems)
         s = run.steps
         ax.plot(s["step"], s["step_ms"], color=c, lw=0.6, alpha=0.3)
         med = s["step_ms"].rolling(max(1, smooth), center=True, min_periods=1).median()
-        ax.plot(s["step"], med, color=c, lw=2, label=run.name)
+        ax.plot(s["step"], med, color=c, lw=2, ls=styles[run.name], label=run.name)
         kinds.update(_mark_moves(ax, run, c))
     top = max(float(r.steps["step_ms"].quantile(0.99)) for r in runs)
     ax.set_ylim(0, top * 1.25)
@@ -157,6 +159,7 @@ def plot_loss(
     fig = new_figure(width=9, height=4.8)
     ax = fig.add_subplot()
     tmax = max(float(r.steps["elapsed_s"].max()) for r in runs)
+    styles = line_styles(runs)
     for i, run in enumerate(runs):
         c = color_of(run.system, systems)
         s = run.steps
@@ -165,7 +168,12 @@ def plot_loss(
         for k, (_seg, g) in enumerate(s.groupby("segment", sort=True)):
             ax.plot(g["elapsed_s"], g["loss"], color=c, lw=0.5, alpha=0.25)
             ax.plot(
-                g["elapsed_s"], smoothed[g.index], color=c, lw=2, label=run.name if k == 0 else None
+                g["elapsed_s"],
+                smoothed[g.index],
+                color=c,
+                lw=2,
+                ls=styles[run.name],
+                label=run.name if k == 0 else None,
             )
             if k:
                 ax.axvline(float(g["elapsed_s"].iloc[0]), color=c, ls=":", lw=1)
