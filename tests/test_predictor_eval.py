@@ -64,6 +64,10 @@ def test_folds_hold_out_whole_groups(df):
         assert held.isdisjoint(set(df["condition"].iloc[train]))
         seen |= held
     assert seen == set(df["condition"])
+    # default: leave one condition out
+    logo = cv_folds(df, split="condition")
+    assert len(logo) == df["condition"].nunique()
+    assert all(df["condition"].iloc[test].nunique() == 1 for _, test in logo)
     for train, test in cv_folds(df, split="model"):
         assert set(df["model"].iloc[test]).isdisjoint(set(df["model"].iloc[train]))
     for train, test in cv_folds(df, split="interferer"):

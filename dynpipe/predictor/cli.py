@@ -44,9 +44,10 @@ def register(subparsers: Any) -> None:
         p.add_argument(
             "--folds",
             type=int,
-            default=5,
+            default=0,
             metavar="K",
-            help="GroupKFold folds over interference conditions (default 5)",
+            help="condition split: 0 leaves one condition out per fold (default), K > 0 "
+            "uses GroupKFold(K)",
         )
         p.add_argument(
             "--splits",

@@ -3,7 +3,8 @@
 Splits hold out whole groups, so a score says how the predictor does on something it has
 never seen:
 
-- ``condition``: whole interference conditions (device + condition id), ``GroupKFold``;
+- ``condition``: whole interference conditions (device + condition id): leave one condition
+  out by default, ``GroupKFold`` with ``n_folds > 0`` (several held out at once, harsher);
 - ``model``: whole models, ``LeaveOneGroupOut`` (needs two or more models);
 - ``interferer``: whole interferer kinds (every intensity and job count of, say, ``copy``);
   extrapolation to a new kind of co-located job, the hardest case;
@@ -82,15 +83,21 @@ def ape_summary(measured: np.ndarray, predicted: np.ndarray) -> dict:
 
 
 def cv_folds(
-    df: pd.DataFrame, *, split: str, n_folds: int = 5
+    df: pd.DataFrame, *, split: str, n_folds: int = 0
 ) -> list[tuple[np.ndarray, np.ndarray]] | None:
-    """Train/test row positions for a split, or ``None`` if the data cannot support it."""
+    """Train/test row positions for a split, or ``None`` if the data cannot support it.
+
+    ``n_folds`` applies to the condition split: 0 leaves one condition out per fold,
+    ``k > 0`` uses ``GroupKFold(k)``.
+    """
     if split == "condition":
         groups = (df["device_name"].astype(str) + "/" + df["condition"].astype(str)).to_numpy()
         n_groups = len(np.unique(groups))
         if n_groups < 2:
             return None
-        return list(GroupKFold(n_splits=min(n_folds, n_groups)).split(df, groups=groups))
+        if n_folds <= 0 or n_folds >= n_groups:
+            return list(LeaveOneGroupOut().split(df, groups=groups))
+        return list(GroupKFold(n_splits=n_folds).split(df, groups=groups))
     if split == "model":
         groups = df["model"].astype(str).to_numpy()
         if len(np.unique(groups)) < 2:
@@ -110,6 +117,13 @@ def cv_folds(
         # 'none' rows always train: the alone behaviour is known for every kind.
         return [(pos[kinds != k], pos[kinds == k]) for k in held]
     raise UserError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
+
+
+def _held_out(df: pd.DataFrame, split: str) -> np.ndarray:
+    """The group label each row has under ``split`` (what a fold holds out)."""
+    if split == "condition":
+        return (df["device_name"].astype(str) + "/" + df["condition"].astype(str)).to_numpy()
+    return df["device_name" if split == "device" else split].astype(str).to_numpy()
 
 
 def _inner_groups(df: pd.DataFrame, split: str) -> np.ndarray:
@@ -236,7 +250,7 @@ def evaluate(
     estimators: Mapping[str, BaseEstimator],
     splits: Sequence[str] = SPLITS,
     n_stages: Sequence[int] = (2, 4),
-    n_folds: int = 5,
+    n_folds: int = 0,
     tune: Sequence[str] = (),
     calibrate: Sequence[str] = (),
 ) -> Evaluation:
@@ -265,8 +279,11 @@ def evaluate(
         if folds is None:
             split_info[split] = {"skipped": "fewer than two groups in the data"}
             continue
+        held = [sorted(map(str, pd.unique(_held_out(df, split)[test]))) for _, test in folds]
         split_info[split] = {
             "n_folds": len(folds),
+            "scheme": "leave one out" if all(len(h) == 1 for h in held) else "group k-fold",
+            "held_out": held,
             "test_sizes": [len(t) for _, t in folds],
         }
         results[split] = {}

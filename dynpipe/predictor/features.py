@@ -33,6 +33,7 @@ __all__ = [
     "PHASES",
     "STATIC_INPUTS",
     "FeatureSchema",
+    "check_same_names",
     "extract_features",
     "log_alone",
     "static_block",

@@ -98,11 +98,15 @@ def dataset_fingerprint(df: pd.DataFrame) -> str:
     cols = sorted(map(str, df.columns))
     canon = df[cols].sort_values(keys, kind="stable").reset_index(drop=True) if keys else df[cols]
     # Array-valued cells (e.g. the raw timing samples) hash by their bytes.
-    arrays = [c for c in cols if canon[c].dtype == object and len(canon)
-              and isinstance(canon[c].iloc[0], (np.ndarray, list))]
+    arrays = [
+        c
+        for c in cols
+        if canon[c].dtype == object
+        and len(canon)
+        and isinstance(canon[c].iloc[0], (np.ndarray, list))
+    ]
     if arrays:
-        canon = canon.assign(**{c: canon[c].map(lambda v: np.asarray(v).tobytes())
-                                for c in arrays})
+        canon = canon.assign(**{c: canon[c].map(lambda v: np.asarray(v).tobytes()) for c in arrays})
     h = hashlib.sha256()
     h.update("\0".join(cols).encode())
     h.update(pd.util.hash_pandas_object(canon, index=False).to_numpy().tobytes())

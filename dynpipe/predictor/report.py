@@ -69,7 +69,8 @@ def render_markdown(summary: dict, *, primary: str, figure: str | None = None) -
         lines += [f"Not possible on this data (fewer than two groups): {', '.join(skipped)}.", ""]
     for split, res in summary["results"].items():
         info = summary["splits"][split]
-        lines += [f"## {SPLIT_TITLES.get(split, split)} ({info['n_folds']} folds)", ""]
+        scheme = info.get("scheme", "")
+        lines += [f"## {SPLIT_TITLES.get(split, split)} ({scheme}, {info['n_folds']} folds)", ""]
         rows = []
         for name, r in res.items():
             la, st = r["layer"]["all"], r["stage"]["all"]
