@@ -415,3 +415,14 @@ def test_fit_with_tuning_picks_from_the_grid(df, monkeypatch):
     assert pred.estimator.n_estimators == 20
     with pytest.raises(UserError, match="xgb estimator only"):
         fit_predictor(df, estimator="ridge", tune=True)
+
+
+def test_fingerprint_hashes_array_valued_cells(df):
+    rng = np.random.default_rng(0)
+    samples = [rng.uniform(1, 2, 5) for _ in range(len(df))]
+    with_samples = df.assign(samples_ms=samples)
+    fp = dataset_fingerprint(with_samples)
+    assert fp != dataset_fingerprint(df)
+    changed = [s.copy() for s in samples]
+    changed[3][0] += 1e-6
+    assert dataset_fingerprint(df.assign(samples_ms=changed)) != fp
