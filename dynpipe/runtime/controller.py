@@ -337,6 +337,15 @@ class Controller:
                 reason=f"gain {gain:.2f} ms/step does not pay {pause:.1f} ms within "
                 f"{self.config.horizon_steps} steps",
             )
+        if gain < self.config.confirm_below * cur and self._proposed != res.bounds:
+            # A modest gain may be noise: act only if the next window proposes the same plan.
+            self._proposed = res.bounds
+            return Decision(
+                **common,
+                repartition=False,
+                reason=f"gain {gain / cur:.1%} needs a second window to confirm",
+            )
+        self._proposed = None
         return Decision(
             **common,
             repartition=True,
