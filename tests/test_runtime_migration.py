@@ -127,3 +127,24 @@ def test_migration_peer_death_fails_every_rank_naming_it() -> None:
         assert "MigrationError" in msg, msg
         assert "rank 2" in msg, msg
         assert float(msg.split()[0]) < 40, msg
+
+
+def test_pack_round_trip_and_corruption_is_caught() -> None:
+    from dynpipe.runtime.migrate import MigrationError, pack, unpack
+
+    tensors = {
+        "w": torch.randn(33, 17),
+        "step": torch.tensor(4.0),
+        "idx": torch.arange(5),
+        "half": torch.randn(3, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 4),
+    }
+    header, buf = pack(tensors, device=torch.device("cpu"))
+    out = unpack(header, buf.clone(), where="test")
+    assert set(out) == set(tensors)
+    for k, v in tensors.items():
+        assert out[k].dtype == v.dtype and torch.equal(out[k], v), k
+    bad = buf.clone()
+    bad[len(bad) // 2] ^= 1
+    with pytest.raises(MigrationError, match="checksum mismatch"):
+        unpack(header, bad, where="test")

@@ -51,7 +51,7 @@ class AdaptConfig:
         ``jump`` replaces it outright, so an onset is seen in one window, not several.
     min_gain: smallest relative step-time gain worth a repartition (hysteresis: a plan is
         only replaced by a clearly better one, so noise cannot make plans flap). A gain
-        under ``confirm_below`` must be proposed by two windows in a row before it is taken;
+        under ``confirm_below`` must be wanted by two windows in a row before it is taken;
         a larger one (a real onset) is taken at once.
     horizon_steps: steps over which a gain must pay back the migration pause.
     cooldown_steps: steps after a repartition before another may be decided.
@@ -152,7 +152,7 @@ class Controller:
         self.clean_fwd: np.ndarray | None = None  # [L] ms per microbatch, calibrated
         self.clean_bwd: np.ndarray | None = None
         self.last_change_step = -(10**9)
-        self._proposed: tuple[tuple[int, int], ...] | None = None
+        self._wanted = False  # the previous window also proposed moving
         # Expected pause of a repartition (ms): learned from the ones we make.
         self.pause_ms = pause_ms
 
@@ -320,11 +320,12 @@ class Controller:
             moved_bytes=moved_bytes,
         )
         if not moved:
-            self._proposed = None
+            self._wanted = False
             return Decision(**common, repartition=False, reason="current plan is best")
         if step - self.last_change_step < self.config.cooldown_steps:
             return Decision(**common, repartition=False, reason="cooldown")
         if gain < self.config.min_gain * cur:
+            self._wanted = False
             return Decision(
                 **common,
                 repartition=False,
@@ -337,15 +338,15 @@ class Controller:
                 reason=f"gain {gain:.2f} ms/step does not pay {pause:.1f} ms within "
                 f"{self.config.horizon_steps} steps",
             )
-        if gain < self.config.confirm_below * cur and self._proposed != res.bounds:
-            # A modest gain may be noise: act only if the next window proposes the same plan.
-            self._proposed = res.bounds
+        if gain < self.config.confirm_below * cur and not self._wanted:
+            # A modest gain may be noise: act only if the next window also wants to move.
+            self._wanted = True
             return Decision(
                 **common,
                 repartition=False,
                 reason=f"gain {gain / cur:.1%} needs a second window to confirm",
             )
-        self._proposed = None
+        self._wanted = False
         return Decision(
             **common,
             repartition=True,
