@@ -102,6 +102,9 @@ def run_demo(cfg: DemoConfig) -> int:
         str(scenario),
         "--monitor-every",
         "5",
+        # The demo's whole run is the horizon a repartition has to pay back within.
+        "--horizon",
+        str(cfg.steps),
         "--log",
         str(log),
     ]
