@@ -21,6 +21,17 @@ MODELS = ("vgg16", "resnet50", "gpt")
 STAGES = (2, 4, 8)
 
 
+def profiled_config(name: str, profiles: list[str] | None) -> dict:
+    """The model config a profile was measured with (its metadata records it)."""
+    from dynpipe.profiler.schema import read_metadata
+
+    for path in profiles or []:
+        setup = read_metadata(path).get("setup") or {}
+        if isinstance(setup, dict) and name in setup.get("models", {}):
+            return dict(setup["models"][name])
+    return {}
+
+
 def costs_for(model, *, stages: int, microbatch: int, args: argparse.Namespace):
     from dynpipe.planner.costs import CostModel
 
@@ -53,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for name in MODELS:
-        model = get_model(name)
+        model = get_model(name, **profiled_config(name, args.profile))
         for s in STAGES:
             m = 2 * s  # enough microbatches to keep the 1F1B bubble near (S-1)/(3S-1)
             mb = args.batch_size // m
