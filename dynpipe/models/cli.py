@@ -57,7 +57,7 @@ def format_count(n: float) -> str:
     return str(int(n))
 
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
+def parse_overrides(items: list[str], *, option: str = "--set") -> dict[str, Any]:
     """``["depth=4", "dropout=0.1", "stem=cifar"]`` -> typed config (Python literals or strings)."""
     from dynpipe.errors import UserError
 
@@ -65,7 +65,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key.isidentifier():
-            raise UserError(f"--set expects KEY=VALUE, got {item!r}; e.g. --set depth=4")
+            raise UserError(f"{option} expects KEY=VALUE, got {item!r}; e.g. {option} depth=4")
         try:
             out[key] = ast.literal_eval(text)
         except (ValueError, SyntaxError):

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import sys
-from typing import Any
 
 __all__ = ["config_from_args", "register"]
 
@@ -137,22 +135,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", dest="progress", action="store_false")
 
 
-def _parse_model_args(items: list[str]) -> dict[str, Any]:
-    from dynpipe.errors import UserError
-
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise UserError(f"--model-arg {item!r} is not KEY=VALUE; e.g. --model-arg depth=4")
-        try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key] = value
-    return out
-
-
 def config_from_args(args: argparse.Namespace):
+    from dynpipe.models.cli import parse_overrides
     from dynpipe.runtime.controller import AdaptConfig
     from dynpipe.runtime.optim import OptimConfig
     from dynpipe.runtime.train import TrainConfig
@@ -169,7 +153,7 @@ def config_from_args(args: argparse.Namespace):
     )
     return TrainConfig(
         model=args.model,
-        model_args=_parse_model_args(args.model_arg),
+        model_args=parse_overrides(args.model_arg, option="--model-arg"),
         data=args.data,
         data_path=args.data_path,
         steps=args.steps,
