@@ -44,7 +44,10 @@ def save_checkpoint(
         "optim": {k: v.detach() for k, v in optim_state.items()},
         "rng": {f"rank{rank}": torch.get_rng_state()},
     }
-    dcp.save(sd, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    with warnings.catch_warnings():
+        # Rewriting a folder (the restart baseline reuses one) is intended.
+        warnings.filterwarnings("ignore", message=".*Detected an existing checkpoint.*")
+        dcp.save(sd, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:

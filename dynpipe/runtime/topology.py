@@ -83,11 +83,25 @@ def init_distributed(topo: Topology) -> None:
     if topo.is_cuda:
         # Binds NCCL to this device up front, which also makes P2P communicators eager.
         kwargs["device_id"] = topo.device
+    timeout = timedelta(seconds=topo.timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Under torchrun every relaunch talks to the same agent store. Keys left by the
+        # previous attempt (a dead rank's gloo address, its heartbeat) must not be read as
+        # this attempt's, so each attempt gets its own key space.
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            topo.world_size,
+            is_master=False,
+            timeout=timeout,
+        )
+        kwargs["store"] = dist.PrefixStore(f"dynpipe/attempt_{attempt}", store)
     dist.init_process_group(
         backend=topo.backend,
         rank=topo.rank,
         world_size=topo.world_size,
-        timeout=timedelta(seconds=topo.timeout_s),
+        timeout=timeout,
         **kwargs,
     )
 
