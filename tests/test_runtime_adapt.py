@@ -75,16 +75,17 @@ def _adapt_then_static(rank: int, world: int, scenario: str, log: str) -> dict:
                 times[k] += [engines[k].step(s, (x, y)).step_ms for s in range(4)]
 
     rounds(list(engines), 3)
-    # The split the adaptive run chose during the slowdown (the log is complete once every
+    # The split the adaptive run settled on during the slowdown (the log is complete once every
     # rank is past train()).
     import torch.distributed as dist
 
     dist.barrier()
     from dynpipe.runtime.runlog import read_log
 
-    reps = [r for r in read_log(log) if r.get("event") == "repartition"
-            and ONSET <= r["step"] < DEPART]
-    chosen = reps[0]["new_plan"]["stages"][0]["stop"] if reps else None
+    reps = [
+        r for r in read_log(log) if r.get("event") == "repartition" and ONSET <= r["step"] < DEPART
+    ]
+    chosen = reps[-1]["new_plan"]["stages"][0]["stop"] if reps else None
     med = {k: statistics.median(v) for k, v in times.items()}
     best = min(med, key=med.get)
     if chosen is not None and med[chosen] > 1.10 * med[best]:
@@ -116,9 +117,10 @@ def test_controller_adapts_to_emulated_slowdown_and_moves_back(tmp_path) -> None
     assert ONSET < first["step"] <= ONSET + 10, first["step"]
     # It moved layers off the slowed stage 1.
     assert first["new_plan"]["stages"][1]["start"] > first["old_plan"]["stages"][1]["start"]
-    # The plan it adapted to runs within 10% of the best static plan for this condition
-    # (all splits timed side by side under the same emulated slowdown).
-    chosen = first["new_plan"]["stages"][0]["stop"]
+    # The plan it settled on during the slowdown runs within 10% of the best static plan for
+    # this condition (all splits timed side by side under the same emulated slowdown).
+    during = [e for e in reps if ONSET <= e["step"] < DEPART]
+    chosen = during[-1]["new_plan"]["stages"][0]["stop"]
     assert static[chosen] <= 1.10 * best_ms, (chosen, best_split, static)
     # And the run itself recovered: steps after adapting are much faster than before it.
     steps = {r["step"]: r["step_ms"] for r in recs if r["type"] == "step"}

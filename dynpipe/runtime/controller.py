@@ -83,13 +83,16 @@ class Monitor:
         self.ewma, self.jump = ewma, jump
         self.fwd = np.full(num_stages, np.nan)
         self.bwd = np.full(num_stages, np.nan)
+        self.windows = 0  # windows seen since the last reset (i.e. under the current plan)
 
     def reset(self, num_stages: int) -> None:
         self.fwd = np.full(num_stages, np.nan)
         self.bwd = np.full(num_stages, np.nan)
+        self.windows = 0
 
     def update(self, fwd_ms: np.ndarray, bwd_ms: np.ndarray) -> None:
         """Feed one window's per-stage means (ms per step)."""
+        self.windows += 1
         for cur, new in ((self.fwd, np.asarray(fwd_ms)), (self.bwd, np.asarray(bwd_ms))):
             for s in range(len(cur)):
                 old = cur[s]

@@ -285,6 +285,10 @@ class _Adapter:
             if self.log is not None:
                 self.log.event("calibrated", step=step)
             return None
+        if self.monitor.windows < 2:
+            # One window under a new plan is too little to judge it by: a stage left with one
+            # or two layers gives a noisy slowdown estimate, and acting on it makes plans flap.
+            return None
         t0 = time.perf_counter()
         telemetry = tels if self.controller.mode_used != "measured" else None
         decision = self.controller.decide(
