@@ -94,7 +94,7 @@ def test_spin_on_our_core_slows_a_layer_and_telemetry_sees_it(pinned):
     cfg = TimingConfig(warmup=1, repeats=3, sample_ms=30)
     bench.time(1, "fwd", cfg)  # first-call costs (allocator, oneDNN primitives) out of the way
     with TelemetrySampler("cpu", cores=[CORE]) as sampler:
-        for _attempt in range(2):  # the machine is shared: one retry on a noisy trial
+        for _attempt in range(4):  # the machine is shared: retry a noisy trial (a few s each)
             alone, loaded, tel_alone, tel_loaded = _spin_trial(bench, cfg, sampler, rounds=10)
             # Two baselines pooled from alternate rounds: their ratio is the slowdown the
             # profiler reports with no interferer.
