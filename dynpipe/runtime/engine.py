@@ -196,10 +196,14 @@ class PipelineEngine:
         return self.stage_index == self.plan.num_stages - 1
 
     # ---- training ----------------------------------------------------------------------
-    def step(self, step: int, batch: tuple[torch.Tensor, torch.Tensor]) -> StepResult:
-        """One optimizer step over ``batch`` (the whole batch; split into microbatches here)."""
+    def step(self, step: int, batch: tuple[torch.Tensor, torch.Tensor] | None) -> StepResult:
+        """One optimizer step over ``batch`` (the whole batch; split into microbatches here).
+
+        Only the first stage reads the inputs and only the last the targets; a middle stage
+        may pass ``None`` (it receives activations instead).
+        """
         dev = self.topo.device
-        x, y = batch
+        x, y = batch if batch is not None else (None, None)
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []

@@ -467,7 +467,9 @@ def train(
                     if log is not None:
                         log.event(rec.pop("event"), **rec)
             try:
-                res = engine.step(step, data.batch(step, cfg.batch_size))
+                # Middle stages never read a batch: they do not load one either.
+                needs_data = engine.is_first or engine.is_last
+                res = engine.step(step, data.batch(step, cfg.batch_size) if needs_data else None)
             except NonFiniteLoss:
                 raise
             except Exception as exc:
