@@ -86,7 +86,11 @@ def _adapt_then_static(rank: int, world: int, scenario: str, log: str) -> dict:
         r for r in read_log(log) if r.get("event") == "repartition" and ONSET <= r["step"] < DEPART
     ]
     chosen = reps[-1]["new_plan"]["stages"][0]["stop"] if reps else None
-    med = {k: statistics.median(v) for k, v in times.items()}
+    # The retry decision must be the same on every rank: take the slowest rank's medians.
+    ks = sorted(times)
+    meds = torch.tensor([statistics.median(times[k]) for k in ks], dtype=torch.float64)
+    dist.all_reduce(meds, op=dist.ReduceOp.MAX)
+    med = dict(zip(ks, meds.tolist(), strict=True))
     best = min(med, key=med.get)
     if chosen is not None and med[chosen] > 1.10 * med[best]:
         # A 2-core machine's noise can swing one round: time the two contenders again,
