@@ -220,9 +220,16 @@ def _launcher(cfg, args: argparse.Namespace) -> int:
     from dynpipe.runtime.launch import launch_local
 
     words = list(args.argv)
+    words = words[words.index("train") + 1 :]
+    if cfg.log is None:
+        # One log path for every worker and every relaunch (the default is timestamped, and
+        # the restart baseline keeps its checkpoint beside the log).
+        from dynpipe.runtime.train import default_log_path
+
+        words += ["--log", default_log_path(cfg)]
     # The restart baseline relaunches the workers after each decision: let the agent do so.
     restarts = max(1, cfg.steps) if cfg.adapt.mode == "restart" else 0
-    return launch_local(words[words.index("train") + 1 :], nproc=nproc, max_restarts=restarts)
+    return launch_local(words, nproc=nproc, max_restarts=restarts)
 
 
 def _worker(cfg, args: argparse.Namespace) -> int:

@@ -36,6 +36,7 @@ __all__ = [
     "RestartRequested",
     "TrainConfig",
     "build_model_and_data",
+    "default_log_path",
     "resolve_plan",
     "train",
 ]
@@ -99,6 +100,11 @@ class TrainConfig:
             raise UserError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.log_every < 1:
             raise UserError(f"--log-every must be >= 1, got {self.log_every}")
+        if self.adapt.mode == "restart" and not (self.save_dir or self.log):
+            raise UserError(
+                "--adapt restart needs --save-dir or --log: relaunched workers must "
+                "find the checkpoint in a folder every worker agrees on"
+            )
         if self.save_every and not self.save_dir:
             raise UserError("--save-every needs --save-dir DIR to write checkpoints into")
 
@@ -388,7 +394,7 @@ class _Adapter:
 
 
 def _restart_dir(cfg: TrainConfig) -> Path:
-    base = Path(cfg.save_dir) if cfg.save_dir else Path(cfg.log or _default_log_path(cfg)).parent
+    base = Path(cfg.save_dir) if cfg.save_dir else Path(cfg.log or default_log_path(cfg)).parent
     return base / "restart"
 
 
@@ -427,7 +433,7 @@ def train(
     writer = plan.stages[-1].rank == topo.rank
     log = None
     if writer:
-        log = RunLog(cfg.log or _default_log_path(cfg), append=bool(resume))
+        log = RunLog(cfg.log or default_log_path(cfg), append=bool(resume))
         log.header(
             config=cfg.to_dict(),
             plan=plan.to_dict(),
@@ -604,7 +610,7 @@ def _resume(engine: PipelineEngine, path: str, *, topo: Topology) -> int:
     return int(meta["step"])
 
 
-def _default_log_path(cfg: TrainConfig) -> str:
+def default_log_path(cfg: TrainConfig) -> str:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     name = cfg.model.rpartition(":")[2] or cfg.model
     return str(Path("runs") / f"{name}-{stamp}" / "log.jsonl")
