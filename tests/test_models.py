@@ -113,6 +113,48 @@ def test_per_layer_build_is_deterministic(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ZOO_NAMES)
+def test_uninitialised_build_loads_to_the_same_layer(name: str) -> None:
+    # A migrated layer is built without initialisation and loaded; it must then be the
+    # initialised layer, computing the same outputs.
+    model = _small(name)
+    for i in range(len(model)):
+        ref = model.build_layer(i)
+        layer = model.build_layer(i, init=False)
+        assert not any(t.is_meta for t in layer.state_dict().values())
+        layer.load_state_dict(ref.state_dict())
+        sa, sb = ref.state_dict(), layer.state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_uninitialised_build_still_computes_nonpersistent_buffers() -> None:
+    from dynpipe.models.base import LayeredModel, LayerSpec
+
+    class Scaled(torch.nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(4, 4)
+            self.register_buffer("scale", torch.full((4,), 2.0), persistent=False)
+
+    model = LayeredModel(
+        name="scaled",
+        layers=(LayerSpec("a", "linear", Scaled),),
+        loss_fn=torch.nn.functional.mse_loss,
+        input_spec=_small("mlp").input_spec,
+    )
+    layer = model.build_layer(0, init=False)
+    assert torch.equal(layer.scale, torch.full((4,), 2.0))
+    assert "scale" not in layer.state_dict()
+
+
+def test_traced_shapes_are_cached_per_batch_size() -> None:
+    model = _small("gpt")
+    first = model.trace_shapes(3)
+    first.append("caller's own list")  # callers get a copy, never the cache itself
+    again = model.trace_shapes(3)
+    assert again == first[:-1] and again is not first
+    assert model.trace_shapes(5)[0][0][0] == 5
+
+
+@pytest.mark.parametrize("name", ZOO_NAMES)
 def test_forward_loss_backward_and_traced_shapes(name: str) -> None:
     model = _small(name)
     torch.manual_seed(0)

@@ -102,6 +102,8 @@ class LayeredModel:
     input_spec: InputSpec
     seed: int = 0
     config: dict = field(default_factory=dict, compare=False)
+    # trace_shapes results by batch size: a rebuild asks for them again under every new plan.
+    _shapes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -125,17 +127,32 @@ class LayeredModel:
                 return i
         raise KeyError(f"model {self.name!r} has no layer {name!r}")
 
-    def build_layer(self, index: int, *, device: torch.device | str = "cpu") -> nn.Module:
+    def build_layer(
+        self, index: int, *, device: torch.device | str = "cpu", init: bool = True
+    ) -> nn.Module:
         """Build layer ``index`` with this model's deterministic initialisation.
 
         Weights are always initialised on the CPU under a forked RNG seeded from
         ``(seed, index)`` and then moved, so a CPU and a GPU rank agree bit for bit.
         On ``meta`` the layer is built without memory (shapes and FLOPs only).
+
+        ``init=False`` is for a layer whose parameters and buffers are about to be loaded
+        (a migrated layer): it skips the CPU initialisation, which for a large layer costs
+        far more than the move itself (seconds for VGG's fc6). Its state-dict entries hold
+        arbitrary values until loaded; non-persistent buffers, which a state dict does not
+        carry, are still computed by the layer's constructor.
         """
         spec = self.layers[index]
         dev = torch.device(device)
         if dev.type == "meta":
             with torch.device("meta"):
+                return spec.build()
+        if not init:
+            with torch.device("meta"):
+                module = spec.build()
+            if not _has_nonpersistent_buffers(module):
+                return module.to_empty(device=dev)
+            with torch.device(dev):  # constructor runs where it is fast; values are loaded
                 return spec.build()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(layer_seed(self.seed, index))
@@ -160,18 +177,25 @@ class LayeredModel:
         Entry ``i`` is what layer ``i`` hands to layer ``i + 1``: the activation that
         crosses a stage boundary placed after layer ``i``.
         """
+        if batch_size in self._shapes:
+            return list(self._shapes[batch_size])
         x, _ = self.input_spec.example(batch_size, device="meta")
         out: list[tuple[tuple[int, ...], torch.dtype]] = []
         with torch.no_grad():
             for i in range(len(self)):
                 x = self.build_layer(i, device="meta")(x)
                 out.append((tuple(x.shape), x.dtype))
+        self._shapes[batch_size] = tuple(out)
         return out
 
     def fingerprint(self) -> str:
         """Short stable id of the layer list (names and kinds), for plans and checkpoints."""
         text = ";".join(f"{s.name}:{s.kind}" for s in self.layers)
         return f"{zlib.crc32(text.encode()):08x}"
+
+
+def _has_nonpersistent_buffers(module: nn.Module) -> bool:
+    return any(m._non_persistent_buffers_set for m in module.modules())
 
 
 def run_layers(layers: nn.ModuleDict | Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:

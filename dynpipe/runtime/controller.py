@@ -47,6 +47,7 @@ class AdaptConfig:
     monitor_every: steps per monitoring window (one all-gather per window).
     settle_windows: windows ignored at start and after each repartition (allocator warm-up,
         first-touch effects) before times are trusted.
+    calibrate_windows: windows whose steps give the clean per-stage costs at the start.
     ewma: weight of the newest window; a window that differs from the average by more than
         ``jump`` replaces it outright, so an onset is seen in one window, not several.
     min_gain: smallest relative step-time gain worth a repartition (hysteresis: a plan is
@@ -60,6 +61,7 @@ class AdaptConfig:
     mode: str = "adaptive"
     monitor_every: int = 5
     settle_windows: int = 1
+    calibrate_windows: int = 2
     ewma: float = 0.5
     jump: float = 0.25
     min_gain: float = 0.05
@@ -72,6 +74,8 @@ class AdaptConfig:
             raise UserError(f"unknown --adapt {self.mode!r}; use one of {', '.join(ADAPT_MODES)}")
         if self.monitor_every < 1:
             raise UserError(f"--monitor-every must be >= 1, got {self.monitor_every}")
+        if self.calibrate_windows < 1:
+            raise UserError(f"calibrate_windows must be >= 1, got {self.calibrate_windows}")
         if not 0 < self.ewma <= 1:
             raise UserError(f"ewma weight must be in (0, 1], got {self.ewma}")
 

@@ -27,7 +27,7 @@ from dynpipe.planner.plan import Plan
 from dynpipe.runtime.engine import PipelineEngine
 from dynpipe.runtime.health import Heartbeat
 
-__all__ = ["MigrationError", "MigrationStats", "pack", "repartition", "unpack"]
+__all__ = ["MigrationError", "MigrationStats", "pack", "repartition", "unpack", "warm_links"]
 
 _CHUNK = 1 << 22  # checksum in bounded-memory slices (32-bit words)
 
@@ -45,6 +45,13 @@ class MigrationStats:
     bytes_received: int = 0
     transfer_s: float = 0.0
     rebuild_s: float = 0.0
+    # transfer_s split: packing and checksumming, the wire, and unpacking with the vote;
+    # rebuild_s split: building received layers, and rebuilding the stage and optimizer.
+    pack_s: float = 0.0
+    wire_s: float = 0.0
+    unpack_s: float = 0.0
+    build_s: float = 0.0
+    engine_s: float = 0.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -170,6 +177,30 @@ def _vote(
         )
 
 
+def warm_links(device: torch.device, *, timeout_s: float) -> float:
+    """Exchange one tiny message between every pair of ranks, once, before training.
+
+    A backend sets up a point-to-point channel on its first use (NCCL builds a communicator
+    and its buffers, which takes tens of milliseconds); a migration can pair any two ranks,
+    so without this the first repartition between a pair would pay that set-up inside its
+    pause. One batch of sends and receives to and from every peer cannot deadlock.
+    Returns the seconds it took.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return 0.0
+    t0 = time.perf_counter()
+    me, n = dist.get_rank(), dist.get_world_size()
+    out = torch.full((1,), me, dtype=torch.int64, device=device)
+    inbox = {p: torch.empty(1, dtype=torch.int64, device=device) for p in range(n) if p != me}
+    ops = [dist.P2POp(dist.isend, out, p) for p in inbox]
+    ops += [dist.P2POp(dist.irecv, t, p) for p, t in inbox.items()]
+    _wait(dist.batch_isend_irecv(ops), timeout_s=timeout_s, what="link warm-up")
+    bad = [p for p, t in inbox.items() if int(t.item()) != p]
+    if bad:
+        raise MigrationError(f"rank {me}: link warm-up got wrong ids from ranks {bad}")
+    return time.perf_counter() - t0
+
+
 def repartition(
     engine: PipelineEngine,
     new_plan: Plan,
@@ -209,6 +240,7 @@ def repartition(
             header, buf = pack(_layer_payload(engine, names), device=dev)
             hbytes = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
             packed[peer] = (hbytes.to(dev), buf)
+        t_packed = time.perf_counter()
         sizes_out = {
             p: torch.tensor([h.numel(), b.numel()], dtype=torch.int64, device=dev)
             for p, (h, b) in packed.items()
@@ -241,6 +273,7 @@ def repartition(
         raise MigrationError(
             f"{where}: transfer with peers {peers} failed{who} ({str(exc).splitlines()[0][:200]})"
         ) from exc
+    t_wired = time.perf_counter()
     stats.bytes_sent = sum(b.numel() + h.numel() for h, b in packed.values())
     stats.bytes_received = sum(b.numel() + h.numel() for h, b in recv.values())
     received: dict[str, torch.Tensor] = {}
@@ -275,7 +308,8 @@ def repartition(
             layers[lname] = engine.module.layers[lname]
             opt_state.update({k: v for k, v in kept_opt.items() if k.startswith(lname + ".")})
         else:
-            layer = engine.model.build_layer(i, device=dev)
+            # Built without initialisation: every parameter and buffer is loaded next.
+            layer = engine.model.build_layer(i, device=dev, init=False)
             prefix = f"model/{lname}."
             layer.load_state_dict(
                 {k[len(prefix) :]: v for k, v in received.items() if k.startswith(prefix)}
@@ -285,7 +319,11 @@ def repartition(
             opt_state.update(
                 {k[len("optim/") :]: v for k, v in received.items() if k.startswith(oprefix)}
             )
+    t_built = time.perf_counter()
     engine.rebuild(new_plan, layers=layers, opt_state=opt_state)
+    t2 = time.perf_counter()
+    stats.pack_s, stats.wire_s, stats.unpack_s = t_packed - t0, t_wired - t_packed, t1 - t_wired
+    stats.build_s, stats.engine_s = t_built - t1, t2 - t_built
     stats.transfer_s = t1 - t0
-    stats.rebuild_s = time.perf_counter() - t1
+    stats.rebuild_s = t2 - t1
     return stats

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dynpipe.data.loader import BatchStream
 from dynpipe.errors import UserError
 from dynpipe.models import LayeredModel, get_model
 from dynpipe.planner.plan import Plan
@@ -58,6 +59,9 @@ class TrainConfig:
 
     model / model_args: zoo name (or ``package.module:factory``) and its keyword config.
     data / data_path: a ``dynpipe.data`` source; real datasets read from ``data_path`` only.
+    data_workers: processes loading batches ahead on the first and last stage's ranks
+        (0: in the training process); None: 2 on CUDA, 0 on CPU, where workers would take
+        cores from the stages.
     plan: a plan file; without one, ``stages`` (default: world size) equal-layer stages.
     log: JSONL run-log path (written by the last stage's rank).
     log_every: steps between the gathers of per-stage timings (one small collective).
@@ -72,6 +76,7 @@ class TrainConfig:
     model_args: dict[str, Any] = field(default_factory=dict)
     data: str = "synthetic"
     data_path: str | None = None
+    data_workers: int | None = None
     steps: int = 100
     batch_size: int = 32
     microbatches: int | None = None
@@ -98,6 +103,8 @@ class TrainConfig:
             raise UserError(f"--steps must be >= 0, got {self.steps}")
         if self.batch_size < 1:
             raise UserError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.data_workers is not None and self.data_workers < 0:
+            raise UserError(f"--data-workers must be >= 0, got {self.data_workers}")
         if self.log_every < 1:
             raise UserError(f"--log-every must be >= 1, got {self.log_every}")
         if self.adapt.mode == "restart" and not (self.save_dir or self.log):
@@ -253,6 +260,8 @@ class _Adapter:
             from dynpipe.predictor import load_predictor, prepare_layers
 
             predictor = load_predictor(cfg.predictor)
+            if hasattr(predictor.estimator, "set_predict_threads"):
+                predictor.estimator.set_predict_threads(1)
             prepared = prepare_layers(
                 predictor, layer_stats(engine.model, batch_size=mb), batch_size=mb
             )
@@ -261,35 +270,47 @@ class _Adapter:
         )
         self.monitor = Monitor(plan.num_stages, ewma=self.adapt.ewma, jump=self.adapt.jump)
         self.settle = self.adapt.settle_windows
+        self._calib: list[dict] = []  # step records of the calibration windows so far
+        self._calib_windows = 0
+        self._last_repartition: dict | None = None  # to log the first step under a new plan
+        warm_ms = None
+        if self.adapt.mode in ("measured", "adaptive"):
+            from dynpipe.runtime.migrate import warm_links
+
+            warm_ms = round(warm_links(topo.device, timeout_s=topo.timeout_s) * 1e3, 3)
         if log is not None:
             log.event(
                 "adapt_mode",
                 mode=self.adapt.mode,
                 using=self.controller.mode_used,
                 description=self.controller.describe(),
+                links_warmed_ms=warm_ms,
             )
 
     def window(self, step: int, records: list[dict], tels: list[dict]) -> Decision | None:
         """Feed one window (ending after ``step``); repartition if the controller says so."""
         if self.adapt.mode == "static" or not records:
             return None
+        if self._last_repartition is not None:
+            self._log_first_step(records)
         if self.settle > 0:
             self.settle -= 1
             return None
         plan = self.engine.plan
-        # Medians over the window's steps: one step stalled by something else on the machine
-        # must not look like a slowed device.
-        fwd = np.array(
-            [np.median([r["stages"][s]["fwd_ms"] for r in records]) for s in range(plan.num_stages)]
-        )
-        bwd = np.array(
-            [np.median([r["stages"][s]["bwd_ms"] for r in records]) for s in range(plan.num_stages)]
-        )
+        fwd, bwd = _stage_medians(records, plan.num_stages)
         self.monitor.update(fwd, bwd)
         if not self.controller.calibrated:
-            self.controller.calibrate(plan, self.monitor.fwd, self.monitor.bwd)
+            # Clean costs from the medians over several windows' steps: one window of a
+            # GPU that is still ramping its clocks or tuning kernels would bias every later
+            # slowdown estimate of that device.
+            self._calib += records
+            self._calib_windows += 1
+            if self._calib_windows < self.adapt.calibrate_windows:
+                return None
+            self.controller.calibrate(plan, *_stage_medians(self._calib, plan.num_stages))
             if self.log is not None:
-                self.log.event("calibrated", step=step)
+                self.log.event("calibrated", step=step, steps=len(self._calib))
+            self._calib = []
             return None
         if self.monitor.windows < 2:
             # One window under a new plan is too little to judge it by: a stage left with one
@@ -334,8 +355,29 @@ class _Adapter:
                 transfer_ms=round(stats.transfer_s * 1e3, 3),
                 rebuild_ms=round(stats.rebuild_s * 1e3, 3),
                 pause_ms=round(pause_ms, 3),
+                **{
+                    f"{k}_ms": round(getattr(stats, f"{k}_s") * 1e3, 3)
+                    for k in ("pack", "wire", "unpack", "build", "engine")
+                },
             )
+        self._last_repartition = {"step": step + 1, "before_ms": _median_step(records)}
         return decision
+
+    def _log_first_step(self, records: list[dict]) -> None:
+        """The first step under a new plan, next to the steps before and after it: what the
+        repartition cost beyond its logged pause (new buffers, the schedule's first run)."""
+        info, self._last_repartition = self._last_repartition, None
+        first = next((r for r in records if r["step"] == info["step"]), None)
+        if first is None or self.log is None:
+            return
+        rest = [r for r in records if r["step"] != info["step"]]
+        self.log.event(
+            "first_step",
+            step=info["step"],
+            first_step_ms=first["step_ms"],
+            before_ms=info["before_ms"],
+            after_ms=_median_step(rest) if rest else None,
+        )
 
     def _bytes(self, stats) -> int:
         # Every rank knows only what it sent; the sum over ranks is the bytes moved.
@@ -391,6 +433,21 @@ class _Adapter:
             )
             self.log.close()
         raise RestartRequested()
+
+
+def _stage_medians(records: list[dict], num_stages: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-stage median forward and backward ms over the steps of ``records``.
+
+    Medians, not means: one step stalled by something else on the machine must not look
+    like a slowed device.
+    """
+    fwd = [np.median([r["stages"][s]["fwd_ms"] for r in records]) for s in range(num_stages)]
+    bwd = [np.median([r["stages"][s]["bwd_ms"] for r in records]) for s in range(num_stages)]
+    return np.array(fwd), np.array(bwd)
+
+
+def _median_step(records: list[dict]) -> float:
+    return round(float(np.median([r["step_ms"] for r in records])), 4)
 
 
 def _restart_dir(cfg: TrainConfig) -> Path:
@@ -463,6 +520,21 @@ def train(
     adapter.beat = beat
     losses: list[float] = []
     step = start
+    # Middle stages never read a batch: they do not load one either. A rank's stage index is
+    # the same under every plan of the run (repartitions keep the plan's rank order), so the
+    # ranks that load are fixed; the stream resumes at ``start`` like the data itself.
+    stream = None
+    if engine.is_first or engine.is_last:
+        workers = cfg.data_workers if cfg.data_workers is not None else (2 if topo.is_cuda else 0)
+        stream = BatchStream(
+            data,
+            batch_size=cfg.batch_size,
+            start=start,
+            stop=max(start, cfg.steps),
+            workers=workers,
+            device=topo.device,
+            timeout_s=topo.timeout_s,
+        )
     try:
         if runner is not None:
             runner.prepare()
@@ -473,9 +545,7 @@ def train(
                     if log is not None:
                         log.event(rec.pop("event"), **rec)
             try:
-                # Middle stages never read a batch: they do not load one either.
-                needs_data = engine.is_first or engine.is_last
-                res = engine.step(step, data.batch(step, cfg.batch_size) if needs_data else None)
+                res = engine.step(step, stream.batch(step) if stream is not None else None)
             except NonFiniteLoss:
                 raise
             except Exception as exc:
@@ -500,6 +570,8 @@ def train(
         if log is not None:
             log.event("end", step=cfg.steps, plan=engine.plan.to_dict())
     finally:
+        if stream is not None:
+            stream.close()
         beat.stop()
         if sampler is not None:
             sampler.stop()
