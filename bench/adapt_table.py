@@ -1,9 +1,15 @@
 """Tabulate adaptive-runtime benchmark logs: per-phase step time, time to adapt, pauses.
 
 Reads the raw JSONL logs written by ``bench/gpu_adapt.sh`` (``<model>-<kind>-<mode>.jsonl``)
-and prints a markdown table; nothing here is typed in by hand.
+and prints markdown tables; nothing here is typed in by hand.
 
     python bench/adapt_table.py analysis/logs/gpu/*.jsonl
+
+Phases are cut at the steps where the scenario started or stopped interference. A phase's
+step time is the median over its steady part: from ``SETTLE`` steps after the last change
+of plan inside it (or after its start, if the plan did not change). The pause of a live
+repartition is the logged one (decide + transfer + rebuild) plus the excess of the first
+step under the new plan over the steps after it.
 """
 
 from __future__ import annotations
@@ -14,7 +20,24 @@ from pathlib import Path
 
 from dynpipe.runtime.runlog import read_log
 
-SETTLE = 5  # steps skipped at the start of each phase (warm-up, the switch itself)
+SETTLE = 5  # steps skipped after a phase starts or the plan changes
+STATIC = ("static", "static_tuned")
+
+
+def _phases(ev: list[dict], end: int) -> list[tuple[str, int, int]]:
+    """(label, start, stop) of each phase; labels name the interfered stages."""
+    cuts: dict[int, list[dict]] = {}
+    for e in ev:
+        if e["event"] in ("interference_start", "interference_stop"):
+            cuts.setdefault(e["step"], []).append(e)
+    out, on, prev = [], set(), 0
+    for step in sorted(cuts):
+        out.append(("+".join(f"s{s}" for s in sorted(on)) or "clean", prev, step))
+        for e in cuts[step]:
+            (on.add if e["event"] == "interference_start" else on.discard)(e["stage"])
+        prev = step
+    out.append(("+".join(f"s{s}" for s in sorted(on)) or "after", prev, end))
+    return out
 
 
 def summarise(path: Path) -> dict:
@@ -22,34 +45,51 @@ def summarise(path: Path) -> dict:
     model, kind, mode = path.stem.split("-", 2)
     steps = {r["step"]: r for r in recs if r["type"] == "step"}
     ev = [r for r in recs if r["type"] == "event"]
-    start = next(e for e in ev if e["event"] == "interference_start")
-    stop = next((e for e in ev if e["event"] == "interference_stop"), None)
-    on, off = start["step"], (stop["step"] if stop else max(steps) + 1)
     end = max(steps) + 1
-    changes = [e for e in ev if e["event"] in ("repartition", "restart") and on <= e["step"] < off]
-    first = changes[0] if changes else None
+    changes = [e for e in ev if e["event"] in ("repartition", "restart")]
 
     def med(a: int, b: int) -> float | None:
         vals = [steps[s]["step_ms"] for s in range(a, b) if s in steps]
         return statistics.median(vals) if vals else None
 
-    adapted_from = first["step"] + SETTLE if first else on + SETTLE
-    pauses = [e["pause_ms"] for e in ev if e["event"] == "repartition"]
-    pauses += [e["pause_ms"] for e in ev if e["event"] == "resumed"]
+    phases = {}
+    for i, (label, a, b) in enumerate(_phases(ev, end)):
+        inside = [c["step"] for c in changes if a <= c["step"] < b]
+        # The first phase starts after start-up warm-up (two windows' worth of steps).
+        lo = max([a + SETTLE * (2 if i == 0 else 1)] + [s + SETTLE for s in inside])
+        phases[label if label not in phases else f"{label}'"] = med(lo, b)
+    onsets = [e for e in ev if e["event"] == "interference_start"]
+    adapt = []
+    for o in onsets:
+        nxt = next((c for c in changes if c["step"] >= o["step"]), None)
+        if nxt is not None:
+            adapt.append((nxt["step"] - o["step"], nxt["time"] - o["time"]))
+    firsts = {e["step"]: e for e in ev if e["event"] == "first_step"}
+    pauses, full = [], []
+    for e in ev:
+        if e["event"] == "repartition":
+            pauses.append(e["pause_ms"])
+            f = firsts.get(e["step"])
+            extra = 0.0
+            if f is not None and f.get("after_ms") is not None:
+                extra = max(0.0, f["first_step_ms"] - f["after_ms"])
+            full.append(e["pause_ms"] + extra)
+        elif e["event"] == "resumed":
+            pauses.append(e["pause_ms"])
+            full.append(e["pause_ms"])
     device = next(r for r in recs if r["type"] == "header")["env"].get("device_name", "?")
     return {
         "model": model,
         "kind": kind,
         "mode": mode,
         "device": device,
-        "clean": med(SETTLE * 2, on),
-        "interference": med(adapted_from, off),
-        "after": med(off + 3 * SETTLE, end),
-        "steps_to_adapt": (first["step"] - on) if first else None,
-        "s_to_adapt": (first["time"] - start["time"]) if first else None,
+        "stages": len(next(r for r in recs if r["type"] == "header")["plan"]["stages"]),
+        "phases": phases,
+        "adapt": adapt,
         "pause_ms": max(pauses) if pauses else None,
+        "pause_full_ms": max(full) if full else None,
         "bytes": sum(e.get("bytes", 0) for e in ev if e["event"] == "repartition"),
-        "repartitions": sum(1 for e in ev if e["event"] in ("repartition", "restart")),
+        "repartitions": len(changes),
     }
 
 
@@ -59,22 +99,52 @@ def fmt(x: float | None, digits: int = 1) -> str:
 
 def main(paths: list[str]) -> None:
     rows = [summarise(Path(p)) for p in sorted(paths)]
+    labels = list(dict.fromkeys(k for r in rows for k in r["phases"]))
     print(
-        "| model | interferer | system | clean ms | interference ms | after ms | "
-        "steps to adapt | s to adapt | max pause ms | bytes moved | changes |"
+        "| model | interferer | system | "
+        + " | ".join(f"{lb} ms" for lb in labels)
+        + " | steps (s) to adapt | max pause ms | with first step | bytes moved | changes |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * (len(labels) + 8) + "|")
     for r in rows:
+        adapt = ", ".join(f"{n} ({s:.2f})" for n, s in r["adapt"]) or "–"
         print(
-            f"| {r['model']} | {r['kind']} | {r['mode']} | {fmt(r['clean'])} | "
-            f"{fmt(r['interference'])} | {fmt(r['after'])} | {r['steps_to_adapt'] or '–'} | "
-            f"{fmt(r['s_to_adapt'], 2)} | {fmt(r['pause_ms'])} | {r['bytes']:,} | "
-            f"{r['repartitions']} |"
+            f"| {r['model']} | {r['kind']} | {r['mode']} | "
+            + " | ".join(fmt(r["phases"].get(lb)) for lb in labels)
+            + f" | {adapt} | {fmt(r['pause_ms'])} | {fmt(r['pause_full_ms'])} | "
+            f"{r['bytes']:,} | {r['repartitions']} |"
         )
+    # Each system against the best static plan of each phase, measured in the same session.
+    print(
+        "\n| model | interferer | system | "
+        + " | ".join(f"{lb} ÷ best static" for lb in labels)
+        + " |"
+    )
+    print("|---" * (len(labels) + 3) + "|")
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["kind"]), []).append(r)
+    for (model, kind), rs in groups.items():
+        best = {
+            lb: min(
+                (r["phases"][lb] for r in rs if r["mode"] in STATIC and r["phases"].get(lb)),
+                default=None,
+            )
+            for lb in labels
+        }
+        for r in rs:
+            if r["mode"] in STATIC:
+                continue
+            cells = [
+                fmt(r["phases"][lb] / best[lb], 3) if best[lb] and r["phases"].get(lb) else "–"
+                for lb in labels
+            ]
+            print(f"| {model} | {kind} | {r['mode']} | " + " | ".join(cells) + " |")
     devices = sorted({r["device"] for r in rows})
     print(
-        f"\ndevice: {', '.join(devices)}; step time = median per phase, first {SETTLE} "
-        "steps of each phase skipped; 'interference' starts after the first adaptation"
+        f"\ndevice: {', '.join(devices)}; step time = median over each phase's steady part "
+        f"(from {SETTLE} steps after its start or its last change of plan); pause = decide + "
+        "transfer + rebuild, 'with first step' adds the first step's excess under the new plan"
     )
 
 
