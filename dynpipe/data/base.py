@@ -107,6 +107,10 @@ class IndexedSource:
                 self._perms.popitem(last=False)
         return self._perms[epoch]
 
+    def __getstate__(self) -> dict:
+        # Pickled to loader workers (see ``loader``): caches are rebuilt there, not shipped.
+        return {**self.__dict__, "_perms": OrderedDict()}
+
     @property
     def _n(self) -> int:
         assert self.num_samples is not None

@@ -63,6 +63,10 @@ class SyntheticSource:
         self._tables: dict[tuple[int, int], torch.Tensor] = {}
         self.task = self._pick_task(spec, task) if spec is not None else task
 
+    def __getstate__(self) -> dict:
+        # Pickled to loader workers (see ``loader``): the rule tables are rebuilt there.
+        return {**self.__dict__, "_tables": {}}
+
     def __repr__(self) -> str:
         shape = "unbound" if self.spec is None else "x".join(map(str, self.spec.shape))
         return f"SyntheticSource({self.task}, {shape}, seed={self.seed})"

@@ -22,6 +22,14 @@ __all__ = ["BYTE_VOCAB", "TextSource"]
 BYTE_VOCAB = 256
 
 
+def _map(path: str) -> np.ndarray:
+    # Memory-mapped: a large corpus is paged in per batch, never held as int64.
+    file = Path(path).expanduser()
+    if file.stat().st_size == 0:
+        return np.zeros(0, np.uint8)  # numpy cannot map an empty file
+    return np.memmap(file, dtype=np.uint8, mode="r")
+
+
 class TextSource(IndexedSource):
     name = "text"
 
@@ -49,10 +57,7 @@ class TextSource(IndexedSource):
                 f"text is byte-level (256 tokens) but the model's vocab is {vocab}; "
                 "build the model with vocab=256"
             )
-        file = Path(path).expanduser()
-        # Memory-mapped: a large corpus is paged in per batch, never held as int64.
-        size = file.stat().st_size
-        data = np.memmap(file, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+        data = _map(path)
         window = seq_len + 1 if task == "lm" else seq_len
         n = (len(data) - window) // seq_len + 1 if len(data) >= window else 0
         if n < 1:
@@ -69,6 +74,14 @@ class TextSource(IndexedSource):
         self._bytes = data
         self._window = window
         super().__init__(num_samples=n, seed=seed)
+
+    def __getstate__(self) -> dict:
+        # A memmap pickles as a copy of the whole file: loader workers map it themselves.
+        return {**super().__getstate__(), "_bytes": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._bytes = _map(self.path)
 
     def _fetch(self, ids: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         rows = ids[:, None] * self.seq_len + torch.arange(self._window)

@@ -35,6 +35,14 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         "--data", default="synthetic", help="synthetic, digits, cifar10, imagefolder or text"
     )
     g.add_argument("--data-path", default=None, help="local dataset path (never downloaded)")
+    g.add_argument(
+        "--data-workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="processes loading batches ahead on the first and last stage "
+        "(0: in the training process; default: 2 on CUDA, 0 on CPU)",
+    )
     g = p.add_argument_group("pipeline")
     g.add_argument(
         "--nproc",
@@ -156,6 +164,7 @@ def config_from_args(args: argparse.Namespace):
         model_args=parse_overrides(args.model_arg, option="--model-arg"),
         data=args.data,
         data_path=args.data_path,
+        data_workers=args.data_workers,
         steps=args.steps,
         batch_size=args.batch_size,
         microbatches=args.microbatches,
