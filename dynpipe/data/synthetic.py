@@ -15,6 +15,7 @@ training curves without a data set on disk:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -30,6 +31,16 @@ __all__ = ["SyntheticSource", "token_task"]
 _LATENT_SIDE = 4
 _PROTOTYPES_PER_CLASS = 2  # two clusters per class: learnable, but not linearly separable
 _SPREAD = 0.5  # noise around a prototype, relative to the prototypes' unit scale
+_NOISE_BLOCK = 4  # image pixel noise is drawn per 4x4 block of pixels
+
+
+@functools.lru_cache(maxsize=8)
+def _upsampler(n_in: int, n_out: int) -> torch.Tensor:
+    """``[n_out, n_in]`` matrix of 1-d linear interpolation (``align_corners=False``)."""
+    eye = torch.eye(n_in)[:, None, :]
+    return F.interpolate(eye, size=n_out, mode="linear", align_corners=False)[
+        :, 0, :
+    ].T.contiguous()
 
 
 def token_task(model: LayeredModel) -> str:
@@ -142,14 +153,24 @@ class SyntheticSource:
             # The teacher labels each input by its nearest prototype, so a sample drawn near
             # a boundary gets the label its position deserves, not the one it was drawn from.
             y = torch.cdist(z, protos).argmin(dim=1) % classes
-        if image:
-            x = F.interpolate(
-                z.view(b, *latent_shape), size=shape[-2:], mode="bilinear", align_corners=False
-            )
-            x = (x + 0.1 * torch.randn(x.shape, generator=gen)).reshape(b, *shape)
-        else:
-            x = z.view(b, *shape)
+        x = self._image(z.view(b, *latent_shape), shape, gen) if image else z.view(b, *shape)
         return x.to(spec.dtype), y.to(spec.target_dtype)
+
+    def _image(self, z: torch.Tensor, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+        """Bilinear upsampling of the latent plus pixel noise in 4x4 blocks.
+
+        A batch of 224x224 images must cost well under a GPU step (tens of ms), or the
+        first stage waits for data: the upsampling is two small matrix products (the same
+        bilinear weights as ``F.interpolate``, 5x cheaper here) and the noise is drawn at a
+        quarter of the resolution (16x fewer random numbers).
+        """
+        b, h, w = z.shape[0], shape[-2], shape[-1]
+        x = _upsampler(_LATENT_SIDE, h) @ z @ _upsampler(_LATENT_SIDE, w).T
+        hb, wb = -(-h // _NOISE_BLOCK), -(-w // _NOISE_BLOCK)
+        noise = torch.randn(b, z.shape[1], hb, 1, wb, 1, generator=gen).mul_(0.1)
+        noise = noise.expand(-1, -1, -1, _NOISE_BLOCK, -1, _NOISE_BLOCK)
+        noise = noise.reshape(b, z.shape[1], hb * _NOISE_BLOCK, wb * _NOISE_BLOCK)[..., :h, :w]
+        return x.add_(noise).reshape(b, *shape)
 
     # -- token inputs ------------------------------------------------------------------
 

@@ -60,8 +60,8 @@ class TrainConfig:
     model / model_args: zoo name (or ``package.module:factory``) and its keyword config.
     data / data_path: a ``dynpipe.data`` source; real datasets read from ``data_path`` only.
     data_workers: processes loading batches ahead on the first and last stage's ranks
-        (0: in the training process); None: 2 on CUDA, 0 on CPU, where workers would take
-        cores from the stages.
+        (0: in the training process); None: on CUDA up to 4, within this host's cores per
+        rank; 0 on CPU, where workers would take cores from the stages.
     plan: a plan file; without one, ``stages`` (default: world size) equal-layer stages.
     log: JSONL run-log path (written by the last stage's rank).
     log_every: steps between the gathers of per-stage timings (one small collective).
@@ -435,6 +435,14 @@ class _Adapter:
         raise RestartRequested()
 
 
+def _auto_workers(topo: Topology) -> int:
+    if not topo.is_cuda:
+        return 0
+    # Ranks of this host share its cores; a 224x224 batch of 64 takes ~40 ms of one core.
+    per_rank = (os.cpu_count() or 2) // max(torch.cuda.device_count(), 1)
+    return max(1, min(4, per_rank - 1))
+
+
 def _stage_medians(records: list[dict], num_stages: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-stage median forward and backward ms over the steps of ``records``.
 
@@ -525,7 +533,7 @@ def train(
     # ranks that load are fixed; the stream resumes at ``start`` like the data itself.
     stream = None
     if engine.is_first or engine.is_last:
-        workers = cfg.data_workers if cfg.data_workers is not None else (2 if topo.is_cuda else 0)
+        workers = cfg.data_workers if cfg.data_workers is not None else _auto_workers(topo)
         stream = BatchStream(
             data,
             batch_size=cfg.batch_size,
