@@ -9,7 +9,8 @@
 #   (default "gemm copy"). DEVICE=cpu with MODEL=mlp and KINDS=emulate checks the script
 #   itself on a CPU machine.
 # MODES overrides the systems run (default: static measured adaptive restart); STEPS the run
-# length; RUN_TIMEOUT bounds each run (seconds). Raw logs land in
+# length; RUN_TIMEOUT bounds each run (seconds); CKPT is where the restart baseline writes
+# its checkpoints (default OUTDIR; they are large). Raw logs land in
 # OUTDIR/<model>-<kind>-<mode>.jsonl; bench/adapt_table.py tabulates them.
 set -u
 M=$1; O=$2; P=${3:-}; KINDS=${4:-"gemm copy"}
@@ -58,7 +59,7 @@ for kind in $KINDS; do
   for mode in ${MODES:-static measured adaptive restart}; do
     extra=(--adapt "$mode" --scenario "$S")
     case $mode in adaptive|restart) [ -n "$P" ] && extra+=(--predictor "$P") ;; esac
-    [ "$mode" = restart ] && extra+=(--save-dir "$O/ckpt-$M-$kind")
+    [ "$mode" = restart ] && extra+=(--save-dir "${CKPT:-$O}/ckpt-$M-$kind")
     run "$M-$kind-$mode" "${extra[@]}"
     [ "$mode" = adaptive ] && tuned "$kind" "$S"
   done
