@@ -148,3 +148,15 @@ def test_pack_round_trip_and_corruption_is_caught() -> None:
     bad[len(bad) // 2] ^= 1
     with pytest.raises(MigrationError, match="checksum mismatch"):
         unpack(header, bad, where="test")
+
+
+def _warm(rank: int, world: int) -> float:
+    from dynpipe.runtime.migrate import warm_links
+
+    return warm_links(torch.device("cpu"), timeout_s=30, warm_bytes=1 << 20)
+
+
+def test_link_warm_up_reaches_every_peer_through_the_transfer_path() -> None:
+    # Three ranks: every pair exchanges ids and a checksummed 1 MB message in one batch.
+    res = run_ranks(_warm, 3, timeout_s=120)
+    assert all(r["ok"] and r["value"] > 0 for r in res), res

@@ -162,6 +162,11 @@ class Controller:
         self._wanted = False  # the previous window also proposed moving
         # Expected pause of a repartition (ms): learned from the ones we make.
         self.pause_ms = pause_ms
+        # The relative gain a new plan must promise. It starts at min_gain and doubles each
+        # time a move fails to deliver measurably (noise taken for interference), so a noisy
+        # machine cannot keep the controller moving layers back and forth; moves that pay
+        # bring it back down.
+        self.gain_bar = config.min_gain
 
     @property
     def calibrated(self) -> bool:
@@ -198,6 +203,7 @@ class Controller:
             "clean_fwd": None if self.clean_fwd is None else self.clean_fwd.tolist(),
             "clean_bwd": None if self.clean_bwd is None else self.clean_bwd.tolist(),
             "pause_ms": self.pause_ms,
+            "gain_bar": self.gain_bar,
         }
 
     def load_state(self, st: dict[str, Any]) -> None:
@@ -206,6 +212,8 @@ class Controller:
             self.clean_bwd = np.asarray(st["clean_bwd"], dtype=np.float64)
         if st.get("pause_ms") is not None:
             self.pause_ms = float(st["pause_ms"])
+        if st.get("gain_bar") is not None:
+            self.gain_bar = float(st["gain_bar"])
 
     # ---- the speed model ---------------------------------------------------------------
     def device_costs(
@@ -331,12 +339,12 @@ class Controller:
             return Decision(**common, repartition=False, reason="current plan is best")
         if step - self.last_change_step < self.config.cooldown_steps:
             return Decision(**common, repartition=False, reason="cooldown")
-        if gain < self.config.min_gain * cur:
+        if gain < self.gain_bar * cur:
             self._wanted = False
             return Decision(
                 **common,
                 repartition=False,
-                reason=f"gain {gain / cur:.1%} below min {self.config.min_gain:.0%}",
+                reason=f"gain {gain / cur:.1%} below min {self.gain_bar:.0%}",
             )
         if gain * self.config.horizon_steps <= pause:
             return Decision(
@@ -360,6 +368,19 @@ class Controller:
             reason=f"predicted {cur:.2f} -> {res.step_ms:.2f} ms/step",
             plan=new_plan,
         )
+
+    def judge(self, before_ms: float, after_ms: float) -> bool:
+        """Whether the last move paid, from measured step times before and after it.
+
+        A move pays if the step got faster by at least half the minimum gain; if not, the
+        bar for the next move doubles (up to 40%), and a move that pays halves it again.
+        """
+        paid = after_ms <= before_ms * (1 - self.config.min_gain / 2)
+        if paid:
+            self.gain_bar = max(self.config.min_gain, self.gain_bar / 2)
+        else:
+            self.gain_bar = min(0.4, self.gain_bar * 2)
+        return paid
 
     def applied(self, step: int, pause_ms: float) -> None:
         """Record that a repartition happened at ``step`` and what it cost."""

@@ -29,7 +29,7 @@ from dynpipe.runtime.health import Heartbeat
 
 __all__ = ["MigrationError", "MigrationStats", "pack", "repartition", "unpack", "warm_links"]
 
-_CHUNK = 1 << 22  # checksum in bounded-memory slices (32-bit words)
+_ROW = 1024  # checksum layout: 32-bit words per row
 
 
 class MigrationError(RuntimeError):
@@ -60,19 +60,23 @@ class MigrationStats:
 
 
 def _checksum(buf: torch.Tensor) -> list[int]:
-    """Two position-weighted sums of the buffer's 32-bit words (Fletcher-style), on device."""
-    pad = (-buf.numel()) % 4
+    """Row- and column-weighted sums of the buffer's 32-bit words, on its device.
+
+    The words are laid out as rows of ``_ROW`` and summed in 64-bit along each axis (no
+    64-bit copy of the buffer is made: two reductions and two tiny weighted sums, so even
+    hundreds of MB cost a fraction of a millisecond on a GPU). Weighting rows and columns
+    by position catches moved, dropped, zeroed and flipped words, not only changed sums.
+    """
+    pad = (-buf.numel()) % (4 * _ROW)
     if pad:
         buf = torch.cat([buf, buf.new_zeros(pad)])
-    words = buf.view(torch.int32)
-    s1 = torch.zeros((), dtype=torch.int64, device=buf.device)
-    s2 = torch.zeros((), dtype=torch.int64, device=buf.device)
-    for off in range(0, words.numel(), _CHUNK):
-        part = words[off : off + _CHUNK].to(torch.int64)
-        w = torch.arange(off, off + part.numel(), device=buf.device) % 251 + 1
-        s1 += part.sum()
-        s2 += (part * w).sum()
-    return [int(s1), int(s2)]
+    words = buf.view(torch.int32).view(-1, _ROW)
+    rows = words.sum(dim=1, dtype=torch.int64)
+    cols = words.sum(dim=0, dtype=torch.int64)
+    w_rows = torch.arange(rows.numel(), device=buf.device, dtype=torch.int64) % 65521 + 1
+    w_cols = torch.arange(_ROW, device=buf.device, dtype=torch.int64) + 1
+    sums = torch.stack([rows.sum(), (rows * w_rows).sum(), (cols * w_cols).sum()])
+    return sums.tolist()
 
 
 def pack(tensors: dict[str, torch.Tensor], *, device: torch.device) -> tuple[dict, torch.Tensor]:
@@ -177,13 +181,14 @@ def _vote(
         )
 
 
-def warm_links(device: torch.device, *, timeout_s: float) -> float:
+def warm_links(device: torch.device, *, timeout_s: float, warm_bytes: int = 0) -> float:
     """Exchange one tiny message between every pair of ranks, once, before training.
 
     A backend sets up a point-to-point channel on its first use (NCCL builds a communicator
     and its buffers, which takes tens of milliseconds); a migration can pair any two ranks,
     so without this the first repartition between a pair would pay that set-up inside its
     pause. One batch of sends and receives to and from every peer cannot deadlock.
+    ``warm_bytes``: size of a second, layer-sized message (0: the tiny one only).
     Returns the seconds it took.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -198,6 +203,19 @@ def warm_links(device: torch.device, *, timeout_s: float) -> float:
     bad = [p for p, t in inbox.items() if int(t.item()) != p]
     if bad:
         raise MigrationError(f"rank {me}: link warm-up got wrong ids from ranks {bad}")
+    if warm_bytes > 0:
+        # Then one message of a layer's size to every peer through the real path (pack,
+        # checksum, two rounds, unpack): large transfers set up their own channels and
+        # buffers, and the allocator its blocks, which a tiny message does not.
+        header, buf = pack({"warm": torch.zeros(warm_bytes // 4, device=device)}, device=device)
+        hbytes = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
+        hbytes = hbytes.to(device)
+        got = {p: (torch.empty_like(hbytes), torch.empty_like(buf)) for p in inbox}
+        ops = [dist.P2POp(dist.isend, t, p) for p in inbox for t in (hbytes, buf)]
+        ops += [dist.P2POp(dist.irecv, t, p) for p, pair in got.items() for t in pair]
+        _wait(dist.batch_isend_irecv(ops), timeout_s=timeout_s, what="link warm-up")
+        for p, (h, b) in got.items():
+            unpack(json.loads(bytes(h.cpu().numpy()).decode()), b, where=f"warm-up from {p}")
     return time.perf_counter() - t0
 
 

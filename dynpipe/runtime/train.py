@@ -273,11 +273,16 @@ class _Adapter:
         self._calib: list[dict] = []  # step records of the calibration windows so far
         self._calib_windows = 0
         self._last_repartition: dict | None = None  # to log the first step under a new plan
+        self._judge: tuple[float, float] | None = None  # (step ms before, predicted gain)
         warm_ms = None
         if self.adapt.mode in ("measured", "adaptive"):
             from dynpipe.runtime.migrate import warm_links
 
-            warm_ms = round(warm_links(topo.device, timeout_s=topo.timeout_s) * 1e3, 3)
+            # On GPUs also one message the size of the largest layer's state (capped).
+            warm = int(min(costs.state_bytes.max(), 64 << 20)) if topo.is_cuda else 0
+            warm_ms = round(
+                warm_links(topo.device, timeout_s=topo.timeout_s, warm_bytes=warm) * 1e3, 3
+            )
         if log is not None:
             log.event(
                 "adapt_mode",
@@ -316,6 +321,22 @@ class _Adapter:
             # One window under a new plan is too little to judge it by: a stage left with one
             # or two layers gives a noisy slowdown estimate, and acting on it makes plans flap.
             return None
+        if self._judge is not None:
+            # The new plan's first trusted window: did the move pay, as measured?
+            before, predicted = self._judge
+            self._judge = None
+            after = _median_step(records)
+            paid = self.controller.judge(before, after)
+            if self.log is not None:
+                self.log.event(
+                    "judged",
+                    step=step,
+                    before_ms=before,
+                    after_ms=after,
+                    predicted_gain=predicted,
+                    paid=paid,
+                    gain_bar=self.controller.gain_bar,
+                )
         t0 = time.perf_counter()
         telemetry = tels if self.controller.mode_used != "measured" else None
         decision = self.controller.decide(
@@ -361,6 +382,8 @@ class _Adapter:
                 },
             )
         self._last_repartition = {"step": step + 1, "before_ms": _median_step(records)}
+        predicted = round(1 - decision.proposed_ms / max(decision.current_ms, 1e-9), 4)
+        self._judge = (_median_step(records), predicted)
         return decision
 
     def _log_first_step(self, records: list[dict]) -> None:

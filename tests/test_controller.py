@@ -1,0 +1,121 @@
+"""The controller's pure logic: monitoring, calibration, decisions and their guards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dynpipe.models import get_model
+from dynpipe.planner import Plan
+from dynpipe.planner.costs import CostModel
+from dynpipe.runtime.controller import AdaptConfig, Controller, Monitor
+
+MODEL = {"depth": 8, "width": 64, "in_features": 64, "num_classes": 64}  # 10 similar layers
+MB = 4  # microbatches
+
+
+@pytest.fixture
+def model():
+    return get_model("mlp", **MODEL)
+
+
+def _controller(model, **cfg) -> tuple[Controller, Plan]:
+    plan = Plan.even(model, 2, schedule="1f1b", microbatches=MB)
+    costs = CostModel.from_model(model, microbatch_size=8, num_devices=2)
+    ctl = Controller(costs=costs, config=AdaptConfig(mode="measured", **cfg))
+    ctl.calibrate(plan, np.array([8.0, 8.0]), np.array([16.0, 16.0]))
+    return ctl, plan
+
+
+def _decide(ctl: Controller, plan: Plan, slow: tuple[float, float], step: int = 100):
+    s = np.asarray(slow)
+    return ctl.decide(step=step, plan=plan, fwd_step_ms=8.0 * s, bwd_step_ms=16.0 * s)
+
+
+def test_monitor_smooths_small_changes_and_jumps_to_large_ones() -> None:
+    mon = Monitor(2, ewma=0.5, jump=0.25)
+    assert not mon.ready
+    mon.update(np.array([10.0, 10.0]), np.array([20.0, 20.0]))
+    mon.update(np.array([11.0, 30.0]), np.array([22.0, 60.0]))
+    assert mon.fwd[0] == pytest.approx(10.5)  # +10%: averaged
+    assert mon.fwd[1] == 30.0 and mon.bwd[1] == 60.0  # 3x: taken at once
+    assert mon.windows == 2 and mon.ready
+    mon.reset(3)
+    assert mon.windows == 0 and not mon.ready and len(mon.fwd) == 3
+
+
+def test_clean_times_give_no_move_and_a_slow_stage_gives_layers_away(model) -> None:
+    ctl, plan = _controller(model)
+    d = _decide(ctl, plan, (1.0, 1.0))
+    assert not d.repartition and d.reason == "current plan is best"
+    assert d.slowdown == pytest.approx((1.0, 1.0))
+    d = _decide(ctl, plan, (1.0, 3.0))
+    assert d.repartition and d.plan is not None
+    assert d.slowdown == pytest.approx((1.0, 3.0))
+    # Stage 1 computes 3x slower: it keeps fewer layers, and the step gets faster.
+    assert len(d.plan.stages[1]) < len(plan.stages[1])
+    assert d.proposed_ms < d.current_ms and d.moved_bytes > 0
+
+
+def test_modest_gains_need_two_windows_and_small_ones_none(model) -> None:
+    ctl, plan = _controller(model, min_gain=0.05, confirm_below=0.5)
+    first = _decide(ctl, plan, (1.0, 1.3))
+    assert not first.repartition and "second window" in first.reason
+    assert _decide(ctl, plan, (1.0, 1.3), step=105).repartition
+    ctl, plan = _controller(model, min_gain=0.5)
+    d = _decide(ctl, plan, (1.0, 1.3))
+    assert not d.repartition and "below min" in d.reason
+
+
+def test_cooldown_and_the_pause_horizon_hold_moves_back(model) -> None:
+    ctl, plan = _controller(model, cooldown_steps=10)
+    ctl.applied(95, pause_ms=1.0)
+    assert _decide(ctl, plan, (1.0, 3.0), step=100).reason == "cooldown"
+    ctl, plan = _controller(model, horizon_steps=10)
+    ctl.applied(0, pause_ms=1e6)  # a pause no gain over 10 steps pays back
+    d = _decide(ctl, plan, (1.0, 3.0))
+    assert not d.repartition and "does not pay" in d.reason
+
+
+def test_moves_that_do_not_pay_raise_the_bar_and_paying_moves_lower_it(model) -> None:
+    ctl, plan = _controller(model, min_gain=0.05)
+    assert not ctl.judge(before_ms=100.0, after_ms=99.0)  # 1% < half of 5%
+    assert ctl.gain_bar == pytest.approx(0.10)
+    assert not ctl.judge(before_ms=100.0, after_ms=101.0)
+    assert ctl.gain_bar == pytest.approx(0.20)
+    for _ in range(3):
+        ctl.judge(before_ms=100.0, after_ms=120.0)
+    assert ctl.gain_bar == pytest.approx(0.4)  # capped: a real 3x onset still gets through
+    assert _decide(ctl, plan, (1.0, 3.0)).repartition
+    assert ctl.judge(before_ms=100.0, after_ms=60.0)
+    assert ctl.gain_bar == pytest.approx(0.2)
+    # The bar travels with the restart baseline's checkpoint.
+    other, _ = _controller(model)
+    other.load_state(ctl.state())
+    assert other.gain_bar == pytest.approx(0.2)
+
+
+def test_a_clean_baseline_taken_under_load_is_retaken(model) -> None:
+    ctl, plan = _controller(model, jump=0.25)
+    d = _decide(ctl, plan, (0.5, 0.5))  # every device "faster than clean": recalibrate
+    assert not d.repartition
+    assert d.slowdown == pytest.approx((1.0, 1.0))
+
+
+def test_checksum_catches_flips_swaps_and_truncation() -> None:
+    from dynpipe.runtime.migrate import _checksum
+
+    g = torch.Generator().manual_seed(0)
+    buf = torch.randint(0, 256, (3 * 4096 + 7,), dtype=torch.uint8, generator=g)
+    ref = _checksum(buf)
+    assert _checksum(buf.clone()) == ref
+    flipped = buf.clone()
+    flipped[4097] ^= 0x10
+    words = buf[:4096].clone().view(torch.int32)
+    swapped = buf.clone()
+    swapped[:4096] = words[[1, 0, *range(2, 1024)]].view(torch.uint8)
+    rows = buf.clone()
+    rows[:4096], rows[4096:8192] = buf[4096:8192], buf[:4096]
+    for bad in (flipped, swapped, rows, buf[:-1]):
+        assert _checksum(bad) != ref
