@@ -35,6 +35,8 @@ from dynpipe.planner.simulate import step_times
 __all__ = ["ADAPT_MODES", "AdaptConfig", "Controller", "Decision", "Monitor"]
 
 ADAPT_MODES = ("static", "measured", "adaptive", "restart")
+_RECORD = 3  # judged moves the track record remembers
+_TRUST_FADE = 0.9  # per quiet window: doubt halves in about 7 windows
 
 
 @dataclass(frozen=True)
@@ -162,11 +164,13 @@ class Controller:
         self._wanted = False  # the previous window also proposed moving
         # Expected pause of a repartition (ms): learned from the ones we make.
         self.pause_ms = pause_ms
-        # The relative gain a new plan must promise. It starts at min_gain and doubles each
-        # time a move fails to deliver measurably (noise taken for interference), so a noisy
-        # machine cannot keep the controller moving layers back and forth; moves that pay
-        # bring it back down.
-        self.gain_bar = config.min_gain
+        # The controller's track record: achieved / predicted gain of its recent moves, as
+        # measured (clipped to [0, 1]). A predicted gain is discounted by it, so a speed
+        # model that is wrong on this machine (noise taken for interference, costs that do
+        # not follow FLOPs) stops moving layers after a move or two instead of flapping.
+        # The discount fades over windows without a move: conditions change.
+        self.record: list[float] = []
+        self.windows_since_judged = 0
 
     @property
     def calibrated(self) -> bool:
@@ -203,7 +207,7 @@ class Controller:
             "clean_fwd": None if self.clean_fwd is None else self.clean_fwd.tolist(),
             "clean_bwd": None if self.clean_bwd is None else self.clean_bwd.tolist(),
             "pause_ms": self.pause_ms,
-            "gain_bar": self.gain_bar,
+            "record": list(self.record),
         }
 
     def load_state(self, st: dict[str, Any]) -> None:
@@ -212,8 +216,8 @@ class Controller:
             self.clean_bwd = np.asarray(st["clean_bwd"], dtype=np.float64)
         if st.get("pause_ms") is not None:
             self.pause_ms = float(st["pause_ms"])
-        if st.get("gain_bar") is not None:
-            self.gain_bar = float(st["gain_bar"])
+        if st.get("record") is not None:
+            self.record = [float(x) for x in st["record"]]
 
     # ---- the speed model ---------------------------------------------------------------
     def device_costs(
@@ -339,13 +343,16 @@ class Controller:
             return Decision(**common, repartition=False, reason="current plan is best")
         if step - self.last_change_step < self.config.cooldown_steps:
             return Decision(**common, repartition=False, reason="cooldown")
-        if gain < self.gain_bar * cur:
+        trust = self.trust
+        if gain * trust < self.config.min_gain * cur:
             self._wanted = False
+            discounted = f" ({gain * trust / cur:.1%} after the track record)" if trust < 1 else ""
             return Decision(
                 **common,
                 repartition=False,
-                reason=f"gain {gain / cur:.1%} below min {self.gain_bar:.0%}",
+                reason=f"gain {gain / cur:.1%}{discounted} below min {self.config.min_gain:.0%}",
             )
+        gain *= trust
         if gain * self.config.horizon_steps <= pause:
             return Decision(
                 **common,
@@ -369,18 +376,30 @@ class Controller:
             plan=new_plan,
         )
 
-    def judge(self, before_ms: float, after_ms: float) -> bool:
-        """Whether the last move paid, from measured step times before and after it.
+    @property
+    def trust(self) -> float:
+        """Factor on predicted gains: the recent record, fading to 1 over quiet windows."""
+        if not self.record:
+            return 1.0
+        doubt = 1.0 - sum(self.record) / len(self.record)
+        return 1.0 - doubt * _TRUST_FADE**self.windows_since_judged
 
-        A move pays if the step got faster by at least half the minimum gain; if not, the
-        bar for the next move doubles (up to 40%), and a move that pays halves it again.
+    def quiet_window(self) -> None:
+        """A window passed without a judged move."""
+        self.windows_since_judged += 1
+
+    def judge(self, before_ms: float, after_ms: float, predicted_gain: float) -> bool:
+        """Record how the last move did, from measured step times before and after it.
+
+        A move that achieved half its predicted gain or more counts fully in the record.
+        Returns whether it paid: the step got faster by at least half the minimum gain.
         """
-        paid = after_ms <= before_ms * (1 - self.config.min_gain / 2)
-        if paid:
-            self.gain_bar = max(self.config.min_gain, self.gain_bar / 2)
-        else:
-            self.gain_bar = min(0.4, self.gain_bar * 2)
-        return paid
+        achieved = 1.0 - after_ms / max(before_ms, 1e-9)
+        # Half the predicted gain, measured over one window, counts as keeping the promise.
+        ratio = achieved / max(predicted_gain / 2, 1e-3)
+        self.record = [*self.record, min(1.0, max(0.0, ratio))][-_RECORD:]
+        self.windows_since_judged = 0
+        return achieved >= self.config.min_gain / 2
 
     def applied(self, step: int, pause_ms: float) -> None:
         """Record that a repartition happened at ``step`` and what it cost."""

@@ -273,7 +273,8 @@ class _Adapter:
         self._calib: list[dict] = []  # step records of the calibration windows so far
         self._calib_windows = 0
         self._last_repartition: dict | None = None  # to log the first step under a new plan
-        self._judge: tuple[float, float] | None = None  # (step ms before, predicted gain)
+        # (step ms before the last move, its predicted gain, the plan it left)
+        self._judge: tuple[float, float, Plan] | None = None
         warm_ms = None
         if self.adapt.mode in ("measured", "adaptive"):
             from dynpipe.runtime.migrate import warm_links
@@ -322,21 +323,11 @@ class _Adapter:
             # or two layers gives a noisy slowdown estimate, and acting on it makes plans flap.
             return None
         if self._judge is not None:
-            # The new plan's first trusted window: did the move pay, as measured?
-            before, predicted = self._judge
-            self._judge = None
-            after = _median_step(records)
-            paid = self.controller.judge(before, after)
-            if self.log is not None:
-                self.log.event(
-                    "judged",
-                    step=step,
-                    before_ms=before,
-                    after_ms=after,
-                    predicted_gain=predicted,
-                    paid=paid,
-                    gain_bar=self.controller.gain_bar,
-                )
+            revert = self._judge_move(step, records)
+            if revert is not None:
+                return None
+        else:
+            self.controller.quiet_window()
         t0 = time.perf_counter()
         telemetry = tels if self.controller.mode_used != "measured" else None
         decision = self.controller.decide(
@@ -352,11 +343,53 @@ class _Adapter:
             self.log.event("decision", **decision.to_dict())
         if new_plan is None:
             return decision
+        predicted = round(1 - decision.proposed_ms / max(decision.current_ms, 1e-9), 4)
+        self._apply(new_plan, step=step, records=records, decide_ms=decide_ms)
+        self._judge = (_median_step(records), predicted, plan)
+        return decision
+
+    def _judge_move(self, step: int, records: list[dict]) -> Plan | None:
+        """The new plan's first trusted window: did the last move pay, as measured?
+
+        A move that made steps clearly slower is undone at once: the plan before it was
+        measured to be better, whatever the speed model believed. Returns the plan reverted
+        to, if any.
+        """
+        assert self._judge is not None
+        before, predicted, previous = self._judge
+        self._judge = None
+        after = _median_step(records)
+        paid = self.controller.judge(before, after, predicted)
+        # Slower by the minimum gain or more: beyond what one window's noise does here.
+        worse = after > before * (1 + self.adapt.min_gain)
+        t0 = time.perf_counter()
+        # Every rank holds the same gathered numbers; the writer's verdict is still broadcast.
+        target = self._agree(previous if worse and self.adapt.mode != "restart" else None)
+        if self.log is not None:
+            self.log.event(
+                "judged",
+                step=step,
+                before_ms=before,
+                after_ms=after,
+                predicted_gain=predicted,
+                achieved_gain=round(1 - after / max(before, 1e-9), 4),
+                paid=paid,
+                reverted=target is not None,
+                trust=round(self.controller.trust, 4),
+            )
+        if target is not None:
+            self._apply(
+                target, step=step, records=records, decide_ms=(time.perf_counter() - t0) * 1e3
+            )
+        return target
+
+    def _apply(self, new_plan: Plan, *, step: int, records: list[dict], decide_ms: float) -> None:
+        """Move to ``new_plan`` after ``step`` (live, or by relaunch in restart mode)."""
         if self.adapt.mode == "restart":
             self._restart(new_plan, step=step + 1, decide_ms=decide_ms)
         from dynpipe.runtime.migrate import repartition
 
-        old = plan
+        old = self.engine.plan
         stats = repartition(self.engine, new_plan, beat=self.beat)
         pause_ms = decide_ms + (stats.transfer_s + stats.rebuild_s) * 1e3
         self.controller.applied(step + 1, pause_ms)
@@ -382,9 +415,6 @@ class _Adapter:
                 },
             )
         self._last_repartition = {"step": step + 1, "before_ms": _median_step(records)}
-        predicted = round(1 - decision.proposed_ms / max(decision.current_ms, 1e-9), 4)
-        self._judge = (_median_step(records), predicted)
-        return decision
 
     def _log_first_step(self, records: list[dict]) -> None:
         """The first step under a new plan, next to the steps before and after it: what the
