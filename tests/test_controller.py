@@ -124,3 +124,17 @@ def test_checksum_catches_flips_swaps_and_truncation() -> None:
     rows[:4096], rows[4096:8192] = buf[4096:8192], buf[:4096]
     for bad in (flipped, swapped, rows, buf[:-1]):
         assert _checksum(bad) != ref
+
+
+def test_identical_layers_get_one_calibrated_cost_and_stages_add_up() -> None:
+    from dynpipe.runtime.controller import fit_layer_costs
+
+    # embed, six identical blocks, head; the head's modelled cost is far off its real one.
+    modelled = np.array([1.0] + [10.0] * 6 + [40.0])
+    classes = np.array([0, 1, 1, 1, 1, 1, 1, 2])
+    bounds = [(0, 4), (4, 8)]
+    measured = np.array([31.0, 40.0])  # 1 + 3x10, and 3x10 + a head that costs 10
+    fit = fit_layer_costs(modelled, classes, bounds, measured)
+    assert [fit[a:b].sum() for a, b in bounds] == pytest.approx(measured, rel=1e-3)
+    assert np.ptp(fit[1:7]) == pytest.approx(0.0, abs=1e-9)  # one cost for every block
+    assert fit[1] == pytest.approx(10.0, rel=0.02) and fit[7] == pytest.approx(10.0, rel=0.05)

@@ -32,7 +32,7 @@ from dynpipe.planner.evaluate import stage_costs
 from dynpipe.planner.plan import Plan
 from dynpipe.planner.simulate import step_times
 
-__all__ = ["ADAPT_MODES", "AdaptConfig", "Controller", "Decision", "Monitor"]
+__all__ = ["ADAPT_MODES", "AdaptConfig", "Controller", "Decision", "Monitor", "fit_layer_costs"]
 
 ADAPT_MODES = ("static", "measured", "adaptive", "restart")
 _RECORD = 3  # judged moves the track record remembers
@@ -80,6 +80,57 @@ class AdaptConfig:
             raise UserError(f"calibrate_windows must be >= 1, got {self.calibrate_windows}")
         if not 0 < self.ewma <= 1:
             raise UserError(f"ewma weight must be in (0, 1], got {self.ewma}")
+
+
+def _layer_classes(costs: CostModel) -> np.ndarray:
+    """Class id per layer: layers with the same modelled costs and state are the same layer
+    (a transformer's blocks, VGG's repeated convolutions) and must get one calibrated cost."""
+    keys = [
+        (round(float(f), 9), round(float(b), 9), int(n))
+        for f, b, n in zip(costs.fwd_ms[0], costs.bwd_ms[0], costs.state_bytes, strict=True)
+    ]
+    ids = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    return np.array([ids[k] for k in keys])
+
+
+def fit_layer_costs(
+    modelled: np.ndarray,
+    classes: np.ndarray,
+    bounds: list[tuple[int, int]],
+    stage_ms: np.ndarray,
+    *,
+    ridge: float = 1e-4,
+) -> np.ndarray:
+    """Per-layer costs that add up to each stage's measured time, one scale per layer class.
+
+    The modelled costs (FLOP-based) are right about how identical layers compare and only
+    roughly right about different ones: a vocabulary projection's FLOPs overstate its time
+    next to a block of many small kernels. Scaling every layer of a stage by that stage's
+    error (the obvious fix) gives identical blocks different costs on either side of a
+    boundary, and the planner then "gains" by moving them. Instead, one factor per class of
+    identical layers is fitted to all stages at once (least squares, pulled weakly towards
+    the common factor), so a stage's error lands on the layers that make it differ.
+    """
+    modelled = np.asarray(modelled, dtype=np.float64)
+    n_cls = int(classes.max()) + 1
+    unit = np.zeros(n_cls)
+    unit[classes] = modelled  # every member of a class has the same modelled cost
+    common = float(np.sum(stage_ms)) / max(float(modelled.sum()), 1e-12)
+    # Unknowns: each class's factor relative to the common one. Stage rows are relative to
+    # the stage's time, so every stage counts alike; the weak pull treats every class
+    # alike, so a stage's error is shared by its classes in proportion to their time there
+    # (a cheap layer is not made ten times dearer to absorb it).
+    rows, rhs = [], []
+    for s, (a, b) in enumerate(bounds):
+        t = max(float(stage_ms[s]), 1e-12)
+        rows.append(np.bincount(classes[a:b], minlength=n_cls) * unit * common / t)
+        rhs.append(1.0)
+    rows += list(np.sqrt(ridge) * np.eye(n_cls))
+    rhs += [np.sqrt(ridge)] * n_cls
+    y, *_ = np.linalg.lstsq(np.array(rows), np.array(rhs), rcond=None)
+    # A class that alone absorbs a stage's error must not become free or absurdly costly.
+    x = common * np.clip(y, 0.1, 10.0)
+    return modelled * x[classes]
 
 
 class Monitor:
@@ -192,14 +243,15 @@ class Controller:
 
     # ---- calibration -------------------------------------------------------------------
     def calibrate(self, plan: Plan, fwd_step_ms: np.ndarray, bwd_step_ms: np.ndarray) -> None:
-        """Clean per-layer costs from one settled window, assumed free of interference."""
+        """Clean per-layer costs from settled windows, assumed free of interference."""
         m = plan.microbatches
-        wf, wb = self.base.fwd_ms[0].copy(), self.base.bwd_ms[0].copy()
-        cf, cb = np.empty_like(wf), np.empty_like(wb)
-        for s, (a, b) in enumerate(plan.bounds):
-            cf[a:b] = wf[a:b] * (fwd_step_ms[s] / m) / max(wf[a:b].sum(), 1e-12)
-            cb[a:b] = wb[a:b] * (bwd_step_ms[s] / m) / max(wb[a:b].sum(), 1e-12)
-        self.clean_fwd, self.clean_bwd = cf, cb
+        classes = _layer_classes(self.base)
+        self.clean_fwd = fit_layer_costs(
+            self.base.fwd_ms[0], classes, plan.bounds, np.asarray(fwd_step_ms) / m
+        )
+        self.clean_bwd = fit_layer_costs(
+            self.base.bwd_ms[0], classes, plan.bounds, np.asarray(bwd_step_ms) / m
+        )
 
     def state(self) -> dict[str, Any]:
         """What a relaunch needs to continue (restart baseline): the calibration."""
