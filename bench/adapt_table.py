@@ -6,8 +6,9 @@ and prints markdown tables; nothing here is typed in by hand.
     python bench/adapt_table.py analysis/logs/gpu/*.jsonl
 
 Phases are cut at the steps where the scenario started or stopped interference. A phase's
-step time is the median over its steady part: from ``SETTLE`` steps after the last change
-of plan inside it (or after its start, if the plan did not change). The pause of a live
+step time is the median over the whole phase but its first ``SETTLE`` steps (the first
+phase skips two windows of start-up), so it includes the time a system took to adapt and
+any plan it tried and undid: what a user of the run would have seen. The pause of a live
 repartition is the logged one (decide + transfer + rebuild) plus the excess of the first
 step under the new plan over the steps after it.
 """
@@ -54,9 +55,8 @@ def summarise(path: Path) -> dict:
 
     phases = {}
     for i, (label, a, b) in enumerate(_phases(ev, end)):
-        inside = [c["step"] for c in changes if a <= c["step"] < b]
         # The first phase starts after start-up warm-up (two windows' worth of steps).
-        lo = max([a + SETTLE * (2 if i == 0 else 1)] + [s + SETTLE for s in inside])
+        lo = a + SETTLE * (2 if i == 0 else 1)
         phases[label if label not in phases else f"{label}'"] = med(lo, b)
     onsets = [e for e in ev if e["event"] == "interference_start"]
     adapt = []
@@ -142,9 +142,9 @@ def main(paths: list[str]) -> None:
             print(f"| {model} | {kind} | {r['mode']} | " + " | ".join(cells) + " |")
     devices = sorted({r["device"] for r in rows})
     print(
-        f"\ndevice: {', '.join(devices)}; step time = median over each phase's steady part "
-        f"(from {SETTLE} steps after its start or its last change of plan); pause = decide + "
-        "transfer + rebuild, 'with first step' adds the first step's excess under the new plan"
+        f"\ndevice: {', '.join(devices)}; step time = median over each phase but its first "
+        f"{SETTLE} steps (adapting included); pause = decide + transfer + rebuild, 'with first "
+        "step' adds the first step's excess under the new plan"
     )
 
 

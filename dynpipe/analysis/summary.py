@@ -85,7 +85,7 @@ def render_summary(
     how = "given" if target is not None else f"the {quantile:.0%} quantile every run reaches"
     lines = ["# Run summary", "", "Drawn from these run logs:", ""]
     lines += [
-        f"- `{r.path}`: **{r.name}** ({r.mode}), {r.model} on {r.device}, "
+        f"- `{_shown(r.path)}`: **{r.name}** ({r.mode}), {r.model} on {r.device}, "
         f"{r.num_stages} stages, {r.schedule} M={r.microbatches}, batch {r.batch_size}, "
         f"{len(r.steps)} steps, {r.condition}"
         for r in runs
@@ -216,3 +216,11 @@ def write_summary(runs: Sequence[Run], path: str | Path, **kwargs: object) -> Pa
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_summary(runs, **kwargs))  # type: ignore[arg-type]
     return path
+
+
+def _shown(path: Path) -> str:
+    """The log's path relative to the working folder when under it: summaries are committed."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)

@@ -81,7 +81,14 @@ def plot_step_time(
         med = s["step_ms"].rolling(max(1, smooth), center=True, min_periods=1).median()
         ax.plot(s["step"], med, color=c, lw=2, ls=styles[run.name], label=run.name)
         kinds.update(_mark_moves(ax, run, c))
-    top = max(float(r.steps["step_ms"].quantile(0.99)) for r in runs)
+    # Scaled to the steps after start-up: the first steps (allocator, kernel selection) can
+    # be 20x slower and would flatten everything else; rarer spikes run off the top.
+    top = max(
+        float(r.steps["step_ms"].iloc[2:].quantile(0.98))
+        if len(r.steps) > 2
+        else float(r.steps["step_ms"].max())
+        for r in runs
+    )
     ax.set_ylim(0, top * 1.25)
     ax.set_xlabel("training step")
     ax.set_ylabel("step time (ms)")
