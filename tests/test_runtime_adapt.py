@@ -221,3 +221,65 @@ def test_restart_baseline_relaunches_under_new_plan_bit_identically(tmp_path) ->
         ]
         == 60
     )
+
+
+def _misled(rank: int, world: int, log: str) -> list[float]:
+    """A controller whose speed model is wrong: it once proposes piling 9 of 10 equal layers
+    onto stage 0 with a large predicted gain. The runtime must measure that the move made
+    steps slower and undo it."""
+    import dataclasses
+
+    from dynpipe.planner import Plan
+    from dynpipe.runtime import controller as ctl_mod
+    from dynpipe.runtime.controller import AdaptConfig
+    from dynpipe.runtime.topology import Topology
+    from dynpipe.runtime.train import TrainConfig, train
+
+    real = ctl_mod.Controller.decide
+    state = {"fired": False}
+
+    def decide(self, *, step, plan, **kw):
+        d = real(self, step=step, plan=plan, **kw)
+        if state["fired"] or step < 25:
+            return d
+        state["fired"] = True
+        bad = Plan.from_bounds(self.base_model, [9, 1], ranks=plan.ranks)
+        bad = dataclasses.replace(bad, schedule=plan.schedule, microbatches=plan.microbatches)
+        return dataclasses.replace(
+            d, repartition=True, plan=bad, proposed_ms=d.current_ms / 2, reason="misled"
+        )
+
+    ctl_mod.Controller.decide = decide
+    from dynpipe.models import get_model
+
+    ctl_mod.Controller.base_model = get_model("mlp", **MODEL)
+    cfg = TrainConfig(
+        model="mlp",
+        model_args=MODEL,
+        steps=70,
+        batch_size=64,
+        microbatches=4,
+        progress=False,
+        log=log,
+        telemetry=False,
+        adapt=AdaptConfig(mode="measured", monitor_every=5, cooldown_steps=0),
+    )
+    return train(cfg, topo=Topology.from_env(device="cpu"))["losses"]
+
+
+def test_a_move_that_makes_steps_slower_is_undone(tmp_path) -> None:
+    from dynpipe.runtime.runlog import read_log
+
+    log = tmp_path / "misled.jsonl"
+    run_ranks(_misled, 2, str(log), timeout_s=300)
+    events = [r for r in read_log(log) if r["type"] == "event"]
+    reps = [e for e in events if e["event"] == "repartition"]
+    judged = [e for e in events if e["event"] == "judged"]
+    assert len(reps) >= 2, [(e["event"], e.get("reason")) for e in events]
+    assert [len(s["layers"]) for s in reps[0]["new_plan"]["stages"]] == [9, 1]
+    assert judged and judged[0]["reverted"] and not judged[0]["paid"], judged
+    assert judged[0]["after_ms"] > judged[0]["before_ms"]
+    # Undone at once: back to the plan it left, and the record now distrusts the model.
+    assert reps[1]["new_plan"]["stages"] == reps[0]["old_plan"]["stages"]
+    assert reps[1]["step"] == judged[0]["step"] + 1
+    assert judged[0]["trust"] < 0.5
