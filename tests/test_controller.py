@@ -66,6 +66,16 @@ def test_modest_gains_need_two_windows_and_small_ones_none(model) -> None:
     ctl, plan = _controller(model, min_gain=0.5)
     d = _decide(ctl, plan, (1.0, 1.3))
     assert not d.repartition and "below min" in d.reason
+    # One noisy window in between does not reset the evidence; two do.
+    ctl, plan = _controller(model, min_gain=0.05, confirm_below=0.5)
+    assert "second window" in _decide(ctl, plan, (1.0, 1.3)).reason
+    assert not _decide(ctl, plan, (1.0, 1.0), step=105).repartition
+    assert _decide(ctl, plan, (1.0, 1.3), step=110).repartition
+    ctl, plan = _controller(model, min_gain=0.05, confirm_below=0.5)
+    assert "second window" in _decide(ctl, plan, (1.0, 1.3)).reason
+    _decide(ctl, plan, (1.0, 1.0), step=105)
+    _decide(ctl, plan, (1.0, 1.0), step=110)
+    assert "second window" in _decide(ctl, plan, (1.0, 1.3), step=115).reason
 
 
 def test_cooldown_and_the_pause_horizon_hold_moves_back(model) -> None:

@@ -223,10 +223,11 @@ def test_restart_baseline_relaunches_under_new_plan_bit_identically(tmp_path) ->
     )
 
 
-def _misled(rank: int, world: int, log: str) -> list[float]:
+def _misled(rank: int, world: int, log: str, scenario: str) -> list[float]:
     """A controller whose speed model is wrong: it once proposes piling 9 of 10 equal layers
-    onto stage 0 with a large predicted gain. The runtime must measure that the move made
-    steps slower and undo it."""
+    onto stage 0, whose device computes 3x slower all run long (emulated, so the move is
+    slower whatever else the machine runs), with a large predicted gain. The runtime must
+    measure that the move made steps slower and undo it."""
     import dataclasses
 
     from dynpipe.planner import Plan
@@ -240,7 +241,7 @@ def _misled(rank: int, world: int, log: str) -> list[float]:
 
     def decide(self, *, step, plan, **kw):
         d = real(self, step=step, plan=plan, **kw)
-        if state["fired"] or step < 25:
+        if state["fired"]:
             return d
         state["fired"] = True
         bad = Plan.from_bounds(self.base_model, [9, 1], ranks=plan.ranks)
@@ -252,10 +253,12 @@ def _misled(rank: int, world: int, log: str) -> list[float]:
     ctl_mod.Controller.decide = decide
     from dynpipe.models import get_model
 
+    torch.set_num_threads(1)
     ctl_mod.Controller.base_model = get_model("mlp", **MODEL)
     cfg = TrainConfig(
         model="mlp",
         model_args=MODEL,
+        scenario=scenario,
         steps=70,
         batch_size=64,
         microbatches=4,
@@ -271,7 +274,12 @@ def test_a_move_that_makes_steps_slower_is_undone(tmp_path) -> None:
     from dynpipe.runtime.runlog import read_log
 
     log = tmp_path / "misled.jsonl"
-    run_ranks(_misled, 2, str(log), timeout_s=300)
+    scenario = tmp_path / "s.toml"
+    scenario.write_text(
+        'name = "slow0"\n[[events]]\nstep = 1\naction = "start"\nkind = "emulate"\n'
+        "factor = 3.0\nstage = 0\n"
+    )
+    run_ranks(_misled, 2, str(log), str(scenario), timeout_s=300)
     events = [r for r in read_log(log) if r["type"] == "event"]
     reps = [e for e in events if e["event"] == "repartition"]
     judged = [e for e in events if e["event"] == "judged"]

@@ -54,8 +54,8 @@ class AdaptConfig:
         ``jump`` replaces it outright, so an onset is seen in one window, not several.
     min_gain: smallest relative step-time gain worth a repartition (hysteresis: a plan is
         only replaced by a clearly better one, so noise cannot make plans flap). A gain
-        under ``confirm_below`` must be wanted by two windows in a row before it is taken;
-        a larger one (a real onset) is taken at once.
+        under ``confirm_below`` must also have been wanted by one of the two windows before
+        it; a larger one (a real onset) is taken at once.
     horizon_steps: steps over which a gain must pay back the migration pause.
     cooldown_steps: steps after a repartition before another may be decided.
     """
@@ -212,7 +212,9 @@ class Controller:
         self.clean_fwd: np.ndarray | None = None  # [L] ms per microbatch, calibrated
         self.clean_bwd: np.ndarray | None = None
         self.last_change_step = -(10**9)
-        self._wanted = False  # the previous window also proposed moving
+        # Whether each of the last two windows proposed moving: a modest gain is taken when
+        # one of them did too, so one noisy window in between does not reset the evidence.
+        self._wanted: list[bool] = []
         # Expected pause of a repartition (ms): learned from the ones we make.
         self.pause_ms = pause_ms
         # The controller's track record: achieved / predicted gain of its recent moves, as
@@ -391,13 +393,13 @@ class Controller:
             moved_bytes=moved_bytes,
         )
         if not moved:
-            self._wanted = False
+            self._want(False)
             return Decision(**common, repartition=False, reason="current plan is best")
         if step - self.last_change_step < self.config.cooldown_steps:
             return Decision(**common, repartition=False, reason="cooldown")
         trust = self.trust
         if gain * trust < self.config.min_gain * cur:
-            self._wanted = False
+            self._want(False)
             discounted = f" ({gain * trust / cur:.1%} after the track record)" if trust < 1 else ""
             return Decision(
                 **common,
@@ -412,21 +414,25 @@ class Controller:
                 reason=f"gain {gain:.2f} ms/step does not pay {pause:.1f} ms within "
                 f"{self.config.horizon_steps} steps",
             )
-        if gain < self.config.confirm_below * cur and not self._wanted:
-            # A modest gain may be noise: act only if the next window also wants to move.
-            self._wanted = True
+        if gain < self.config.confirm_below * cur and not any(self._wanted):
+            # A modest gain may be noise: act only if one of the next two windows also wants
+            # to move.
+            self._want(True)
             return Decision(
                 **common,
                 repartition=False,
                 reason=f"gain {gain / cur:.1%} needs a second window to confirm",
             )
-        self._wanted = False
+        self._wanted = []
         return Decision(
             **common,
             repartition=True,
             reason=f"predicted {cur:.2f} -> {res.step_ms:.2f} ms/step",
             plan=new_plan,
         )
+
+    def _want(self, wanted: bool) -> None:
+        self._wanted = [*self._wanted, wanted][-2:]
 
     @property
     def trust(self) -> float:
