@@ -19,6 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from dynpipe.analysis.phases import interference_windows
 from dynpipe.runtime.runlog import read_log
 
 SETTLE = 5  # steps skipped after a phase starts or the plan changes
@@ -27,17 +28,14 @@ STATIC = ("static", "static_tuned")
 
 def _phases(ev: list[dict], end: int) -> list[tuple[str, int, int]]:
     """(label, start, stop) of each phase; labels name the interfered stages."""
-    cuts: dict[int, list[dict]] = {}
-    for e in ev:
-        if e["event"] in ("interference_start", "interference_stop"):
-            cuts.setdefault(e["step"], []).append(e)
-    out, on, prev = [], set(), 0
-    for step in sorted(cuts):
-        out.append(("+".join(f"s{s}" for s in sorted(on)) or "clean", prev, step))
-        for e in cuts[step]:
-            (on.add if e["event"] == "interference_start" else on.discard)(e["stage"])
-        prev = step
-    out.append(("+".join(f"s{s}" for s in sorted(on)) or "after", prev, end))
+    wins = interference_windows(ev, last_step=end - 1, t0=ev[0]["time"] if ev else 0.0)
+    cuts = sorted({w.start for w in wins} | {w.stop for w in wins if w.stop < end})
+    out, prev = [], 0
+    for i, stop in enumerate([*cuts, end]):
+        on = sorted({w.stage for w in wins if w.start <= prev < w.stop})
+        empty = "after" if i == len(cuts) else "clean"
+        out.append(("+".join(f"s{s}" for s in on) or empty, prev, stop))
+        prev = stop
     return out
 
 

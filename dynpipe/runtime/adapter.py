@@ -147,8 +147,9 @@ class Adapter:
         if new_plan is None:
             return decision
         predicted = round(1 - decision.proposed_ms / max(decision.current_ms, 1e-9), 4)
-        self._apply(new_plan, step=step, records=records, decide_ms=decide_ms)
-        self._judge = (median_step(records), predicted, plan)
+        before = median_step(records)
+        self._apply(new_plan, step=step, before_ms=before, decide_ms=decide_ms)
+        self._judge = (before, predicted, plan)
         return decision
 
     def _judge_move(self, step: int, records: list[dict]) -> Plan | None:
@@ -182,12 +183,13 @@ class Adapter:
             )
         if target is not None:
             self._apply(
-                target, step=step, records=records, decide_ms=(time.perf_counter() - t0) * 1e3
+                target, step=step, before_ms=after, decide_ms=(time.perf_counter() - t0) * 1e3
             )
         return target
 
-    def _apply(self, new_plan: Plan, *, step: int, records: list[dict], decide_ms: float) -> None:
-        """Move to ``new_plan`` after ``step`` (live, or by relaunch in restart mode)."""
+    def _apply(self, new_plan: Plan, *, step: int, before_ms: float, decide_ms: float) -> None:
+        """Move to ``new_plan`` after ``step`` (live, or by relaunch in restart mode);
+        ``before_ms``: the median step of the window that decided it."""
         if self.adapt.mode == "restart":
             if self.restart is None:
                 raise RuntimeError("restart mode needs the training loop's restart hook")
@@ -219,7 +221,7 @@ class Adapter:
                     for k in ("pack", "wire", "unpack", "build", "engine")
                 },
             )
-        self._last_repartition = {"step": step + 1, "before_ms": median_step(records)}
+        self._last_repartition = {"step": step + 1, "before_ms": before_ms}
 
     def _log_first_step(self, records: list[dict]) -> None:
         """The first step under a new plan, next to the steps before and after it: what the

@@ -43,18 +43,25 @@ class MigrationStats:
     transfers: list[Transfer] = field(default_factory=list)
     bytes_sent: int = 0
     bytes_received: int = 0
-    transfer_s: float = 0.0
-    rebuild_s: float = 0.0
-    # transfer_s split: packing and checksumming, the wire, and unpacking with the vote;
-    # rebuild_s split: building received layers, and rebuilding the stage and optimizer.
+    # The transfer: packing and checksumming, the wire, and unpacking with the vote;
+    # the rebuild: building received layers, and rebuilding the stage and optimizer.
     pack_s: float = 0.0
     wire_s: float = 0.0
     unpack_s: float = 0.0
     build_s: float = 0.0
     engine_s: float = 0.0
 
+    @property
+    def transfer_s(self) -> float:
+        return self.pack_s + self.wire_s + self.unpack_s
+
+    @property
+    def rebuild_s(self) -> float:
+        return self.build_s + self.engine_s
+
     def to_dict(self) -> dict:
         d = asdict(self)
+        d["transfer_s"], d["rebuild_s"] = self.transfer_s, self.rebuild_s
         d["transfers"] = [repr(t) for t in self.transfers]
         return d
 
@@ -181,6 +188,51 @@ def _vote(
         )
 
 
+def _message(tensors: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``pack``'s header as JSON bytes and its payload, both on ``device``, ready to send."""
+    header, buf = pack(tensors, device=device)
+    hbytes = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
+    return hbytes.to(device), buf
+
+
+def _exchange(
+    outgoing: dict[int, tuple[torch.Tensor, ...]],
+    sources: list[int],
+    *,
+    device: torch.device,
+    timeout_s: float,
+) -> tuple[dict[int, tuple[dict, torch.Tensor]], int]:
+    """Send each peer its (header, payload) message and receive one from each source.
+
+    Two rounds, each one batch of all this rank's sends and receives (which cannot deadlock
+    on gloo or NCCL, whatever the pattern): the sizes, then headers and payloads. Returns
+    ``{source: (header, payload)}``, not yet checked against the checksum, and the bytes
+    received.
+    """
+    sizes_out = {
+        p: torch.tensor([h.numel(), b.numel()], dtype=torch.int64, device=device)
+        for p, (h, b) in outgoing.items()
+    }
+    sizes_in = {p: torch.zeros(2, dtype=torch.int64, device=device) for p in sources}
+    ops = [dist.P2POp(dist.isend, t, p) for p, t in sorted(sizes_out.items())]
+    ops += [dist.P2POp(dist.irecv, t, p) for p, t in sorted(sizes_in.items())]
+    if ops:
+        _wait(dist.batch_isend_irecv(ops), timeout_s=timeout_s, what="size exchange")
+    recv = {
+        p: (
+            torch.empty(int(n[0]), dtype=torch.uint8, device=device),
+            torch.empty(int(n[1]), dtype=torch.uint8, device=device),
+        )
+        for p, n in sizes_in.items()
+    }
+    ops = [dist.P2POp(dist.isend, t, p) for p, msg in sorted(outgoing.items()) for t in msg]
+    ops += [dist.P2POp(dist.irecv, t, p) for p, msg in sorted(recv.items()) for t in msg]
+    if ops:
+        _wait(dist.batch_isend_irecv(ops), timeout_s=timeout_s, what="layer transfer")
+    got = {p: (json.loads(bytes(h.cpu().numpy()).decode()), b) for p, (h, b) in recv.items()}
+    return got, sum(h.numel() + b.numel() for h, b in recv.values())
+
+
 def warm_links(device: torch.device, *, timeout_s: float, warm_bytes: int = 0) -> float:
     """Exchange one tiny message between every pair of ranks, once, before training.
 
@@ -207,15 +259,10 @@ def warm_links(device: torch.device, *, timeout_s: float, warm_bytes: int = 0) -
         # Then one message of a layer's size to every peer through the real path (pack,
         # checksum, two rounds, unpack): large transfers set up their own channels and
         # buffers, and the allocator its blocks, which a tiny message does not.
-        header, buf = pack({"warm": torch.zeros(warm_bytes // 4, device=device)}, device=device)
-        hbytes = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
-        hbytes = hbytes.to(device)
-        got = {p: (torch.empty_like(hbytes), torch.empty_like(buf)) for p in inbox}
-        ops = [dist.P2POp(dist.isend, t, p) for p in inbox for t in (hbytes, buf)]
-        ops += [dist.P2POp(dist.irecv, t, p) for p, pair in got.items() for t in pair]
-        _wait(dist.batch_isend_irecv(ops), timeout_s=timeout_s, what="link warm-up")
-        for p, (h, b) in got.items():
-            unpack(json.loads(bytes(h.cpu().numpy()).decode()), b, where=f"warm-up from {p}")
+        msg = _message({"warm": torch.zeros(warm_bytes // 4, device=device)}, device)
+        got, _ = _exchange({p: msg for p in inbox}, list(inbox), device=device, timeout_s=timeout_s)
+        for p, (header, buf) in got.items():
+            unpack(header, buf, where=f"warm-up from {p}")
     return time.perf_counter() - t0
 
 
@@ -252,37 +299,13 @@ def repartition(
     where = f"rank {me} repartitioning {old!r} -> {new_plan!r}"
     peers = sorted(set(out_by_peer) | set(in_by_peer))
     try:
-        # Round 1: sizes of each pair's header and payload.
-        packed = {}
-        for peer, names in out_by_peer.items():
-            header, buf = pack(_layer_payload(engine, names), device=dev)
-            hbytes = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
-            packed[peer] = (hbytes.to(dev), buf)
+        packed = {
+            p: _message(_layer_payload(engine, names), dev) for p, names in out_by_peer.items()
+        }
         t_packed = time.perf_counter()
-        sizes_out = {
-            p: torch.tensor([h.numel(), b.numel()], dtype=torch.int64, device=dev)
-            for p, (h, b) in packed.items()
-        }
-        sizes_in = {p: torch.zeros(2, dtype=torch.int64, device=dev) for p in in_by_peer}
-        ops = [dist.P2POp(dist.isend, t, p) for p, t in sorted(sizes_out.items())]
-        ops += [dist.P2POp(dist.irecv, t, p) for p, t in sorted(sizes_in.items())]
-        if ops:
-            _wait(dist.batch_isend_irecv(ops), timeout_s=timeout_s, what="size exchange")
-        # Round 2: headers and payloads.
-        recv = {
-            p: (
-                torch.empty(int(s[0]), dtype=torch.uint8, device=dev),
-                torch.empty(int(s[1]), dtype=torch.uint8, device=dev),
-            )
-            for p, s in sizes_in.items()
-        }
-        ops = []
-        for p, (h, b) in sorted(packed.items()):
-            ops += [dist.P2POp(dist.isend, h, p), dist.P2POp(dist.isend, b, p)]
-        for p, (h, b) in sorted(recv.items()):
-            ops += [dist.P2POp(dist.irecv, h, p), dist.P2POp(dist.irecv, b, p)]
-        if ops:
-            _wait(dist.batch_isend_irecv(ops), timeout_s=timeout_s, what="layer transfer")
+        recv, stats.bytes_received = _exchange(
+            packed, sorted(in_by_peer), device=dev, timeout_s=timeout_s
+        )
     except MigrationError:
         raise
     except Exception as exc:
@@ -293,13 +316,11 @@ def repartition(
         ) from exc
     t_wired = time.perf_counter()
     stats.bytes_sent = sum(b.numel() + h.numel() for h, b in packed.values())
-    stats.bytes_received = sum(b.numel() + h.numel() for h, b in recv.values())
     received: dict[str, torch.Tensor] = {}
     problem = ""
     try:
-        for p, (h, b) in recv.items():
-            header = json.loads(bytes(h.cpu().numpy()).decode())
-            received.update(unpack(header, b, where=f"{where}, from rank {p}"))
+        for p, (header, buf) in recv.items():
+            received.update(unpack(header, buf, where=f"{where}, from rank {p}"))
     except MigrationError as exc:
         problem = str(exc)
     _vote(
@@ -342,6 +363,4 @@ def repartition(
     t2 = time.perf_counter()
     stats.pack_s, stats.wire_s, stats.unpack_s = t_packed - t0, t_wired - t_packed, t1 - t_wired
     stats.build_s, stats.engine_s = t_built - t1, t2 - t_built
-    stats.transfer_s = t1 - t0
-    stats.rebuild_s = t2 - t1
     return stats
