@@ -111,11 +111,66 @@ def test_moves_that_did_not_pay_discount_later_predictions_until_it_fades(model)
     assert other.record == ctl.record
 
 
+def test_a_move_measured_slower_is_not_proposed_again_until_conditions_change(model) -> None:
+    ctl, plan = _controller(model, min_gain=0.05, confirm_below=0.0, cooldown_steps=0)
+    d = _decide(ctl, plan, (1.0, 1.5))
+    assert d.repartition
+    # Measured 10% slower after the move (the model was wrong here): remembered...
+    ctl.judge(before_ms=100.0, after_ms=110.0, predicted_gain=0.1)
+    ctl.quiet_window()
+    ctl.record = []  # ...independently of the track record's discount
+    again = _decide(ctl, plan, (1.0, 1.5), step=105)
+    assert not again.repartition and "measured slower" in again.reason
+    # A new situation (stage 1 now 2.5x slow, beyond ``jump`` of 1.5x) may try it again.
+    assert _decide(ctl, plan, (1.0, 2.5), step=110).repartition
+    # A move that did not make steps slower is not remembered.
+    ctl, plan = _controller(model, min_gain=0.05, confirm_below=0.0)
+    assert _decide(ctl, plan, (1.0, 1.5)).repartition
+    ctl.judge(before_ms=100.0, after_ms=102.0, predicted_gain=0.1)
+    assert ctl.refuted == [] and ctl.slower(100.0, 106.0) and not ctl.slower(100.0, 104.0)
+
+
 def test_a_clean_baseline_taken_under_load_is_retaken(model) -> None:
-    ctl, plan = _controller(model, jump=0.25)
-    d = _decide(ctl, plan, (0.5, 0.5))  # every device "faster than clean": recalibrate
+    ctl, plan = _controller(model)
+    d = _decide(ctl, plan, (0.5, 0.5))  # every device "faster than clean": once is noise
+    assert d.slowdown == pytest.approx((0.5, 0.5))
+    d = _decide(ctl, plan, (0.5, 0.5), step=105)  # twice: the baseline was taken under load
     assert not d.repartition
     assert d.slowdown == pytest.approx((1.0, 1.0))
+
+
+def test_one_stage_faster_than_clean_two_windows_running_lowers_its_cost(model) -> None:
+    # Stage 0 sped up by a quarter after calibration (clocks ramping, loaders settling).
+    ctl, plan = _controller(model, min_gain=0.5)
+    clean0 = ctl.clean_fwd[:5].sum() + ctl.clean_bwd[:5].sum()
+    first = _decide(ctl, plan, (0.75, 1.0))
+    assert first.slowdown == pytest.approx((0.75, 1.0))  # one window: could be noise
+    d = _decide(ctl, plan, (0.75, 1.0), step=105)
+    # The stages hold identical layers, so the fit shares the change between both devices;
+    # stage 0's clean cost drops, and neither device is "faster than clean" any more.
+    assert ctl.clean_fwd[:5].sum() + ctl.clean_bwd[:5].sum() < 0.95 * clean0
+    assert d.slowdown[0] > 0.85 and d.slowdown[1] >= 1.0
+    # A lone fast window between normal ones changes nothing; nor does a slow stage.
+    ctl, plan = _controller(model, min_gain=0.5)
+    for i, slow in enumerate([(0.75, 1.0), (1.0, 1.0), (0.75, 1.0), (1.0, 2.0), (1.0, 2.0)]):
+        d = _decide(ctl, plan, slow, step=100 + 5 * i)
+        assert d.slowdown == pytest.approx(slow)
+
+
+def test_slowdowns_within_the_noise_do_not_move_layers(model) -> None:
+    from dynpipe.runtime.controller import credible
+
+    assert credible(1.3, 0.1) == pytest.approx(1.2)
+    assert credible(0.8, 0.1) == pytest.approx(0.9)
+    assert credible(1.05, 0.1) == 1.0
+    ctl, plan = _controller(model, min_gain=0.05, confirm_below=0.0, noise_z=2.0)
+    s = np.array([1.0, 1.3])
+    quiet = np.array([0.01, 0.01])
+    loud = np.array([0.01, 0.2])  # stage 1's median is uncertain by 20%: 30% is within 2 SE
+    kw = dict(step=100, plan=plan, fwd_step_ms=8.0 * s, bwd_step_ms=16.0 * s)
+    assert ctl.decide(**kw, noise=quiet).repartition
+    d = ctl.decide(**kw, noise=loud)
+    assert not d.repartition and d.slowdown == pytest.approx((1.0, 1.3))
 
 
 def test_checksum_catches_flips_swaps_and_truncation() -> None:

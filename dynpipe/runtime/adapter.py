@@ -26,7 +26,7 @@ from dynpipe.runtime.topology import Topology
 if TYPE_CHECKING:
     from dynpipe.runtime.train import TrainConfig
 
-__all__ = ["Adapter", "median_step", "stage_medians"]
+__all__ = ["Adapter", "median_step", "stage_medians", "stage_noise"]
 
 
 class Adapter:
@@ -139,6 +139,7 @@ class Adapter:
             fwd_step_ms=self.monitor.fwd,
             bwd_step_ms=self.monitor.bwd,
             telemetry=telemetry,
+            noise=stage_noise(records, plan.num_stages),
         )
         new_plan = self._agree(decision.plan if decision.repartition else None)
         decide_ms = (time.perf_counter() - t0) * 1e3
@@ -156,16 +157,15 @@ class Adapter:
         """The new plan's first trusted window: did the last move pay, as measured?
 
         A move that made steps clearly slower is undone at once: the plan before it was
-        measured to be better, whatever the speed model believed. Returns the plan reverted
-        to, if any.
+        measured to be better, whatever the speed model believed; the controller does not
+        propose it again under the same conditions. Returns the plan reverted to, if any.
         """
         assert self._judge is not None
         before, predicted, previous = self._judge
         self._judge = None
         after = median_step(records)
         paid = self.controller.judge(before, after, predicted)
-        # Slower by the minimum gain or more: beyond what one window's noise does here.
-        worse = after > before * (1 + self.adapt.min_gain)
+        worse = self.controller.slower(before, after)
         t0 = time.perf_counter()
         # Every rank holds the same gathered numbers; the writer's verdict is still broadcast.
         target = self._agree(previous if worse and self.adapt.mode != "restart" else None)
@@ -282,6 +282,20 @@ def stage_medians(records: list[dict], num_stages: int) -> tuple[np.ndarray, np.
     fwd = [np.median([r["stages"][s]["fwd_ms"] for r in records]) for s in range(num_stages)]
     bwd = [np.median([r["stages"][s]["bwd_ms"] for r in records]) for s in range(num_stages)]
     return np.array(fwd), np.array(bwd)
+
+
+def stage_noise(records: list[dict], num_stages: int) -> np.ndarray:
+    """Per stage, the relative standard error of the median of its compute time per step
+    over ``records``: 1.25 x the robust spread (1.48 x median absolute deviation) over the
+    square root of the count, relative to the median."""
+    out = np.zeros(num_stages)
+    n = len(records)
+    for s in range(num_stages):
+        x = np.array([r["stages"][s]["fwd_ms"] + r["stages"][s]["bwd_ms"] for r in records])
+        med = float(np.median(x))
+        mad = float(np.median(np.abs(x - med)))
+        out[s] = 1.253 * 1.4826 * mad / np.sqrt(max(n, 1)) / max(med, 1e-9)
+    return out
 
 
 def median_step(records: list[dict]) -> float:

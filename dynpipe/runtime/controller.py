@@ -32,11 +32,20 @@ from dynpipe.planner.evaluate import stage_costs
 from dynpipe.planner.plan import Plan
 from dynpipe.planner.simulate import step_times
 
-__all__ = ["ADAPT_MODES", "AdaptConfig", "Controller", "Decision", "Monitor", "fit_layer_costs"]
+__all__ = [
+    "ADAPT_MODES",
+    "AdaptConfig",
+    "Controller",
+    "Decision",
+    "Monitor",
+    "credible",
+    "fit_layer_costs",
+]
 
 ADAPT_MODES = ("static", "measured", "adaptive", "restart")
 _RECORD = 3  # judged moves the track record remembers
 _TRUST_FADE = 0.9  # per quiet window: doubt halves in about 7 windows
+_REFUTED = 4  # moves measured slower that are remembered
 
 
 @dataclass(frozen=True)
@@ -58,18 +67,25 @@ class AdaptConfig:
         it; a larger one (a real onset) is taken at once.
     horizon_steps: steps over which a gain must pay back the migration pause.
     cooldown_steps: steps after a repartition before another may be decided.
+    drift_tol: a stage measured faster than its clean cost by more than this, in two windows
+        running, lowers that clean cost: interference only slows a device, so a device
+        faster than "clean" shows the clean costs were taken during a start-up transient.
+    noise_z: a measured slowdown counts only beyond this many standard errors of the
+        window's median stage time (the part within them is taken as noise).
     """
 
     mode: str = "adaptive"
     monitor_every: int = 5
     settle_windows: int = 1
-    calibrate_windows: int = 2
+    calibrate_windows: int = 3
     ewma: float = 0.5
     jump: float = 0.25
     min_gain: float = 0.05
     confirm_below: float = 0.2
     horizon_steps: int = 100
     cooldown_steps: int = 10
+    drift_tol: float = 0.1
+    noise_z: float = 2.0
 
     def __post_init__(self) -> None:
         if self.mode not in ADAPT_MODES:
@@ -91,6 +107,14 @@ def _layer_classes(costs: CostModel) -> np.ndarray:
     ]
     ids = {k: i for i, k in enumerate(dict.fromkeys(keys))}
     return np.array([ids[k] for k in keys])
+
+
+def credible(slowdown: float, margin: float) -> float:
+    """The part of a measured slowdown beyond ``margin`` (relative) of 1: a stage time that
+    moved less than its noise is taken as unchanged, one that moved more counts only by the
+    excess. Planning with these, a split changes for what the measurements can tell apart."""
+    dev = slowdown - 1.0
+    return 1.0 + math.copysign(max(0.0, abs(dev) - margin), dev)
 
 
 def fit_layer_costs(
@@ -224,6 +248,15 @@ class Controller:
         # The discount fades over windows without a move: conditions change.
         self.record: list[float] = []
         self.windows_since_judged = 0
+        # Per-stage fwd/bwd step ms of the last window that ran faster than clean, under the
+        # current plan (a clean cost is lowered only when two windows running agree).
+        self._faster: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        # Moves measured to make steps slower: (from bounds, to bounds, per-device slowdowns
+        # when decided). The same move is not proposed again under the same conditions: the
+        # measurement outranks the speed model that proposed it. The last move proposed waits
+        # in ``_proposed`` for its verdict.
+        self.refuted: list[tuple[list, list, list[float]]] = []
+        self._proposed: tuple[list, list, list[float]] | None = None
 
     @property
     def calibrated(self) -> bool:
@@ -262,6 +295,7 @@ class Controller:
             "clean_bwd": None if self.clean_bwd is None else self.clean_bwd.tolist(),
             "pause_ms": self.pause_ms,
             "record": list(self.record),
+            "refuted": [list(r) for r in self.refuted],
         }
 
     def load_state(self, st: dict[str, Any]) -> None:
@@ -272,6 +306,9 @@ class Controller:
             self.pause_ms = float(st["pause_ms"])
         if st.get("record") is not None:
             self.record = [float(x) for x in st["record"]]
+        self.refuted = [
+            (list(map(list, a)), list(map(list, b)), list(c)) for a, b, c in st.get("refuted", [])
+        ]
 
     # ---- the speed model ---------------------------------------------------------------
     def device_costs(
@@ -280,10 +317,13 @@ class Controller:
         fwd_step_ms: np.ndarray,
         bwd_step_ms: np.ndarray,
         telemetry: list[dict[str, float]] | None = None,
+        noise: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Predicted per-microbatch fwd/bwd ms of every layer on every rank ``[R, L]``.
 
         Rows are indexed by rank (device), and the per-device measured slowdowns ``[R]``.
+        ``noise``: per stage, the relative standard error of its measured time; the costs
+        use only the part of each slowdown beyond ``noise_z`` of them (``credible``).
         """
         assert self.clean_fwd is not None and self.clean_bwd is not None
         m = plan.microbatches
@@ -310,6 +350,9 @@ class Controller:
             measured = (fwd_step_ms[s] + bwd_step_ms[s]) / m
             sigma = measured / max(clean, 1e-12)
             slow[st.rank] = sigma
+            if noise is not None:
+                sigma = credible(sigma, self.config.noise_z * float(noise[s]))
+                measured = sigma * clean
             if rel_f is None:
                 fwd[st.rank], bwd[st.rank] = cf * sigma, cb * sigma
             else:
@@ -351,15 +394,13 @@ class Controller:
         fwd_step_ms: np.ndarray,
         bwd_step_ms: np.ndarray,
         telemetry: list[dict[str, float]] | None = None,
-        model: Any = None,
+        noise: np.ndarray | None = None,
     ) -> Decision:
-        """Whether to move from ``plan`` now, and to which plan."""
-        fwd, bwd, slow = self.device_costs(plan, fwd_step_ms, bwd_step_ms, telemetry)
-        if (slow < 1 - self.config.jump).all():
-            # Every device runs faster than its "clean" baseline: that baseline was taken
-            # under a transient load. Take this window as the clean one instead.
-            self.calibrate(plan, fwd_step_ms, bwd_step_ms)
-            fwd, bwd, slow = self.device_costs(plan, fwd_step_ms, bwd_step_ms, telemetry)
+        """Whether to move from ``plan`` now, and to which plan. ``noise``: per stage, the
+        relative standard error of the measured stage time (see ``device_costs``)."""
+        fwd, bwd, slow = self.device_costs(plan, fwd_step_ms, bwd_step_ms, telemetry, noise)
+        if self._lower_clean(plan, fwd_step_ms, bwd_step_ms, slow):
+            fwd, bwd, slow = self.device_costs(plan, fwd_step_ms, bwd_step_ms, telemetry, noise)
         costs = self._costs_for(plan, fwd, bwd)
         cur = self.predicted_step_ms(plan, costs)
         pause = self.pause_ms if self.pause_ms is not None else cur  # first guess: one step
@@ -397,6 +438,14 @@ class Controller:
             return Decision(**common, repartition=False, reason="current plan is best")
         if step - self.last_change_step < self.config.cooldown_steps:
             return Decision(**common, repartition=False, reason="cooldown")
+        context = ([list(b) for b in plan.bounds], [list(b) for b in res.bounds], list(slow))
+        if self._was_refuted(context):
+            self._want(False)
+            return Decision(
+                **common,
+                repartition=False,
+                reason="this move was measured slower under these conditions",
+            )
         trust = self.trust
         if gain * trust < self.config.min_gain * cur:
             self._want(False)
@@ -424,12 +473,61 @@ class Controller:
                 reason=f"gain {gain / cur:.1%} needs a second window to confirm",
             )
         self._wanted = []
+        self._proposed = context
         return Decision(
             **common,
             repartition=True,
             reason=f"predicted {cur:.2f} -> {res.step_ms:.2f} ms/step",
             plan=new_plan,
         )
+
+    def _lower_clean(
+        self, plan: Plan, fwd_step_ms: np.ndarray, bwd_step_ms: np.ndarray, slow: np.ndarray
+    ) -> bool:
+        """Lower the clean cost of stages that ran clearly faster than it, two windows running.
+
+        Interference only ever slows a device, so a stage faster than its clean cost shows
+        the calibration was taken under a transient: GPU clocks ramping up, kernels being
+        tuned, loader workers starting, another job finishing. Left alone, that stage looks
+        fast next to the others and the planner "gains" by loading it up. One fast window is
+        not enough (noise); the slower of the two windows becomes the stage's clean time,
+        the other stages keep theirs, and the per-class fit is redone. Returns whether it did.
+        """
+        by_stage = np.array([slow[st.rank] for st in plan.stages])
+        fast = by_stage < 1 - self.config.drift_tol
+        prev, self._faster = self._faster, None
+        if not fast.any():
+            return False
+        fwd, bwd = np.asarray(fwd_step_ms, float), np.asarray(bwd_step_ms, float)
+        if prev is None or not (fast & prev[0]).any():
+            self._faster = (fast, fwd, bwd)
+            return False
+        assert self.clean_fwd is not None and self.clean_bwd is not None
+        both = fast & prev[0]
+        m = plan.microbatches
+        tf = np.array([self.clean_fwd[a:b].sum() * m for a, b in plan.bounds])
+        tb = np.array([self.clean_bwd[a:b].sum() * m for a, b in plan.bounds])
+        tf[both] = np.maximum(fwd, prev[1])[both]
+        tb[both] = np.maximum(bwd, prev[2])[both]
+        self.calibrate(plan, tf, tb)
+        return True
+
+    def _was_refuted(self, context: tuple[list, list, list[float]]) -> bool:
+        """Whether this move (same splits) was measured slower while every device ran at
+        about the slowdown it runs at now (within ``jump``: an onset or a departure makes it
+        a new situation, and the move may be tried again)."""
+        src, dst, slow = context
+        for r_src, r_dst, r_slow in self.refuted:
+            if r_src == src and r_dst == dst and len(r_slow) == len(slow):
+                ratio = np.asarray(slow) / np.maximum(np.asarray(r_slow), 1e-9)
+                if np.all(np.abs(ratio - 1) <= self.config.jump):
+                    return True
+        return False
+
+    def slower(self, before_ms: float, after_ms: float) -> bool:
+        """Whether a move made steps slower by the minimum gain or more: beyond what one
+        window's noise does, so it is undone (and remembered)."""
+        return after_ms > before_ms * (1 + self.config.min_gain)
 
     def _want(self, wanted: bool) -> None:
         self._wanted = [*self._wanted, wanted][-2:]
@@ -457,9 +555,13 @@ class Controller:
         ratio = achieved / max(predicted_gain / 2, 1e-3)
         self.record = [*self.record, min(1.0, max(0.0, ratio))][-_RECORD:]
         self.windows_since_judged = 0
+        if self._proposed is not None and self.slower(before_ms, after_ms):
+            self.refuted = [*self.refuted, self._proposed][-_REFUTED:]
+        self._proposed = None
         return achieved >= self.config.min_gain / 2
 
     def applied(self, step: int, pause_ms: float) -> None:
         """Record that a repartition happened at ``step`` and what it cost."""
         self.last_change_step = step
+        self._faster = None  # measured under the plan just left
         self.pause_ms = pause_ms if self.pause_ms is None else 0.5 * (self.pause_ms + pause_ms)
