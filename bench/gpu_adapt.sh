@@ -8,10 +8,12 @@
 # KINDS: interferer kinds with a runtime/scenarios/gpu-<kind>-{stage1,4stage}.toml
 #   (default "gemm copy"). DEVICE=cpu with MODEL=mlp and KINDS=emulate checks the script
 #   itself on a CPU machine.
-# MODES overrides the systems run (default: static measured adaptive restart); STEPS the run
+# MODES overrides the systems run (default: static measured adaptive restart; static_tuned
+# runs the plan in PLAN statically, for repeated runs); STEPS the run
 # length; RUN_TIMEOUT bounds each run (seconds); CKPT is where the restart baseline writes
-# its checkpoints (default OUTDIR; they are large). Raw logs land in
-# OUTDIR/<model>-<kind>-<mode>.jsonl; bench/adapt_table.py tabulates them.
+# its checkpoints (default OUTDIR; they are large); SNAPSHOT, if set, is a .tgz rewritten
+# with OUTDIR's logs after every run (what survives a run killed by an outer time limit).
+# Raw logs land in OUTDIR/<model>-<kind>-<mode>.jsonl; bench/adapt_table.py tabulates them.
 set -u
 M=$1; O=$2; P=${3:-}; KINDS=${4:-"gemm copy"}
 NPROC=${NPROC:-2}
@@ -22,7 +24,12 @@ case $M in
   resnet50) ARGS=(--model resnet50 --model-arg image_size=224 --model-arg num_classes=1000
                   --batch-size 64 --microbatches 8) ;;
   mlp)      ARGS=(--model mlp --model-arg width=256 --batch-size 64 --microbatches 4) ;;
-  gpt)      ARGS=(--model gpt --model-arg depth=12 --model-arg width=768 --model-arg heads=12
+  # Wide enough that the GPUs, not kernel launches, bound the step: at width 768 and 4x512
+  # tokens per microbatch the CPU launching kernels was the limit and a GPU interferer did
+  # not slow the pipeline at all (gptsmall).
+  gpt)      ARGS=(--model gpt --model-arg depth=12 --model-arg width=2048 --model-arg heads=16
+                  --model-arg seq_len=1024 --batch-size 32 --microbatches 8) ;;
+  gptsmall) ARGS=(--model gpt --model-arg depth=12 --model-arg width=768 --model-arg heads=12
                   --model-arg seq_len=512 --batch-size 32 --microbatches 8) ;;
   *) echo "unknown model $M"; exit 2 ;;
 esac
@@ -36,6 +43,8 @@ run() {  # name, extra args...
   timeout "${RUN_TIMEOUT:-600}" python3 -m dynpipe train "${ARGS[@]}" "${COMMON[@]}" \
     --log "$O/$name.jsonl" "$@" > "$O/$name.out" 2>&1
   echo "$name: exit $? in $(( $(date +%s) - t0 ))s"
+  [ -n "${SNAPSHOT:-}" ] && tar czf "$SNAPSHOT" -C "$O" --exclude='ckpt-*' .
+  return 0
 }
 tuned() {  # kind, scenario: the plan the adaptive run held when the interference ended
   python3 - "$O/$M-$1-adaptive.jsonl" "$O/$M-$1-tuned.json" <<'PY'
@@ -57,6 +66,9 @@ for kind in $KINDS; do
   [ "$NPROC" = 4 ] && S=runtime/scenarios/gpu-$kind-4stage.toml
   [ "$kind" = emulate ] && S=runtime/scenarios/emulate-3x-stage1.toml
   for mode in ${MODES:-static measured adaptive restart}; do
+    if [ "$mode" = static_tuned ]; then  # a given plan (PLAN=file), static
+      run "$M-$kind-static_tuned" --adapt static --scenario "$S" --plan "$PLAN"; continue
+    fi
     extra=(--adapt "$mode" --scenario "$S")
     case $mode in adaptive|restart) [ -n "$P" ] && extra+=(--predictor "$P") ;; esac
     [ "$mode" = restart ] && extra+=(--save-dir "${CKPT:-$O}/ckpt-$M-$kind")
