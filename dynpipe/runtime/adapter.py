@@ -158,22 +158,14 @@ class Adapter:
 
         A move that made steps clearly slower is undone at once: the plan before it was
         measured to be better, whatever the speed model believed; the controller does not
-        propose it again under the same conditions. Unless a device's slowdown changed in
-        between (interference came or went). Returns the plan reverted to, if any.
+        propose it again under the same conditions. Returns the plan reverted to, if any.
         """
         assert self._judge is not None
         before, predicted, previous = self._judge
         self._judge = None
         after = median_step(records)
-        # An onset or departure between the two windows confounds the comparison: then the
-        # move is neither undone nor held against the model, and the next window decides
-        # afresh under the new conditions.
-        slow_after = self.controller.device_costs(
-            self.engine.plan, *stage_medians(records, self.engine.plan.num_stages)
-        )[2]
-        changed = self.controller.changed(slow_after)
-        paid = self.controller.judge(before, after, predicted, changed=changed)
-        worse = self.controller.slower(before, after) and not changed
+        paid = self.controller.judge(before, after, predicted)
+        worse = self.controller.slower(before, after)
         t0 = time.perf_counter()
         # Every rank holds the same gathered numbers; the writer's verdict is still broadcast.
         target = self._agree(previous if worse and self.adapt.mode != "restart" else None)
@@ -186,7 +178,6 @@ class Adapter:
                 predicted_gain=predicted,
                 achieved_gain=round(1 - after / max(before, 1e-9), 4),
                 paid=paid,
-                conditions_changed=changed,
                 reverted=target is not None,
                 trust=round(self.controller.trust, 4),
             )

@@ -544,35 +544,20 @@ class Controller:
         """A window passed without a judged move."""
         self.windows_since_judged += 1
 
-    def changed(self, slowdown_after: np.ndarray) -> bool:
-        """Whether some device's slowdown moved by more than ``jump`` between the window
-        that decided the last move and the one judging it: an onset or a departure came in
-        between, and the step times before and after say nothing about the move itself."""
-        if self._proposed is None:
-            return False
-        before = np.asarray(self._proposed[2])
-        ratio = np.asarray(slowdown_after) / np.maximum(before, 1e-9)
-        return bool(np.any(np.abs(ratio - 1) > self.config.jump))
-
-    def judge(
-        self, before_ms: float, after_ms: float, predicted_gain: float, *, changed: bool = False
-    ) -> bool:
+    def judge(self, before_ms: float, after_ms: float, predicted_gain: float) -> bool:
         """Record how the last move did, from measured step times before and after it.
 
         A move that achieved half its predicted gain or more counts fully in the record.
         Returns whether it paid: the step got faster by at least half the minimum gain.
-        ``changed``: conditions changed in between (see ``changed``); nothing is recorded.
         """
-        proposed, self._proposed = self._proposed, None
-        if changed:
-            return False
         achieved = 1.0 - after_ms / max(before_ms, 1e-9)
         # Half the predicted gain, measured over one window, counts as keeping the promise.
         ratio = achieved / max(predicted_gain / 2, 1e-3)
         self.record = [*self.record, min(1.0, max(0.0, ratio))][-_RECORD:]
         self.windows_since_judged = 0
-        if proposed is not None and self.slower(before_ms, after_ms):
-            self.refuted = [*self.refuted, proposed][-_REFUTED:]
+        if self._proposed is not None and self.slower(before_ms, after_ms):
+            self.refuted = [*self.refuted, self._proposed][-_REFUTED:]
+        self._proposed = None
         return achieved >= self.config.min_gain / 2
 
     def applied(self, step: int, pause_ms: float) -> None:
