@@ -119,10 +119,17 @@ def test_a_move_measured_slower_is_not_proposed_again_until_conditions_change(mo
     ctl.judge(before_ms=100.0, after_ms=110.0, predicted_gain=0.1)
     ctl.quiet_window()
     ctl.record = []  # ...independently of the track record's discount
-    again = _decide(ctl, plan, (1.0, 1.5), step=105)
+    # One layer moved: the opposite one-layer move is probed once, by measurement alone.
+    probe = _decide(ctl, plan, (1.0, 1.5), step=105)
+    assert probe.repartition and "probe" in probe.reason
+    shift = d.plan.stages[0].stop - plan.stages[0].stop
+    assert abs(shift) == 1 and probe.plan.stages[0].stop == plan.stages[0].stop - shift
+    ctl.judge(before_ms=100.0, after_ms=110.0, predicted_gain=0.0)  # slower too
+    ctl.record = []
+    again = _decide(ctl, plan, (1.0, 1.5), step=110)
     assert not again.repartition and "measured slower" in again.reason
     # A new situation (stage 1 now 2.5x slow, beyond ``jump`` of 1.5x) may try it again.
-    assert _decide(ctl, plan, (1.0, 2.5), step=110).repartition
+    assert _decide(ctl, plan, (1.0, 2.5), step=115).repartition
     # A move that did not make steps slower is not remembered.
     ctl, plan = _controller(model, min_gain=0.05, confirm_below=0.0)
     assert _decide(ctl, plan, (1.0, 1.5)).repartition

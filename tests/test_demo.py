@@ -42,7 +42,12 @@ def _adapted(summary: dict) -> bool:
         bool(during)
         and summary["steps_to_adapt"] is not None
         and summary["steps_to_adapt"] <= 15
-        and st["during_after_adapting"] < st["during_before_adapting"]
+        and st["during_after_adapting"] is not None
+        # A move decided on the onset's own window leaves no steps "before adapting".
+        and (
+            st["during_before_adapting"] is None
+            or st["during_after_adapting"] < st["during_before_adapting"]
+        )
         and summary["bytes_moved"] > 0
     )
 

@@ -18,6 +18,7 @@ hold, and the measured slowdown rescales it so it agrees with what the stage see
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -257,6 +258,11 @@ class Controller:
         # in ``_proposed`` for its verdict.
         self.refuted: list[tuple[list, list, list[float]]] = []
         self._proposed: tuple[list, list, list[float]] | None = None
+        # After a one-layer move measured slower, the same layers moved the other way, tried
+        # once (from, to, slowdowns then): where the stage timers mislead the speed model (on
+        # GPUs they carry the pipeline's waits, not only each device's speed), the step time
+        # is the only reliable measure, and the opposite direction is the untried neighbour.
+        self._probe: tuple[list, list, list[float]] | None = None
 
     @property
     def calibrated(self) -> bool:
@@ -413,16 +419,9 @@ class Controller:
             migration_ms_per_byte=0.0,
             ranks=plan.ranks,
         )
-        new_plan = dataclasses.replace(
-            plan,
-            stages=tuple(
-                dataclasses.replace(st, start=a, stop=b, layers=tuple(self.base.layer_names[a:b]))
-                for st, (a, b) in zip(plan.stages, res.bounds, strict=True)
-            ),
-            meta={**plan.meta, "method": f"controller:{self.mode_used}", "decided_at": step},
-        )
+        new_plan = self._with_bounds(plan, res.bounds, step)
         moved = diff(plan, new_plan, param_bytes=list(self.base.state_bytes.astype(int)))
-        moved_bytes = int(sum(t.nbytes or 0 for t in moved))
+        moved_bytes = self._moved_bytes(plan, new_plan)
         gain = cur - res.step_ms
         common = dict(
             step=step,
@@ -433,6 +432,21 @@ class Controller:
             migration_ms=pause,
             moved_bytes=moved_bytes,
         )
+        probe = self._probe_now(plan, slow, step)
+        if probe is not None:
+            probe_plan = self._with_bounds(plan, probe, step)
+            self._wanted = []
+            self._proposed = ([list(b) for b in plan.bounds], [list(b) for b in probe], list(slow))
+            return Decision(
+                **{
+                    **common,
+                    "proposed_ms": self.predicted_step_ms(probe_plan, costs),
+                    "moved_bytes": self._moved_bytes(plan, probe_plan),
+                },
+                repartition=True,
+                reason="probe: one layer the other way from a move measured slower",
+                plan=probe_plan,
+            )
         if not moved:
             self._want(False)
             return Decision(**common, repartition=False, reason="current plan is best")
@@ -512,6 +526,50 @@ class Controller:
         self.calibrate(plan, tf, tb)
         return True
 
+    def _moved_bytes(self, plan: Plan, new_plan: Plan) -> int:
+        moves = diff(plan, new_plan, param_bytes=list(self.base.state_bytes.astype(int)))
+        return int(sum(t.nbytes or 0 for t in moves))
+
+    def _with_bounds(self, plan: Plan, bounds: Any, step: int) -> Plan:
+        return dataclasses.replace(
+            plan,
+            stages=tuple(
+                dataclasses.replace(st, start=a, stop=b, layers=tuple(self.base.layer_names[a:b]))
+                for st, (a, b) in zip(plan.stages, bounds, strict=True)
+            ),
+            meta={**plan.meta, "method": f"controller:{self.mode_used}", "decided_at": step},
+        )
+
+    def _mirror(
+        self, move: tuple[list, list, list[float]]
+    ) -> tuple[list, list, list[float]] | None:
+        """The opposite of a move that shifted every boundary by at most one layer, if it is a
+        valid plan (a move of several layers has no single untried neighbour)."""
+        src, dst, slow = move
+        cuts = [b[0] for b in src[1:]]
+        shift = [d[0] - c for d, c in zip(dst[1:], cuts, strict=True)]
+        if any(abs(x) > 1 for x in shift) or not any(shift):
+            return None
+        new_cuts = [0, *(c - x for c, x in zip(cuts, shift, strict=True)), src[-1][1]]
+        if any(a >= b for a, b in itertools.pairwise(new_cuts)):
+            return None
+        return (src, [[a, b] for a, b in itertools.pairwise(new_cuts)], slow)
+
+    def _probe_now(self, plan: Plan, slow: np.ndarray, step: int) -> list | None:
+        """The waiting probe's target bounds, if it applies to this plan and these conditions
+        (and the cooldown has passed); it is given up otherwise."""
+        if self._probe is None or step - self.last_change_step < self.config.cooldown_steps:
+            return None
+        probe, self._probe = self._probe, None
+        src, dst, then = probe
+        ratio = np.asarray(slow) / np.maximum(np.asarray(then), 1e-9)
+        same = [list(b) for b in plan.bounds] == src and np.all(
+            np.abs(ratio - 1) <= self.config.jump
+        )
+        if not same or self._was_refuted((src, dst, list(slow))):
+            return None
+        return dst
+
     def _was_refuted(self, context: tuple[list, list, list[float]]) -> bool:
         """Whether this move (same splits) was measured slower while every device ran at
         about the slowdown it runs at now (within ``jump``: an onset or a departure makes it
@@ -555,9 +613,10 @@ class Controller:
         ratio = achieved / max(predicted_gain / 2, 1e-3)
         self.record = [*self.record, min(1.0, max(0.0, ratio))][-_RECORD:]
         self.windows_since_judged = 0
-        if self._proposed is not None and self.slower(before_ms, after_ms):
-            self.refuted = [*self.refuted, self._proposed][-_REFUTED:]
-        self._proposed = None
+        proposed, self._proposed = self._proposed, None
+        if proposed is not None and self.slower(before_ms, after_ms):
+            self.refuted = [*self.refuted, proposed][-_REFUTED:]
+            self._probe = self._mirror(proposed)
         return achieved >= self.config.min_gain / 2
 
     def applied(self, step: int, pause_ms: float) -> None:
