@@ -86,7 +86,7 @@ class AdaptConfig:
     horizon_steps: int = 100
     cooldown_steps: int = 10
     drift_tol: float = 0.1
-    noise_z: float = 1.0
+    noise_z: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in ADAPT_MODES:
