@@ -47,6 +47,7 @@ run() {  # name, extra args...
   return 0
 }
 tuned() {  # kind, scenario: the plan the adaptive run held when the interference ended
+  [ -n "${PLAN:-}" ] && return 0  # a given plan runs as static_tuned instead (MODES)
   python3 - "$O/$M-$1-adaptive.jsonl" "$O/$M-$1-tuned.json" <<'PY'
 import sys
 from dynpipe.planner import Plan

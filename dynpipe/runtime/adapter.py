@@ -139,7 +139,7 @@ class Adapter:
             fwd_step_ms=self.monitor.fwd,
             bwd_step_ms=self.monitor.bwd,
             telemetry=telemetry,
-            noise=stage_noise(records, plan.num_stages),
+            noise=stage_noise(records, plan.num_stages) if self.adapt.noise_z > 0 else None,
         )
         new_plan = self._agree(decision.plan if decision.repartition else None)
         decide_ms = (time.perf_counter() - t0) * 1e3

@@ -110,6 +110,11 @@ def _layer_classes(costs: CostModel) -> np.ndarray:
     return np.array([ids[k] for k in keys])
 
 
+def _key(bounds: Any) -> list[list[int]]:
+    """A plan's ``(start, stop)`` bounds as plain lists: how moves are remembered."""
+    return [list(b) for b in bounds]
+
+
 def credible(slowdown: float, margin: float) -> float:
     """The part of a measured slowdown beyond ``margin`` (relative) of 1: a stage time that
     moved less than its noise is taken as unchanged, one that moved more counts only by the
@@ -420,8 +425,8 @@ class Controller:
             ranks=plan.ranks,
         )
         new_plan = self._with_bounds(plan, res.bounds, step)
-        moved = diff(plan, new_plan, param_bytes=list(self.base.state_bytes.astype(int)))
-        moved_bytes = self._moved_bytes(plan, new_plan)
+        moved = self._moves(plan, new_plan)
+        moved_bytes = int(sum(t.nbytes or 0 for t in moved))
         gain = cur - res.step_ms
         common = dict(
             step=step,
@@ -436,12 +441,12 @@ class Controller:
         if probe is not None:
             probe_plan = self._with_bounds(plan, probe, step)
             self._wanted = []
-            self._proposed = ([list(b) for b in plan.bounds], [list(b) for b in probe], list(slow))
+            self._proposed = (_key(plan.bounds), _key(probe), list(slow))
             return Decision(
                 **{
                     **common,
                     "proposed_ms": self.predicted_step_ms(probe_plan, costs),
-                    "moved_bytes": self._moved_bytes(plan, probe_plan),
+                    "moved_bytes": int(sum(t.nbytes or 0 for t in self._moves(plan, probe_plan))),
                 },
                 repartition=True,
                 reason="probe: one layer the other way from a move measured slower",
@@ -452,7 +457,7 @@ class Controller:
             return Decision(**common, repartition=False, reason="current plan is best")
         if step - self.last_change_step < self.config.cooldown_steps:
             return Decision(**common, repartition=False, reason="cooldown")
-        context = ([list(b) for b in plan.bounds], [list(b) for b in res.bounds], list(slow))
+        context = (_key(plan.bounds), _key(res.bounds), list(slow))
         if self._was_refuted(context):
             self._want(False)
             return Decision(
@@ -526,9 +531,8 @@ class Controller:
         self.calibrate(plan, tf, tb)
         return True
 
-    def _moved_bytes(self, plan: Plan, new_plan: Plan) -> int:
-        moves = diff(plan, new_plan, param_bytes=list(self.base.state_bytes.astype(int)))
-        return int(sum(t.nbytes or 0 for t in moves))
+    def _moves(self, plan: Plan, new_plan: Plan) -> list:
+        return diff(plan, new_plan, param_bytes=list(self.base.state_bytes.astype(int)))
 
     def _with_bounds(self, plan: Plan, bounds: Any, step: int) -> Plan:
         return dataclasses.replace(
@@ -562,10 +566,7 @@ class Controller:
             return None
         probe, self._probe = self._probe, None
         src, dst, then = probe
-        ratio = np.asarray(slow) / np.maximum(np.asarray(then), 1e-9)
-        same = [list(b) for b in plan.bounds] == src and np.all(
-            np.abs(ratio - 1) <= self.config.jump
-        )
+        same = _key(plan.bounds) == src and self._same_conditions(slow, then)
         if not same or self._was_refuted((src, dst, list(slow))):
             return None
         return dst
@@ -575,12 +576,17 @@ class Controller:
         about the slowdown it runs at now (within ``jump``: an onset or a departure makes it
         a new situation, and the move may be tried again)."""
         src, dst, slow = context
-        for r_src, r_dst, r_slow in self.refuted:
-            if r_src == src and r_dst == dst and len(r_slow) == len(slow):
-                ratio = np.asarray(slow) / np.maximum(np.asarray(r_slow), 1e-9)
-                if np.all(np.abs(ratio - 1) <= self.config.jump):
-                    return True
-        return False
+        return any(
+            r_src == src and r_dst == dst and self._same_conditions(slow, r_slow)
+            for r_src, r_dst, r_slow in self.refuted
+        )
+
+    def _same_conditions(self, slow: Any, then: Any) -> bool:
+        """Every device's slowdown within ``jump`` of what it was then."""
+        if len(slow) != len(then):
+            return False
+        ratio = np.asarray(slow) / np.maximum(np.asarray(then), 1e-9)
+        return bool(np.all(np.abs(ratio - 1) <= self.config.jump))
 
     def slower(self, before_ms: float, after_ms: float) -> bool:
         """Whether a move made steps slower by the minimum gain or more: beyond what one
