@@ -11,7 +11,8 @@
 # MODES overrides the systems run (default: static measured adaptive restart; static_tuned
 # runs the plan in PLAN statically, for repeated runs); STEPS the run
 # length; RUN_TIMEOUT bounds each run (seconds); CKPT is where the restart baseline writes
-# its checkpoints (default OUTDIR; they are large); SNAPSHOT, if set, is a .tgz rewritten
+# its checkpoints (default OUTDIR; they are large); DATA_WORKERS the loader processes per
+# rank (default: the runtime's choice); SNAPSHOT, if set, is a .tgz rewritten
 # with OUTDIR's logs after every run (what survives a run killed by an outer time limit).
 # Raw logs land in OUTDIR/<model>-<kind>-<mode>.jsonl; bench/adapt_table.py tabulates them.
 set -u
@@ -19,7 +20,12 @@ M=$1; O=$2; P=${3:-}; KINDS=${4:-"gemm copy"}
 NPROC=${NPROC:-2}
 mkdir -p "$O"
 case $M in
+  # 64 images per microbatch keep the GPUs, not kernel launches, the limit. At 8 per
+  # microbatch (vgg16small) the same layers' stage time varied 2x from launch to launch
+  # and a GPU interferer slowed the step by only 15-25%.
   vgg16)    ARGS=(--model vgg16 --model-arg image_size=224 --model-arg num_classes=1000
+                  --batch-size 512 --microbatches 8) ;;
+  vgg16small) ARGS=(--model vgg16 --model-arg image_size=224 --model-arg num_classes=1000
                   --batch-size 64 --microbatches 8) ;;
   resnet50) ARGS=(--model resnet50 --model-arg image_size=224 --model-arg num_classes=1000
                   --batch-size 64 --microbatches 8) ;;
@@ -35,7 +41,8 @@ case $M in
 esac
 DEVICE=${DEVICE:-cuda}
 BF16=(); [ "$DEVICE" = cuda ] && BF16=(--bf16)
-COMMON=(--nproc "$NPROC" --device "$DEVICE" "${BF16[@]}" --steps "${STEPS:-200}" --optimizer adamw
+WORKERS=(); [ -n "${DATA_WORKERS:-}" ] && WORKERS=(--data-workers "$DATA_WORKERS")
+COMMON=(--nproc "$NPROC" "${WORKERS[@]}" --device "$DEVICE" "${BF16[@]}" --steps "${STEPS:-200}" --optimizer adamw
         --lr 1e-4 --no-progress --monitor-every 5 --timeout 300)
 run() {  # name, extra args...
   local name=$1; shift
