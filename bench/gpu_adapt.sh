@@ -22,9 +22,11 @@ mkdir -p "$O"
 case $M in
   # 64 images per microbatch keep the GPUs, not kernel launches, the limit. At 8 per
   # microbatch (vgg16small) the same layers' stage time varied 2x from launch to launch
-  # and a GPU interferer slowed the step by only 15-25%.
+  # and a GPU interferer slowed the step by only 15-25%. A batch of 512 at 224x224 is
+  # 300 MB to make and copy each step, more than the loaders kept up with once the stages
+  # were balanced: four batches stay on the GPUs and are cycled.
   vgg16)    ARGS=(--model vgg16 --model-arg image_size=224 --model-arg num_classes=1000
-                  --batch-size 512 --microbatches 8) ;;
+                  --batch-size 512 --microbatches 8 --device-batches 4) ;;
   vgg16small) ARGS=(--model vgg16 --model-arg image_size=224 --model-arg num_classes=1000
                   --batch-size 64 --microbatches 8) ;;
   resnet50) ARGS=(--model resnet50 --model-arg image_size=224 --model-arg num_classes=1000

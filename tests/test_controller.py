@@ -210,3 +210,53 @@ def test_identical_layers_get_one_calibrated_cost_and_stages_add_up() -> None:
     assert [fit[a:b].sum() for a, b in bounds] == pytest.approx(measured, rel=1e-3)
     assert np.ptp(fit[1:7]) == pytest.approx(0.0, abs=1e-9)  # one cost for every block
     assert fit[1] == pytest.approx(10.0, rel=0.02) and fit[7] == pytest.approx(10.0, rel=0.05)
+
+
+def test_two_splits_of_the_same_layers_fix_what_each_segment_costs() -> None:
+    from dynpipe.runtime.controller import refit_segments
+
+    # The model says ten equal layers; 5|5 measured 10 and 5, then 3|7 measured 6 and 9.
+    costs = np.ones(10)
+    out = refit_segments(costs, [(0, 5), (5, 10)], [10.0, 5.0], [(0, 3), (3, 10)], [6.0, 9.0])
+    assert out[:3].sum() == pytest.approx(6.0) and out[3:5].sum() == pytest.approx(4.0)
+    assert out[5:].sum() == pytest.approx(5.0)
+    assert np.allclose(out[:3], 2.0) and np.allclose(out[5:], 1.0)  # shares kept inside
+    # Noise is shared out (least squares), and no segment is made free by one bad stage.
+    out = refit_segments(costs, [(0, 5), (5, 10)], [10.0, 5.0], [(0, 3), (3, 10)], [6.0, 5.5])
+    assert out.min() >= 0.2 and out.sum() > 0
+
+
+def test_a_clean_move_refits_the_costs_of_the_layers_it_moved(model) -> None:
+    ctl, plan = _controller(model, min_gain=0.01, confirm_below=0.0, cooldown_steps=0)
+    assert not ctl.refit_pending
+    d = _decide(ctl, plan, (1.0, 1.2))  # within ``jump`` of clean, and worth one layer
+    assert d.repartition and ctl.refit_pending
+    new = d.plan
+    # Under the new split stage 0 (one layer more) got 30% dearer, not the 20% the model
+    # expects of one more of its equal layers, and stage 1 lost as much: the moved layer
+    # costs more than its FLOPs say. The work adds up, so nothing changed speed.
+    old_f, old_b = 8.0 * np.array([1.0, 1.2]), 16.0 * np.array([1.0, 1.2])
+    moved = 0.3 * 8.0, 0.3 * 16.0
+    f = np.array([old_f[0] + moved[0], old_f[1] - moved[0]])
+    b = np.array([old_b[0] + moved[1], old_b[1] - moved[1]])
+    info = ctl.refit(new, f, b)
+    assert info["refit"] and not ctl.refit_pending
+    for (a, z), t in zip(new.bounds, f + b, strict=True):
+        got = (ctl.clean_fwd[a:z].sum() + ctl.clean_bwd[a:z].sum()) * MB
+        assert got == pytest.approx(t, rel=0.05)
+    after = ctl.decide(step=110, plan=new, fwd_step_ms=f, bwd_step_ms=b)
+    assert after.slowdown == pytest.approx((1.0, 1.0), abs=0.05)
+
+
+def test_no_refit_across_a_change_of_speed_or_from_an_interfered_start(model) -> None:
+    ctl, plan = _controller(model, min_gain=0.01, confirm_below=0.0, cooldown_steps=0)
+    d = _decide(ctl, plan, (1.0, 1.2))
+    before = ctl.clean_fwd.copy()
+    # Both stages 40% slower after the move: a device slowed down across it.
+    info = ctl.refit(d.plan, 8.0 * 1.4 * np.array([1.2, 1.0]), 16.0 * 1.4 * np.array([1.2, 1.0]))
+    assert not info["refit"] and "add up" in info["why"]
+    assert np.array_equal(ctl.clean_fwd, before)
+    ctl, plan = _controller(model, min_gain=0.01, confirm_below=0.0, cooldown_steps=0)
+    d = _decide(ctl, plan, (1.0, 2.0))  # decided under interference: times are not clean
+    info = ctl.refit(d.plan, np.array([9.6, 12.8]), np.array([19.2, 25.6]))
+    assert not info["refit"] and "slowed" in info["why"]

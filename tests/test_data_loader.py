@@ -213,3 +213,26 @@ def test_training_with_data_workers_is_bit_identical() -> None:
     assert [r["processes"] for r in direct] == [0, 0]
     assert all(r["processes"] >= 3 for r in loaded), loaded
     assert direct[1]["losses"] == loaded[1]["losses"] == loaded[0]["losses"]
+
+
+def test_device_batches_cycle_the_first_steps_batches_and_are_validated(capsys) -> None:
+    from dynpipe.cli import main
+    from dynpipe.data.loader import CyclicBatches
+
+    model = get_model("mlp", depth=2, width=8, in_features=8, num_classes=4)
+    src = get_data("synthetic", model=model)
+    with CyclicBatches(src, batch_size=4, count=3, device="cpu") as batches:
+        for step in (0, 1, 2, 3, 7):
+            x, y = batches.batch(step)
+            rx, ry = src.batch(step % 3, 4)
+            assert torch.equal(x, rx) and torch.equal(y, ry)
+        assert not torch.equal(batches.batch(1)[0], batches.batch(2)[0])
+    with pytest.raises(RuntimeError, match="after it was closed"):
+        batches.batch(0)
+    with pytest.raises(UserError, match="device batches must be >= 1"):
+        CyclicBatches(src, batch_size=4, count=0, device="cpu")
+    args = build_parser().parse_args(["train", "--device-batches", "4"])
+    assert config_from_args(args).device_batches == 4
+    assert main(["train", "--device-batches", "-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--device-batches must be >= 0" in err[0], err

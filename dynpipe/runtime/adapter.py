@@ -125,6 +125,12 @@ class Adapter:
             # One window under a new plan is too little to judge it by: a stage left with one
             # or two layers gives a noisy slowdown estimate, and acting on it makes plans flap.
             return None
+        if self.controller.refit_pending:
+            # The first trusted window under the new plan: with the one before the move it
+            # measures two splits of the same layers, which fixes what the moved layers cost.
+            info = self.controller.refit(plan, self.monitor.fwd, self.monitor.bwd)
+            if self.log is not None:
+                self.log.event("refit", step=step, **info)
         if self._judge is not None:
             revert = self._judge_move(step, records)
             if revert is not None:

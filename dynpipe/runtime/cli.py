@@ -41,7 +41,16 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="processes loading batches ahead on the first and last stage "
-        "(0: in the training process; default: 2 on CUDA, 0 on CPU)",
+        "(0: in the training process; default: up to 4 on CUDA, 0 on CPU)",
+    )
+    g.add_argument(
+        "--device-batches",
+        type=int,
+        default=0,
+        metavar="N",
+        help="make N batches once, keep them on the device and cycle them (step s trains "
+        "on batch s mod N): measures the GPUs without the loader (benchmarks); default 0, "
+        "every step its own batch",
     )
     g = p.add_argument_group("pipeline")
     g.add_argument(
@@ -165,6 +174,7 @@ def config_from_args(args: argparse.Namespace):
         data=args.data,
         data_path=args.data_path,
         data_workers=args.data_workers,
+        device_batches=args.device_batches,
         steps=args.steps,
         batch_size=args.batch_size,
         microbatches=args.microbatches,

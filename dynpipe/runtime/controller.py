@@ -13,6 +13,13 @@ that device is assumed slowed by that factor (``measured`` mode). With a predict
 device's telemetry gives a per-layer slowdown for every layer, including those it does not
 hold, and the measured slowdown rescales it so it agrees with what the stage sees
 (``adaptive`` mode).
+
+One plan's stage times cannot say how a stage's time splits among its layers; the model's
+FLOP shares decide that, and they are wrong where layers run at different efficiency
+(VGG's first convolutions, memory-bound at full resolution, take far longer per FLOP than
+its later ones). Every move in clean conditions measures a second plan: the clean costs are
+refitted from the stage times on both sides of it (``refit``), when the work of all stages
+adds up the same on both sides (no device changed speed across the move).
 """
 
 from __future__ import annotations
@@ -41,12 +48,16 @@ __all__ = [
     "Monitor",
     "credible",
     "fit_layer_costs",
+    "refit_segments",
 ]
 
 ADAPT_MODES = ("static", "measured", "adaptive", "restart")
 _RECORD = 3  # judged moves the track record remembers
 _TRUST_FADE = 0.9  # per quiet window: doubt halves in about 7 windows
 _REFUTED = 4  # moves measured slower that are remembered
+# A refit across a move needs the work measured on both sides to add up to within this: a
+# larger difference means some device changed speed across the move.
+_REFIT_TOL = 0.1
 
 
 @dataclass(frozen=True)
@@ -163,6 +174,38 @@ def fit_layer_costs(
     return modelled * x[classes]
 
 
+def refit_segments(
+    costs: np.ndarray,
+    old_bounds: list[tuple[int, int]],
+    old_ms: np.ndarray,
+    new_bounds: list[tuple[int, int]],
+    new_ms: np.ndarray,
+) -> np.ndarray:
+    """Per-layer costs that add up to the stage times of two plans of the same layers.
+
+    The cuts of both plans split the layers into segments that move as a whole; each
+    segment's cost is fitted (least squares, every stage relative to its own time) and
+    spread over its layers in the proportions ``costs`` gives them. A segment's cost stays
+    within 0.2-5x of its old value: one noisy stage must not make a layer free.
+    """
+    costs = np.asarray(costs, dtype=np.float64)
+    cuts = sorted({a for a, _ in old_bounds} | {a for a, _ in new_bounds} | {len(costs)})
+    segs = list(itertools.pairwise(cuts))
+    rows, rhs = [], []
+    for bounds, ms in ((old_bounds, old_ms), (new_bounds, new_ms)):
+        for (a, b), t in zip(bounds, np.asarray(ms, dtype=np.float64), strict=True):
+            t = max(float(t), 1e-12)
+            rows.append([float(a <= lo and hi <= b) / t for lo, hi in segs])
+            rhs.append(1.0)
+    x, *_ = np.linalg.lstsq(np.array(rows), np.array(rhs), rcond=None)
+    out = costs.copy()
+    for (lo, hi), xk in zip(segs, x, strict=True):
+        old = float(costs[lo:hi].sum())
+        if old > 0:
+            out[lo:hi] *= float(np.clip(xk, 0.2 * old, 5.0 * old)) / old
+    return out
+
+
 class Monitor:
     """EWMA of each stage's forward and backward compute per step, with jump detection."""
 
@@ -268,6 +311,9 @@ class Controller:
         # GPUs they carry the pipeline's waits, not only each device's speed), the step time
         # is the only reliable measure, and the opposite direction is the untried neighbour.
         self._probe: tuple[list, list, list[float]] | None = None
+        # The plan bounds, per-stage fwd/bwd step ms and per-device slowdowns of the window
+        # that decided the last move: the first side of its refit.
+        self._before: tuple[list, list[float], list[float], list[float]] | None = None
 
     @property
     def calibrated(self) -> bool:
@@ -307,6 +353,7 @@ class Controller:
             "pause_ms": self.pause_ms,
             "record": list(self.record),
             "refuted": [list(r) for r in self.refuted],
+            "before": None if self._before is None else [list(x) for x in self._before],
         }
 
     def load_state(self, st: dict[str, Any]) -> None:
@@ -320,6 +367,44 @@ class Controller:
         self.refuted = [
             (list(map(list, a)), list(map(list, b)), list(c)) for a, b, c in st.get("refuted", [])
         ]
+        before = st.get("before")
+        self._before = None if before is None else tuple(list(x) for x in before)  # type: ignore[assignment]
+
+    @property
+    def refit_pending(self) -> bool:
+        return self._before is not None
+
+    def refit(self, plan: Plan, fwd_step_ms: np.ndarray, bwd_step_ms: np.ndarray) -> dict:
+        """Refit the clean costs from the stage times before the last move and under ``plan``.
+
+        Taken only when the move was decided with every device within ``jump`` of clean:
+        then the stage times on both sides are clean costs, and what the model got wrong
+        about the moved layers shows as one stage gaining less (or more) than the other
+        lost. Under interference a layer's slowdown depends on the layer, so times then do
+        not give clean costs. Also skipped when the work of all stages does not add up to
+        the same on both sides within ``_REFIT_TOL``: a device changed speed across the move,
+        and that change is not the layers' cost. Returns what was done, for the log.
+        """
+        assert self._before is not None and self.clean_fwd is not None
+        assert self.clean_bwd is not None
+        (old_bounds, old_f, old_b, slow), self._before = self._before, None
+        old_bounds = [tuple(b) for b in old_bounds]
+        if old_bounds == list(plan.bounds):
+            return {"refit": False, "why": "same plan"}
+        m = plan.microbatches
+        old_f, old_b = np.asarray(old_f, float) / m, np.asarray(old_b, float) / m
+        new_f, new_b = np.asarray(fwd_step_ms, float) / m, np.asarray(bwd_step_ms, float) / m
+        ratio = float((new_f.sum() + new_b.sum()) / max(old_f.sum() + old_b.sum(), 1e-12))
+        info = {"work_ratio": round(ratio, 4), "slowdown": [round(float(x), 4) for x in slow]}
+        if np.any(np.abs(np.asarray(slow) - 1) > self.config.jump):
+            return {"refit": False, "why": "a device was slowed when the move was decided", **info}
+        if abs(ratio - 1) > _REFIT_TOL:
+            return {"refit": False, "why": "work does not add up: a device changed speed", **info}
+        new_bounds = list(plan.bounds)
+        self.clean_fwd = refit_segments(self.clean_fwd, old_bounds, old_f, new_bounds, new_f)
+        self.clean_bwd = refit_segments(self.clean_bwd, old_bounds, old_b, new_bounds, new_b)
+        self._faster = None  # measured against the costs just replaced
+        return {"refit": True, **info}
 
     # ---- the speed model ---------------------------------------------------------------
     def device_costs(
@@ -442,6 +527,7 @@ class Controller:
             probe_plan = self._with_bounds(plan, probe, step)
             self._wanted = []
             self._proposed = (_key(plan.bounds), _key(probe), list(slow))
+            self._remember_before(plan, fwd_step_ms, bwd_step_ms, slow)
             return Decision(
                 **{
                     **common,
@@ -493,11 +579,22 @@ class Controller:
             )
         self._wanted = []
         self._proposed = context
+        self._remember_before(plan, fwd_step_ms, bwd_step_ms, slow)
         return Decision(
             **common,
             repartition=True,
             reason=f"predicted {cur:.2f} -> {res.step_ms:.2f} ms/step",
             plan=new_plan,
+        )
+
+    def _remember_before(
+        self, plan: Plan, fwd_step_ms: np.ndarray, bwd_step_ms: np.ndarray, slow: np.ndarray
+    ) -> None:
+        self._before = (
+            _key(plan.bounds),
+            [float(x) for x in fwd_step_ms],
+            [float(x) for x in bwd_step_ms],
+            [float(x) for x in slow],
         )
 
     def _lower_clean(

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from dynpipe.data.loader import BatchStream
+from dynpipe.data.loader import BatchStream, CyclicBatches
 from dynpipe.errors import UserError
 from dynpipe.models import LayeredModel, get_model
 from dynpipe.planner.plan import Plan
@@ -61,6 +61,9 @@ class TrainConfig:
     data_workers: processes loading batches ahead on the first and last stage's ranks
         (0: in the training process); None: on CUDA up to 4, within this host's cores per
         rank; 0 on CPU, where workers would take cores from the stages.
+    device_batches: > 0 makes that many batches once, keeps them on the device and cycles
+        them (step s trains on batch s mod N): the GPUs measured without the loader, for
+        benchmarks. 0 (default): every step its own batch, through the loader.
     plan: a plan file; without one, ``stages`` (default: world size) equal-layer stages.
     log: JSONL run-log path (written by the last stage's rank).
     log_every: steps between the gathers of per-stage timings (one small collective).
@@ -76,6 +79,7 @@ class TrainConfig:
     data: str = "synthetic"
     data_path: str | None = None
     data_workers: int | None = None
+    device_batches: int = 0
     steps: int = 100
     batch_size: int = 32
     microbatches: int | None = None
@@ -104,6 +108,11 @@ class TrainConfig:
             raise UserError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.data_workers is not None and self.data_workers < 0:
             raise UserError(f"--data-workers must be >= 0, got {self.data_workers}")
+        if self.device_batches < 0:
+            raise UserError(
+                f"--device-batches must be >= 0 (0: load every step's batch), got "
+                f"{self.device_batches}"
+            )
         if self.log_every < 1:
             raise UserError(f"--log-every must be >= 1, got {self.log_every}")
         if self.adapt.mode == "restart" and not (self.save_dir or self.log):
@@ -341,8 +350,12 @@ def train(
     # Middle stages never read a batch: they do not load one either. A rank's stage index is
     # the same under every plan of the run (repartitions keep the plan's rank order), so the
     # ranks that load are fixed; the stream resumes at ``start`` like the data itself.
-    stream = None
-    if engine.is_first or engine.is_last:
+    stream: BatchStream | CyclicBatches | None = None
+    if (engine.is_first or engine.is_last) and cfg.device_batches:
+        stream = CyclicBatches(
+            data, batch_size=cfg.batch_size, count=cfg.device_batches, device=topo.device
+        )
+    elif engine.is_first or engine.is_last:
         workers = cfg.data_workers if cfg.data_workers is not None else _auto_workers(topo)
         stream = BatchStream(
             data,
