@@ -23,7 +23,12 @@ from dynpipe.analysis.phases import interference_windows
 from dynpipe.runtime.runlog import read_log
 
 SETTLE = 5  # steps skipped after a phase starts or the plan changes
-STATIC = ("static", "static_tuned")
+
+
+def _static(system: str) -> bool:
+    """A static baseline: ``static``, or a static run of another plan (``static_tuned``,
+    ``static_profile``)."""
+    return system == "static" or system.startswith("static_")
 
 
 def _phases(ev: list[dict], end: int) -> list[tuple[str, int, int]]:
@@ -125,13 +130,13 @@ def main(paths: list[str]) -> None:
     for (model, kind), rs in groups.items():
         best = {
             lb: min(
-                (r["phases"][lb] for r in rs if r["mode"] in STATIC and r["phases"].get(lb)),
+                (r["phases"][lb] for r in rs if _static(r["mode"]) and r["phases"].get(lb)),
                 default=None,
             )
             for lb in labels
         }
         for r in rs:
-            if r["mode"] in STATIC:
+            if _static(r["mode"]):
                 continue
             cells = [
                 fmt(r["phases"][lb] / best[lb], 3) if best[lb] and r["phases"].get(lb) else "–"
