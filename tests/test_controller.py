@@ -260,3 +260,47 @@ def test_no_refit_across_a_change_of_speed_or_from_an_interfered_start(model) ->
     d = _decide(ctl, plan, (1.0, 2.0))  # decided under interference: times are not clean
     info = ctl.refit(d.plan, np.array([9.6, 12.8]), np.array([19.2, 25.6]))
     assert not info["refit"] and "slowed" in info["why"]
+
+
+def test_refit_on_a_recorded_h200_run_reads_clean_devices_as_clean() -> None:
+    """vgg16 on 2 H200s (``analysis/logs/gpu-h200-vgg16b512-a``): the FLOP shares put too
+    much of stage 0's time on its later layers, so after the clean move to 4|12 the device
+    keeping the full-resolution convolutions reads as 1.6x slowed. Refitted from the stage
+    times on both sides of the move, both devices read clean, and the `gemm` onset on stage
+    1's GPU moves layers back towards stage 0."""
+    from pathlib import Path
+
+    from dynpipe.runtime.adapter import stage_medians
+    from dynpipe.runtime.runlog import read_log
+
+    log = Path(__file__).parents[1] / "analysis/logs/gpu-h200-vgg16b512-a/vgg16-gemm-adaptive.jsonl"
+    recs = read_log(log)
+    steps = {r["step"]: r for r in recs if r.get("type") == "step"}
+
+    def window(a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        return stage_medians([steps[s] for s in range(a, b)], 2)
+
+    with torch.device("meta"):
+        model = get_model("vgg16", image_size=224, num_classes=1000)
+    even = Plan.even(model, 2, schedule="1f1b", microbatches=8)
+    costs = CostModel.from_model(model, microbatch_size=64, num_devices=2)
+    ctl = Controller(costs=costs, config=AdaptConfig(mode="measured", confirm_below=0.0))
+    ctl.calibrate(even, *window(5, 20))
+    d = ctl.decide(step=30, plan=even, fwd_step_ms=window(20, 30)[0], bwd_step_ms=window(20, 30)[1])
+    assert d.repartition and d.plan.bounds == [(0, 4), (4, 16)]  # as the run did at step 30
+    moved = d.plan
+    clean_after = window(35, 60)  # 4|12, still clean
+    unfitted = Controller(costs=costs, config=AdaptConfig(mode="measured"))
+    unfitted.clean_fwd, unfitted.clean_bwd = ctl.clean_fwd.copy(), ctl.clean_bwd.copy()
+    wrong = unfitted.decide(
+        step=60, plan=moved, fwd_step_ms=clean_after[0], bwd_step_ms=clean_after[1]
+    )
+    assert wrong.slowdown[0] > 1.3  # the model's error, read as a slowed device
+    assert ctl.refit(moved, *clean_after)["refit"]
+    ctl.applied(60, 30.0)
+    d = ctl.decide(step=60, plan=moved, fwd_step_ms=clean_after[0], bwd_step_ms=clean_after[1])
+    assert d.slowdown == pytest.approx((1.0, 1.0), abs=0.03) and not d.repartition
+    onset = window(61, 70)  # gemm on stage 1's GPU from step 60, still 4|12
+    d = ctl.decide(step=70, plan=moved, fwd_step_ms=onset[0], bwd_step_ms=onset[1])
+    assert d.slowdown[0] == pytest.approx(1.0, abs=0.05) and d.slowdown[1] > 1.5
+    assert d.repartition and d.plan.stages[0].stop > 4
