@@ -367,8 +367,9 @@ class Controller:
         self.refuted = [
             (list(map(list, a)), list(map(list, b)), list(c)) for a, b, c in st.get("refuted", [])
         ]
-        before = st.get("before")
-        self._before = None if before is None else tuple(list(x) for x in before)  # type: ignore[assignment]
+        if st.get("before") is not None:
+            bounds, fwd, bwd, slow = st["before"]
+            self._before = (bounds, fwd, bwd, slow)
 
     @property
     def refit_pending(self) -> bool:
@@ -526,8 +527,7 @@ class Controller:
         if probe is not None:
             probe_plan = self._with_bounds(plan, probe, step)
             self._wanted = []
-            self._proposed = (_key(plan.bounds), _key(probe), list(slow))
-            self._remember_before(plan, fwd_step_ms, bwd_step_ms, slow)
+            self._decided(plan, probe, fwd_step_ms, bwd_step_ms, slow)
             return Decision(
                 **{
                     **common,
@@ -578,8 +578,7 @@ class Controller:
                 reason=f"gain {gain / cur:.1%} needs a second window to confirm",
             )
         self._wanted = []
-        self._proposed = context
-        self._remember_before(plan, fwd_step_ms, bwd_step_ms, slow)
+        self._decided(plan, res.bounds, fwd_step_ms, bwd_step_ms, slow)
         return Decision(
             **common,
             repartition=True,
@@ -587,14 +586,22 @@ class Controller:
             plan=new_plan,
         )
 
-    def _remember_before(
-        self, plan: Plan, fwd_step_ms: np.ndarray, bwd_step_ms: np.ndarray, slow: np.ndarray
+    def _decided(
+        self,
+        plan: Plan,
+        to: Any,
+        fwd_step_ms: np.ndarray,
+        bwd_step_ms: np.ndarray,
+        slow: np.ndarray,
     ) -> None:
+        """Remember a move to ``to`` bounds for its verdict (``judge``) and its refit."""
+        src, conditions = _key(plan.bounds), [float(x) for x in slow]
+        self._proposed = (src, _key(to), conditions)
         self._before = (
-            _key(plan.bounds),
+            src,
             [float(x) for x in fwd_step_ms],
             [float(x) for x in bwd_step_ms],
-            [float(x) for x in slow],
+            conditions,
         )
 
     def _lower_clean(
