@@ -152,6 +152,9 @@ def predicted_step_ms(
     )
 
 
+_MISSES = 16  # the model's misses remembered for its tracking error
+
+
 class Controller:
     """The default policy: plans from measured per-layer costs (see the module docstring).
 
@@ -188,8 +191,10 @@ class Controller:
         self.settle = config.settle_windows
         self.pending: MoveRecord | None = None  # decided, not yet applied or judged
         self.last: MoveRecord | None = None
-        # (bounds, model's step time, measured step time) of the last trusted window.
+        # (bounds, model's step time, measured step time) of the last trusted window, and
+        # the model's recent misses (see ``tracking_error``).
         self._seen: tuple[Bounds, float, float] | None = None
+        self._misses: list[float] = []
 
     def describe(self) -> str:
         how = (
@@ -276,14 +281,20 @@ class Controller:
                 bounds=best[0],
             )
         # The step time is the one measurement timers cannot fool (on a launch-bound GPU a
-        # stage's timers swing 2x while its steps do not): when the estimates moved and the
-        # steps did not follow, the estimates are not acted on.
-        if prev is not None and prev[0] == w.bounds:
-            model, steps = cur / max(prev[1], 1e-9), w.median_step_ms / max(prev[2], 1e-9)
-            if abs(np.log(model / steps)) > np.log1p(self._step_tolerance(w)):
-                return verdict(
-                    f"estimates moved {model - 1:+.0%} but steps {steps - 1:+.0%}: not acted on"
-                )
+        # stage's timers swing 2x while its steps do not). The model is acted on only as
+        # far as it has tracked the measured steps: not before it has predicted one window,
+        # not when its estimates moved and the steps did not follow, and a proposed gain
+        # must clear twice the model's measured tracking error.
+        if prev is None or prev[0] != w.bounds:
+            return verdict("the model has not yet predicted a window of this plan")
+        model, steps = cur / max(prev[1], 1e-9), w.median_step_ms / max(prev[2], 1e-9)
+        miss = float(np.log(model / steps))
+        tolerance = self._tolerance(w)
+        self._misses = [*self._misses, miss][-_MISSES:]
+        if abs(miss) > np.log1p(tolerance):
+            return verdict(
+                f"estimates moved {model - 1:+.0%} but steps {steps - 1:+.0%}: not acted on"
+            )
         res = plan_partition(costs, num_stages=w.num_stages, memory_bytes=self._memory(w), **kw)
         bounds = tuple((int(a), int(b)) for a, b in res.bounds)
         if bounds == w.bounds:
@@ -307,18 +318,29 @@ class Controller:
             )
         return verdict(f"predicted {cur:.2f} -> {res.step_ms:.2f} ms/step", res.step_ms, bounds)
 
-    def _step_tolerance(self, w: Window) -> float:
-        """How far model and steps may disagree: ``jump``, or three standard errors of the
-        window's median step (from the spread of its steps), if that is more."""
+    def tracking_error(self) -> float:
+        """Relative standard deviation of the model's misses: how far, window to window,
+        the change of its predicted step time differed from the change of the measured one
+        (robust; 0 until a few windows are known)."""
+        if len(self._misses) < 3:
+            return 0.0
+        x = np.asarray(self._misses)
+        return float(np.expm1(1.4826 * np.median(np.abs(x - np.median(x)))))
+
+    def _tolerance(self, w: Window) -> float:
+        """How far model and steps may disagree in one window: ``jump``, three tracking
+        errors, or three standard errors of the window's median step (from its steps'
+        spread), whichever is most."""
         k = len(w.step_ms)
         med = float(np.median(w.step_ms))
         mad = float(np.median(np.abs(w.step_ms - med)))
-        return max(self.config.jump, 3.0 * 1.25 * 1.4826 * mad / max(med, 1e-9) / np.sqrt(k))
+        steps = 3.0 * 1.25 * 1.4826 * mad / max(med, 1e-9) / np.sqrt(k)
+        return max(self.config.jump, 3.0 * self.tracking_error(), steps)
 
     def required_gain(self) -> float:
-        """The relative gain a model-proposed move needs: ``min_gain``, or twice what the
-        measured noise of the devices' running slowdowns could fake, if that is more."""
-        return max(self.config.min_gain, 2.0 * float(self.est.level_noise().max()))
+        """The relative gain a model-proposed move needs: ``min_gain``, or twice the model's
+        measured tracking error, if that is more."""
+        return max(self.config.min_gain, 2.0 * self.tracking_error())
 
     @property
     def _state_bytes(self) -> np.ndarray:
@@ -369,6 +391,7 @@ class Controller:
             "estimates": self.est.state(),
             "memory": self.memory.state(),
             "pause_ms": self.pause_ms,
+            "misses": self._misses,
             "pending": None if self.pending is None else self.pending.to_dict(),
             "last": None if self.last is None else self.last.to_dict(),
         }
@@ -379,6 +402,7 @@ class Controller:
         self.est.load_state(state.get("estimates", {}))
         self.memory.load_state(state.get("memory", []))
         self.pause_ms = state.get("pause_ms")
+        self._misses = [float(x) for x in state.get("misses", [])]
         self.pending = MoveRecord.from_dict(state["pending"]) if state.get("pending") else None
         self.last = MoveRecord.from_dict(state["last"]) if state.get("last") else None
 
