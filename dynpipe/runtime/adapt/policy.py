@@ -241,8 +241,9 @@ class Controller:
                 0 if bounds is None else moved_bytes(self._state_bytes, w.bounds, bounds, w.ranks)
             )
             if bounds is not None:
-                # The next trusted window checks the model's promise against the steps.
-                self._seen = (bounds, proposed, w.median_step_ms)
+                # The next trusted window checks the model's promise against the steps: how
+                # its step time under the new plan compares with the old plan's now.
+                self._seen = (bounds, cur, w.median_step_ms)
                 self.pending = MoveRecord(
                     step=w.step + 1,
                     src=w.bounds,
@@ -289,9 +290,13 @@ class Controller:
             return verdict("the model has not yet predicted a window of this plan")
         model, steps = cur / max(prev[1], 1e-9), w.median_step_ms / max(prev[2], 1e-9)
         miss = float(np.log(model / steps))
-        tolerance = self._tolerance(w)
+        tolerance = np.log1p(self._tolerance(w))
         self._misses = [*self._misses, miss][-_MISSES:]
-        if abs(miss) > np.log1p(tolerance):
+        # Blocked only where the estimates outran the steps (moved the other way, or further):
+        # where the steps moved further than the estimates (an onset's stall outside the
+        # timed layers), the model is conservative, and acting on it is safe.
+        lm, ls = float(np.log(model)), float(np.log(steps))
+        if abs(miss) > tolerance and (lm * ls < 0 or abs(lm) > abs(ls)):
             return verdict(
                 f"estimates moved {model - 1:+.0%} but steps {steps - 1:+.0%}: not acted on"
             )
