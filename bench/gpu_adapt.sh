@@ -5,7 +5,7 @@
 # run of the plan the adaptive run held at the end of the interference (the best static
 # plan for that phase, found by the controller).
 #   bench/gpu_adapt.sh MODEL OUTDIR [PREDICTOR] [KINDS]
-# KINDS: interferer kinds with a runtime/scenarios/gpu-<kind>-{stage1,4stage}.toml
+# KINDS: interferer kinds with a recipes/scenarios/gpu-<kind>-{stage1,4stage}.toml
 #   (default "gemm copy"). DEVICE=cpu with MODEL=mlp and KINDS=emulate checks the script
 #   itself on a CPU machine.
 # MODES overrides the systems run (default: static measured adaptive restart; static_tuned
@@ -72,9 +72,9 @@ PY
       --plan "$O/$M-$1-tuned.json"
 }
 for kind in $KINDS; do
-  S=runtime/scenarios/gpu-$kind-stage1.toml
-  [ "$NPROC" = 4 ] && S=runtime/scenarios/gpu-$kind-4stage.toml
-  [ "$kind" = emulate ] && S=runtime/scenarios/emulate-3x-stage1.toml
+  S=recipes/scenarios/gpu-$kind-stage1.toml
+  [ "$NPROC" = 4 ] && S=recipes/scenarios/gpu-$kind-4stage.toml
+  [ "$kind" = emulate ] && S=recipes/scenarios/emulate-3x-stage1.toml
   for mode in ${MODES:-static measured adaptive restart}; do
     if [ "$mode" = static_tuned ]; then  # a given plan (PLAN=file), static
       run "$M-$kind-static_tuned" --adapt static --scenario "$S" --plan "$PLAN"; continue

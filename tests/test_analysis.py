@@ -4,9 +4,9 @@ tests/data/logs/ holds three real CPU runs of the mlp on two gloo ranks:
 
     dynpipe train --nproc 2 --model mlp --steps 40 --log tests/data/logs/static.jsonl --no-progress
     dynpipe train --nproc 2 --model mlp --steps 80 --adapt measured \
-        --scenario runtime/scenarios/emulate-3x-stage1.toml --log tests/data/logs/measured.jsonl
+        --scenario recipes/scenarios/emulate-3x-stage1.toml --log tests/data/logs/measured.jsonl
     dynpipe train --nproc 2 --model mlp --steps 80 --adapt restart --cooldown 100 \
-        --scenario runtime/scenarios/emulate-3x-stage1.toml --log tests/data/logs/restart.jsonl \
+        --scenario recipes/scenarios/emulate-3x-stage1.toml --log tests/data/logs/restart.jsonl \
         --save-dir /tmp/restart_ckpt
     dynpipe train --nproc 2 --model mlp --steps 60 --adapt measured \
         --scenario tests/data/logs/emulate-1.5x-stage1.toml --log tests/data/logs/light.jsonl

@@ -242,9 +242,9 @@ def test_cli_unknown_kind_exits_2_with_one_line(tmp_path, capsys):
 
 def test_shipped_sweeps_parse():
     for name in ("cpu", "smoke"):
-        sw = load_sweep(ROOT / "runtime" / "sweeps" / f"{name}.toml", device="cpu", cores=[0])
+        sw = load_sweep(ROOT / "recipes" / "sweeps" / f"{name}.toml", device="cpu", cores=[0])
         assert sw.conditions[0].id == NONE and len(sw.conditions) > 1
-    gpu = load_sweep(ROOT / "runtime" / "sweeps" / "gpu.toml", device="cuda:0")
+    gpu = load_sweep(ROOT / "recipes" / "sweeps" / "gpu.toml", device="cuda:0")
     kinds = {c.interferer for c in gpu.conditions}
     assert {"gemm", "copy", "train"} <= kinds
     for kind in ("gemm", "copy", "train"):

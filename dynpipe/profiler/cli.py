@@ -1,7 +1,7 @@
 """``dynpipe profile`` (sweeps, ``summary``, ``telemetry``) and ``dynpipe interfere``.
 
     dynpipe profile --model mlp,gpt --batch-size 32 --set gpt.depth=4 \\
-        --sweep runtime/sweeps/cpu.toml --cores 0 -o profiles/cpu.parquet
+        --sweep recipes/sweeps/cpu.toml --cores 0 -o profiles/cpu.parquet
     dynpipe profile summary profiles/cpu.parquet
     dynpipe profile telemetry --device cuda:0 --seconds 5
     dynpipe interfere --kind gemm --intensity 0.5 --device cuda:0 --timeout 600
@@ -100,7 +100,7 @@ def run_profile(args: argparse.Namespace) -> int:
     if missing:
         raise UserError(
             f"dynpipe profile needs {', '.join(missing)}; e.g. dynpipe profile --model mlp "
-            "--batch-size 32 --sweep runtime/sweeps/smoke.toml -o profiles/smoke.parquet"
+            "--batch-size 32 --sweep recipes/sweeps/smoke.toml -o profiles/smoke.parquet"
         )
     from dataclasses import replace
 
@@ -228,7 +228,7 @@ def register(subparsers: Any) -> None:
         help="model config, e.g. --set image_size=224 --set gpt.seq_len=512",
     )
     p.add_argument("--batch-size", action="append", help="batch size(s), e.g. 32,64")
-    p.add_argument("--sweep", help="sweep file (TOML), e.g. runtime/sweeps/cpu.toml")
+    p.add_argument("--sweep", help="sweep file (TOML), e.g. recipes/sweeps/cpu.toml")
     p.add_argument("-o", "--out", help="output parquet; an existing one is resumed")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu)")
     p.add_argument("--cores", help="pin the profiler to these cores, e.g. 0 or 0-3")

@@ -288,7 +288,7 @@ def load_sweep(
         blob = path.read_bytes()
     except FileNotFoundError:
         raise UserError(
-            f"sweep file {path} does not exist; see runtime/sweeps/ for cpu.toml, gpu.toml, "
+            f"sweep file {path} does not exist; see recipes/sweeps/ for cpu.toml, gpu.toml, "
             "smoke.toml"
         ) from None
     try:

@@ -154,7 +154,7 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     except FileNotFoundError:
         raise UserError(
             f"profile dataset {path} does not exist; produce one with "
-            "`dynpipe profile --model MODEL --sweep runtime/sweeps/cpu.toml -o " + str(path) + "`"
+            "`dynpipe profile --model MODEL --sweep recipes/sweeps/cpu.toml -o " + str(path) + "`"
         ) from None
     except Exception as exc:  # pyarrow raises several types for a corrupt file
         raise UserError(

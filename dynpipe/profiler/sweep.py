@@ -1,6 +1,6 @@
 """Run a sweep: every layer of every model, timed under every interference condition.
 
-    dynpipe profile --model vgg16 --batch-size 32 --sweep runtime/sweeps/gpu.toml \\
+    dynpipe profile --model vgg16 --batch-size 32 --sweep recipes/sweeps/gpu.toml \\
         --device cuda:0 -o profiles/h100-vgg16.parquet
 
 For each condition (``none`` first) the interferers are started once and kept running while

@@ -1,6 +1,6 @@
 """Interference scenarios: which interferer starts and stops at which step, on whose device.
 
-A scenario file (``runtime/scenarios/*.toml``)::
+A scenario file (``recipes/scenarios/*.toml``)::
 
     name = "gemm-on-stage-1"
     [[events]]
@@ -75,7 +75,7 @@ class Scenario:
 def load_scenario(path: str | Path, *, num_stages: int | None = None) -> Scenario:
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"scenario file {p} does not exist; see runtime/scenarios/ for examples")
+        raise UserError(f"scenario file {p} does not exist; see recipes/scenarios/ for examples")
     try:
         doc = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as exc:
