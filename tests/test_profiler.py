@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from dynpipe.cli import main
+from dynpipe.devices.interfere import start_interferer
+from dynpipe.devices.telemetry import TelemetrySampler
 from dynpipe.errors import UserError
 from dynpipe.models import get_model
 from dynpipe.profiler.conditions import NONE, load_sweep, parse_condition
-from dynpipe.profiler.interfere import start_interferer
 from dynpipe.profiler.layers import LayerBench, TimingConfig, static_features
 from dynpipe.profiler.schema import COLUMNS, load_profiles, read_metadata, write_profiles
-from dynpipe.profiler.telemetry import TelemetrySampler
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = 0

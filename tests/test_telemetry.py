@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dynpipe.profiler.schema import TELEMETRY_COLUMNS
-from dynpipe.profiler.telemetry import TelemetrySampler, parse_device
+from dynpipe.devices.columns import TELEMETRY_COLUMNS
+from dynpipe.devices.telemetry import TelemetrySampler, parse_device
 
 
 def test_parse_device():
@@ -42,7 +42,7 @@ def test_cpu_window_has_schema_columns_and_resets():
 
 
 def test_cpu_telemetry_sees_a_busy_neighbour():
-    from dynpipe.profiler.interfere import start_interferer
+    from dynpipe.devices.interfere import start_interferer
 
     core = (os.cpu_count() or 1) - 1
     with (

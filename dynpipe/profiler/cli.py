@@ -160,7 +160,7 @@ def _run_summary(args: argparse.Namespace) -> int:
 
 
 def _run_telemetry(args: argparse.Namespace) -> int:
-    from dynpipe.profiler.telemetry import TelemetrySampler
+    from dynpipe.devices.telemetry import TelemetrySampler
 
     cores = parse_cores(args.cores)
     with TelemetrySampler(
@@ -179,7 +179,7 @@ def _run_telemetry(args: argparse.Namespace) -> int:
 
 
 def run_interfere(args: argparse.Namespace) -> int:
-    from dynpipe.profiler.interfere import InterfererSpec, start_interferer
+    from dynpipe.devices.interfere import InterfererSpec, start_interferer
 
     fields = {
         "kind": args.kind,

@@ -42,8 +42,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from dynpipe.devices.interfere import CPU_KINDS, GPU_KINDS, KINDS, InterfererSpec
 from dynpipe.errors import UserError
-from dynpipe.profiler.interfere import CPU_KINDS, GPU_KINDS, KINDS, InterfererSpec
 
 if sys.version_info >= (3, 11):
     import tomllib

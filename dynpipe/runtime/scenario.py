@@ -6,7 +6,7 @@ A scenario file (``recipes/scenarios/*.toml``)::
     [[events]]
     step = 30            # before this step runs
     action = "start"     # or "stop"
-    kind = "gemm"        # an interferer kind (dynpipe.profiler.interfere), or "emulate"
+    kind = "gemm"        # an interferer kind (dynpipe.devices.interfere), or "emulate"
     intensity = 1.0      # duty cycle of a real interferer
     count = 1
     stage = 1            # the device of the rank holding this stage in the initial plan
@@ -81,7 +81,7 @@ def load_scenario(path: str | Path, *, num_stages: int | None = None) -> Scenari
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"scenario {p} is not valid TOML: {exc}") from None
     events = []
-    from dynpipe.profiler.interfere import KINDS
+    from dynpipe.devices.interfere import KINDS
 
     for i, raw in enumerate(doc.get("events", [])):
         unknown = set(raw) - {"step", "action", "stage", "kind", "intensity", "count", "factor"}
@@ -151,7 +151,7 @@ class ScenarioRunner:
 
     def prepare(self) -> None:
         """Start every real interferer this rank will need, idle (intensity 0), and wait."""
-        from dynpipe.profiler.interfere import start_interferer
+        from dynpipe.devices.interfere import start_interferer
 
         for ev in self.scenario.events:
             if ev.action != "start" or ev.emulated or not self._mine(ev):

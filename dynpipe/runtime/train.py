@@ -183,7 +183,7 @@ class _StepLog:
         """Gather and log the pending steps; returns step records and per-rank telemetry."""
         if not self.pending:
             return [], []
-        from dynpipe.profiler.schema import TELEMETRY_COLUMNS
+        from dynpipe.devices.columns import TELEMETRY_COLUMNS
 
         k = len(self.pending)
         row = [
@@ -438,7 +438,7 @@ def _scenario_runner(
 def _sampler(cfg: TrainConfig, topo: Topology):
     if not cfg.telemetry:
         return None
-    from dynpipe.profiler.telemetry import TelemetrySampler
+    from dynpipe.devices.telemetry import TelemetrySampler
 
     device = f"cuda:{topo.device.index}" if topo.is_cuda else "cpu"
     return TelemetrySampler(device).start()
