@@ -25,9 +25,10 @@ import torch
 
 from dynpipe.planner.plan import Plan
 from dynpipe.runtime.adapter import Adapter
+from dynpipe.runtime.config import TrainConfig
 from dynpipe.runtime.controller import AdaptConfig
 from dynpipe.runtime.runlog import read_log
-from dynpipe.runtime.train import TrainConfig, build_model_and_data
+from dynpipe.runtime.train import build_model_and_data
 
 
 class _Moved(Exception):

@@ -16,7 +16,7 @@ from dynpipe.data.loader import BatchStream
 from dynpipe.errors import UserError
 from dynpipe.models import get_model
 from dynpipe.runtime.cli import config_from_args
-from dynpipe.runtime.train import TrainConfig
+from dynpipe.runtime.config import TrainConfig
 
 TINY_VGG = {"width_mult": 1 / 16, "image_size": 32}
 TINY_GPT = {"depth": 1, "width": 32, "heads": 2, "seq_len": 16, "vocab": 64}

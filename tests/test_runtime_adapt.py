@@ -31,11 +31,12 @@ def _scenario(path, onset: int, depart: int, factor: float = 3.0) -> str:
 def _adapt_then_static(rank: int, world: int, scenario: str, log: str) -> dict:
     from dynpipe.models import get_model
     from dynpipe.planner import Plan
+    from dynpipe.runtime.config import TrainConfig
     from dynpipe.runtime.controller import AdaptConfig
     from dynpipe.runtime.engine import EngineConfig, PipelineEngine
     from dynpipe.runtime.optim import OptimConfig
     from dynpipe.runtime.topology import Topology
-    from dynpipe.runtime.train import TrainConfig, train
+    from dynpipe.runtime.train import train
 
     topo = Topology.from_env(device="cpu")
     cfg = TrainConfig(
@@ -232,9 +233,10 @@ def _misled(rank: int, world: int, log: str, scenario: str) -> list[float]:
 
     from dynpipe.planner import Plan
     from dynpipe.runtime import controller as ctl_mod
+    from dynpipe.runtime.config import TrainConfig
     from dynpipe.runtime.controller import AdaptConfig
     from dynpipe.runtime.topology import Topology
-    from dynpipe.runtime.train import TrainConfig, train
+    from dynpipe.runtime.train import train
 
     real = ctl_mod.Controller.decide
     state = {"fired": False}

@@ -104,9 +104,10 @@ def test_non_finite_loss_stops_every_worker_with_one_line(tmp_path) -> None:
 
 
 def _train_two_stages(rank: int, world: int, log: str) -> dict:
+    from dynpipe.runtime.config import TrainConfig
     from dynpipe.runtime.optim import OptimConfig
     from dynpipe.runtime.topology import Topology
-    from dynpipe.runtime.train import TrainConfig, train
+    from dynpipe.runtime.train import train
 
     cfg = TrainConfig(
         model="mlp",
@@ -147,8 +148,9 @@ def test_run_log_has_header_steps_and_per_stage_timing(tmp_path) -> None:
 
 
 def _die_at_step_3(rank: int, world: int) -> str:
+    from dynpipe.runtime.config import TrainConfig
     from dynpipe.runtime.topology import Topology
-    from dynpipe.runtime.train import TrainConfig, train
+    from dynpipe.runtime.train import train
 
     def on_step(engine, res) -> None:
         if rank == 1 and res.step == 3:

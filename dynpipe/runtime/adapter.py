@@ -24,7 +24,7 @@ from dynpipe.runtime.runlog import RunLog
 from dynpipe.runtime.topology import Topology
 
 if TYPE_CHECKING:
-    from dynpipe.runtime.train import TrainConfig
+    from dynpipe.runtime.config import TrainConfig
 
 __all__ = ["Adapter", "median_step", "stage_medians", "stage_noise"]
 

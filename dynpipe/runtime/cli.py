@@ -154,9 +154,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     from dynpipe.models.cli import parse_overrides
+    from dynpipe.runtime.config import TrainConfig
     from dynpipe.runtime.controller import AdaptConfig
     from dynpipe.runtime.optim import OptimConfig
-    from dynpipe.runtime.train import TrainConfig
 
     optim = OptimConfig(
         name=args.optimizer,
