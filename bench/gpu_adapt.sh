@@ -60,11 +60,11 @@ tuned() {  # kind, scenario: the plan the adaptive run held when the interferenc
   python3 - "$O/$M-$1-adaptive.jsonl" "$O/$M-$1-tuned.json" <<'PY'
 import sys
 from dynpipe.planner import Plan
-from dynpipe.runtime.runlog import read_log
-recs = read_log(sys.argv[1])
-on = min(r["step"] for r in recs if r.get("event") == "interference_start")
-off = max((r["step"] for r in recs if r.get("event") == "interference_stop"), default=10**9)
-reps = [r for r in recs if r.get("event") == "repartition" and on <= r["step"] < off]
+from dynpipe.runtime.records import read_log
+log = read_log(sys.argv[1])
+on = min(e.step for e in log.events("interference_start"))
+off = max((e.step for e in log.events("interference_stop")), default=10**9)
+reps = [e for e in log.events("repartition") if on <= e.step < off]
 if reps:
     Plan.from_dict(reps[-1]["new_plan"]).save(sys.argv[2])
 PY

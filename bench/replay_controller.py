@@ -27,7 +27,7 @@ from dynpipe.planner.plan import Plan
 from dynpipe.runtime.adapter import Adapter
 from dynpipe.runtime.config import TrainConfig
 from dynpipe.runtime.controller import AdaptConfig
-from dynpipe.runtime.runlog import read_log
+from dynpipe.runtime.records import read_log
 from dynpipe.runtime.train import build_model_and_data
 
 
@@ -46,9 +46,9 @@ class _ReplayAdapter(Adapter):
 
 def replay(path: Path, overrides: dict, predictor: str | None) -> list[dict]:
     """Decisions, one dict per window, until the first move (its entry has ``moved``)."""
-    recs = read_log(path)
-    header = next(r for r in recs if r["type"] == "header")
-    conf = header["config"]
+    log = read_log(path)
+    header = log.headers[0]
+    conf = header.config
     adapt = AdaptConfig(**{**conf["adapt"], **overrides})
     cfg = TrainConfig(
         model=conf["model"],
@@ -61,15 +61,16 @@ def replay(path: Path, overrides: dict, predictor: str | None) -> list[dict]:
         progress=False,
     )
     model, _ = build_model_and_data(cfg)
-    plan = Plan.from_dict(header["plan"])
+    plan = Plan.from_dict(header.plan)
     engine = SimpleNamespace(plan=plan, model=model)
     topo = SimpleNamespace(
         world_size=1, rank=0, device=torch.device("cpu"), is_cuda=False, timeout_s=30.0
     )
     adapter = _ReplayAdapter(cfg, engine=engine, topo=topo, log=None)  # type: ignore[arg-type]
-    steps = [r for r in recs if r["type"] == "step"]
-    tels = {r["step"]: r["devices"] for r in recs if r["type"] == "telemetry"}
-    events = {r["step"]: r["event"] for r in recs if r["type"] == "event" and "step" in r}
+    # The adapter reads a window's steps as the plain dicts the training loop hands it.
+    steps = [r.to_dict() for r in log.steps]
+    tels = {r.step: r.devices for r in log.telemetry}
+    events = {e.step: e.event for e in log.events() if e.step is not None}
     every = adapt.monitor_every
     out = []
     for i in range(0, len(steps), every):

@@ -271,11 +271,11 @@ def test_refit_on_a_recorded_h200_run_reads_clean_devices_as_clean() -> None:
     from pathlib import Path
 
     from dynpipe.runtime.adapter import stage_medians
-    from dynpipe.runtime.runlog import read_log
+    from dynpipe.runtime.records import read_log
 
     log = Path(__file__).parents[1] / "analysis/logs/gpu-h200-vgg16b512-a/vgg16-gemm-adaptive.jsonl"
-    recs = read_log(log)
-    steps = {r["step"]: r for r in recs if r.get("type") == "step"}
+    # The adaptation loop reads steps as the plain dicts the training loop hands it.
+    steps = {r.step: r.to_dict() for r in read_log(log).steps}
 
     def window(a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         return stage_medians([steps[s] for s in range(a, b)], 2)

@@ -26,6 +26,7 @@ from dynpipe.runtime.checkpoint import find_checkpoint, load_checkpoint, save_ch
 from dynpipe.runtime.config import TrainConfig
 from dynpipe.runtime.engine import EngineConfig, NonFiniteLoss, PipelineEngine, StepResult
 from dynpipe.runtime.health import Heartbeat, StageFailure
+from dynpipe.runtime.records import StageTiming, Step, Telemetry
 from dynpipe.runtime.runlog import RunLog, environment
 from dynpipe.runtime.topology import Topology
 
@@ -125,40 +126,43 @@ class _StepLog:
             by_rank = [mine]
         times = [p[: 4 * k].view(k, 4) for p in by_rank]
         tels = [dict(zip(TELEMETRY_COLUMNS, p[4 * k :].tolist(), strict=True)) for p in by_rank]
-        records = []
+        steps = []
         for j, res in enumerate(self.pending):
             stages = []
             for s, st in enumerate(self.plan.stages):
                 f, b, w, _ = times[st.rank][j].tolist()
                 stages.append(
-                    {
-                        "stage": s,
-                        "rank": st.rank,
-                        "layers": [st.start, st.stop],
-                        "fwd_ms": round(f, 4),
-                        "bwd_ms": round(b, 4),
-                        "wait_ms": round(w, 4),
-                    }
+                    StageTiming(
+                        stage=s,
+                        rank=st.rank,
+                        layers=(st.start, st.stop),
+                        fwd_ms=round(f, 4),
+                        bwd_ms=round(b, 4),
+                        wait_ms=round(w, 4),
+                    )
                 )
-            rec = {
-                "step": res.step,
-                "wall": round(time.time() - self.t_start, 4),
-                "step_ms": round(res.step_ms, 4),
-                "loss": res.loss,
-                "lr": res.lr,
-                "grad_norm": res.grad_norm,
-                "samples_per_s": round(self.batch_size / (res.step_ms / 1e3), 3),
-                "stages": stages,
-            }
-            records.append(rec)
-            if self.log is not None:
-                self.log.write("step", **rec)
-        if self.log is not None and telemetry is not None:
-            self.log.write(
-                "telemetry",
-                step=self.pending[-1].step,
-                devices=[{k2: _finite(v) for k2, v in t.items()} for t in tels],
+            rec = Step(
+                step=res.step,
+                wall=round(time.time() - self.t_start, 4),
+                step_ms=round(res.step_ms, 4),
+                loss=res.loss,
+                lr=res.lr,
+                grad_norm=res.grad_norm,
+                samples_per_s=round(self.batch_size / (res.step_ms / 1e3), 3),
+                stages=tuple(stages),
             )
+            steps.append(rec)
+            if self.log is not None:
+                self.log.record(rec)
+        if self.log is not None and telemetry is not None:
+            self.log.record(
+                Telemetry(
+                    step=self.pending[-1].step,
+                    devices=tuple({k2: _finite(v) for k2, v in t.items()} for t in tels),
+                )
+            )
+        # The adaptation loop reads the window's steps as plain dicts.
+        records = [rec.to_dict() for rec in steps]
         self.pending = []
         return records, tels
 
