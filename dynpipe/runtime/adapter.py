@@ -84,9 +84,7 @@ class Adapter:
 
             # On GPUs also one message the size of the largest layer's state (capped).
             warm = int(min(costs.state_bytes.max(), 64 << 20)) if topo.is_cuda else 0
-            warm_ms = round(
-                warm_links(topo.device, timeout_s=topo.timeout_s, warm_bytes=warm) * 1e3, 3
-            )
+            warm_ms = round(warm_links(topo, warm_bytes=warm) * 1e3, 3)
         if log is not None:
             log.event(
                 "adapt_mode",

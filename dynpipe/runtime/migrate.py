@@ -26,6 +26,7 @@ from dynpipe.planner.diff import Transfer, diff
 from dynpipe.planner.plan import Plan
 from dynpipe.runtime.engine import PipelineEngine
 from dynpipe.runtime.health import Heartbeat
+from dynpipe.runtime.topology import Topology
 
 __all__ = ["MigrationError", "MigrationStats", "pack", "repartition", "unpack", "warm_links"]
 
@@ -233,20 +234,21 @@ def _exchange(
     return got, sum(h.numel() + b.numel() for h, b in recv.values())
 
 
-def warm_links(device: torch.device, *, timeout_s: float, warm_bytes: int = 0) -> float:
+def warm_links(topo: Topology, *, warm_bytes: int = 0) -> float:
     """Exchange one tiny message between every pair of ranks, once, before training.
 
     A backend sets up a point-to-point channel on its first use (NCCL builds a communicator
     and its buffers, which takes tens of milliseconds); a migration can pair any two ranks,
     so without this the first repartition between a pair would pay that set-up inside its
     pause. One batch of sends and receives to and from every peer cannot deadlock.
+    ``topo``: this rank's place among the ranks to link (their process group must exist).
     ``warm_bytes``: size of a second, layer-sized message (0: the tiny one only).
     Returns the seconds it took.
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if topo.world_size == 1:
         return 0.0
     t0 = time.perf_counter()
-    me, n = dist.get_rank(), dist.get_world_size()
+    me, n, device, timeout_s = topo.rank, topo.world_size, topo.device, topo.timeout_s
     out = torch.full((1,), me, dtype=torch.int64, device=device)
     inbox = {p: torch.empty(1, dtype=torch.int64, device=device) for p in range(n) if p != me}
     ops = [dist.P2POp(dist.isend, out, p) for p in inbox]

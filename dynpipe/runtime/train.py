@@ -220,8 +220,7 @@ def train(
     plan = resolve_plan(cfg, model, topo.world_size)
     initial_plan = plan
     resume, restart_meta = cfg.resume, None
-    relaunched = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if relaunched and (_restart_dir(cfg) / "dynpipe.json").is_file():
+    if topo.restart_attempt > 0 and (_restart_dir(cfg) / "dynpipe.json").is_file():
         # Restart baseline: this process is the relaunch; continue under the decided plan.
         resume = str(_restart_dir(cfg))
         restart_meta = json.loads((Path(find_checkpoint(resume)) / "dynpipe.json").read_text())
@@ -269,7 +268,7 @@ def train(
     runner = _scenario_runner(cfg, engine=engine, topo=topo, targets=initial_plan.ranks)
     sampler = _sampler(cfg, topo)
     bar = _progress(cfg, start) if writer and cfg.progress else None
-    beat = Heartbeat(rank=topo.rank, world_size=topo.world_size).start()
+    beat = Heartbeat(topo=topo).start()
     adapter.beat = beat
     losses: list[float] = []
     step = start
