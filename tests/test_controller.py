@@ -181,12 +181,12 @@ def test_slowdowns_within_the_noise_do_not_move_layers(model) -> None:
 
 
 def test_checksum_catches_flips_swaps_and_truncation() -> None:
-    from dynpipe.runtime.migrate import _checksum
+    from dynpipe.runtime.migrate import checksum
 
     g = torch.Generator().manual_seed(0)
     buf = torch.randint(0, 256, (3 * 4096 + 7,), dtype=torch.uint8, generator=g)
-    ref = _checksum(buf)
-    assert _checksum(buf.clone()) == ref
+    ref = checksum(buf)
+    assert checksum(buf.clone()) == ref
     flipped = buf.clone()
     flipped[4097] ^= 0x10
     words = buf[:4096].clone().view(torch.int32)
@@ -195,7 +195,7 @@ def test_checksum_catches_flips_swaps_and_truncation() -> None:
     rows = buf.clone()
     rows[:4096], rows[4096:8192] = buf[4096:8192], buf[:4096]
     for bad in (flipped, swapped, rows, buf[:-1]):
-        assert _checksum(bad) != ref
+        assert checksum(bad) != ref
 
 
 def test_identical_layers_get_one_calibrated_cost_and_stages_add_up() -> None:

@@ -15,7 +15,6 @@ import argparse
 import ast
 import inspect
 import signal
-import sys
 import time
 from typing import Any
 
@@ -47,9 +46,9 @@ def _value(text: str) -> Any:
 
 def _model_configs(names: list[str], args: list[str]) -> list[tuple[str, dict[str, Any]]]:
     """Apply ``--set [MODEL.]KEY=VALUE`` to the models that take that keyword."""
-    from dynpipe.models import ZOO, _load_zoo
+    from dynpipe.models import ZOO, load_zoo
 
-    _load_zoo()
+    load_zoo()
     configs: dict[str, dict[str, Any]] = {n: {} for n in names}
     for item in args:
         key, sep, val = item.partition("=")
@@ -276,9 +275,3 @@ def register(subparsers: Any) -> None:
     i.add_argument("--batch-size", type=int, help="train: batch size")
     i.add_argument("--ready-timeout", type=float, default=180.0)
     i.set_defaults(func=run_interfere)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from dynpipe.cli import main
-
-    sys.exit(main())

@@ -28,7 +28,15 @@ from dynpipe.runtime.engine import PipelineEngine
 from dynpipe.runtime.health import Heartbeat
 from dynpipe.runtime.topology import Topology
 
-__all__ = ["MigrationError", "MigrationStats", "pack", "repartition", "unpack", "warm_links"]
+__all__ = [
+    "MigrationError",
+    "MigrationStats",
+    "checksum",
+    "pack",
+    "repartition",
+    "unpack",
+    "warm_links",
+]
 
 _ROW = 1024  # checksum layout: 32-bit words per row
 
@@ -67,7 +75,7 @@ class MigrationStats:
         return d
 
 
-def _checksum(buf: torch.Tensor) -> list[int]:
+def checksum(buf: torch.Tensor) -> list[int]:
     """Row- and column-weighted sums of the buffer's 32-bit words, on its device.
 
     The words are laid out as rows of ``_ROW`` and summed in 64-bit along each axis (no
@@ -106,12 +114,12 @@ def pack(tensors: dict[str, torch.Tensor], *, device: torch.device) -> tuple[dic
         parts.append(raw.to(device))
         offset += raw.numel()
     buf = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
-    return {"entries": entries, "nbytes": offset, "checksum": _checksum(buf)}, buf
+    return {"entries": entries, "nbytes": offset, "checksum": checksum(buf)}, buf
 
 
 def unpack(header: dict, buf: torch.Tensor, *, where: str) -> dict[str, torch.Tensor]:
     """Inverse of ``pack``; raises ``MigrationError`` if the bytes do not match the checksum."""
-    got = _checksum(buf)
+    got = checksum(buf)
     if got != header["checksum"] or buf.numel() != header["nbytes"]:
         raise MigrationError(
             f"{where}: checksum mismatch ({got} != {header['checksum']}, {buf.numel()} of "
