@@ -16,15 +16,16 @@ and the step of the first move after an onset is how fast the controller reacts.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
+from dynpipe.cliargs import add_config_args, config_kwargs
 from dynpipe.planner.plan import Plan
 from dynpipe.runtime.adapter import Adapter
+from dynpipe.runtime.cli import ADAPT_FLAGS
 from dynpipe.runtime.config import TrainConfig
 from dynpipe.runtime.controller import AdaptConfig
 from dynpipe.runtime.records import read_log
@@ -104,17 +105,21 @@ def replay(path: Path, overrides: dict, predictor: str | None) -> list[dict]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every AdaptConfig field but ``mode`` as a flag that overrides the log's value (the same
+    flags, from the same dataclass, as ``dynpipe train``'s)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("logs", nargs="+", type=Path)
     ap.add_argument("--mode", choices=("measured", "adaptive"), default="measured")
     ap.add_argument("--predictor", default=None)
-    fields = {f.name: f for f in dataclasses.fields(AdaptConfig) if f.name != "mode"}
-    for name, f in fields.items():
-        ap.add_argument(f"--{name.replace('_', '-')}", type=type(f.default), default=None)
-    args = ap.parse_args(argv)
-    overrides = {"mode": args.mode}
-    overrides |= {k: getattr(args, k) for k in fields if getattr(args, k) is not None}
+    add_config_args(ap, AdaptConfig, flags=ADAPT_FLAGS, exclude=("mode",), unset=True)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    given = {k: v for k, v in config_kwargs(args, AdaptConfig).items() if v is not None}
+    overrides = {**given, "mode": args.mode}
     for path in args.logs:
         print(f"## {path}")
         for d in replay(path, overrides, args.predictor):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynpipe.errors import UserError
+from dynpipe.planner.plan import SCHEDULES
 from dynpipe.runtime.controller import AdaptConfig
 from dynpipe.runtime.optim import OptimConfig
 
@@ -21,34 +22,53 @@ __all__ = ["TrainConfig"]
 class TrainConfig:
     """Everything a training run needs besides the topology.
 
-    model / model_args: zoo name (or ``package.module:factory``) and its keyword config.
-    data / data_path: a ``dynpipe.data`` source; real datasets read from ``data_path`` only.
+    ``dynpipe train`` makes a flag of every field (``dynpipe.cliargs``): the entries below
+    are its help ("unset" is None, the flag not given).
+
+    model: zoo name or package.module:factory.
+    model_args: the model's keyword config (``--model-arg KEY=VALUE``).
+    data: the data source: synthetic, digits, cifar10, imagefolder or text.
+    data_path: local dataset path (real datasets are read from here only, never downloaded).
     data_workers: processes loading batches ahead on the first and last stage's ranks
-        (0: in the training process); None: on CUDA up to 4, within this host's cores per
-        rank; 0 on CPU, where workers would take cores from the stages.
+        (0: in the training process; unset: on CUDA up to 4, within this host's cores per
+        rank, and 0 on CPU, where workers would take cores from the stages).
     device_batches: > 0 makes that many batches once, keeps them on the device and cycles
         them (step s trains on batch s mod N): the GPUs measured without the loader, for
-        benchmarks. 0 (default): every step its own batch, through the loader.
-    plan: a plan file; without one, ``stages`` (default: world size) equal-layer stages.
-    log: JSONL run-log path (written by the last stage's rank).
+        benchmarks. 0: every step its own batch, through the loader.
+    steps: training steps to run.
+    batch_size: samples per step, split into ``microbatches``.
+    microbatches: microbatches per step (unset: the plan's, else 4).
+    schedule: pipeline schedule (unset: the plan's, else 1f1b).
+    stages: without a plan, this many equal-layer stages (unset: the world size).
+    plan: plan JSON (from ``dynpipe plan``).
+    optim: optimizer and learning-rate schedule.
+    bf16: bfloat16 autocast on GPU.
+    timing: the per-microbatch stage timers.
+    seed: seed of the model's weights and the data.
+    log: JSONL run-log path, written by the last stage's rank (unset:
+        runs/<model>-<time>/log.jsonl).
     log_every: steps between the gathers of per-stage timings (one small collective).
-    save_every / save_dir: checkpoint cadence and folder; resume: checkpoint to resume from.
+    save_every: checkpoint every N steps (0: never).
+    save_dir: folder checkpoints are written into.
+    resume: checkpoint folder to resume from.
+    progress: the progress bar.
     adapt: repartitioning policy (``static`` never repartitions); its ``monitor_every``
         replaces ``log_every`` when adapting, since one gather serves both.
-    scenario: interference scenario file; predictor: trained slowdown predictor (adaptive).
-    telemetry: sample device telemetry in a side thread and gather it with stage times.
+    scenario: interference scenario TOML (``recipes/scenarios/``).
+    predictor: trained slowdown predictor (.joblib), for ``--adapt adaptive``.
+    telemetry: device telemetry sampled in a side thread and gathered with stage times.
     """
 
     model: str = "mlp"
     model_args: dict[str, Any] = field(default_factory=dict)
     data: str = "synthetic"
     data_path: str | None = None
-    data_workers: int | None = None
-    device_batches: int = 0
+    data_workers: int | None = field(default=None, metadata={"metavar": "N"})
+    device_batches: int = field(default=0, metadata={"metavar": "N"})
     steps: int = 100
     batch_size: int = 32
     microbatches: int | None = None
-    schedule: str | None = None
+    schedule: str | None = field(default=None, metadata={"choices": SCHEDULES})
     stages: int | None = None
     plan: str | None = None
     optim: OptimConfig = field(default_factory=OptimConfig)
