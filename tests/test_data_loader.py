@@ -150,6 +150,7 @@ def test_an_unpicklable_source_says_so() -> None:
     assert "--data-workers 0" in msg and len(msg.splitlines()) == 1
 
 
+@pytest.mark.timing
 def test_a_stalled_worker_times_out_instead_of_hanging() -> None:
     before = _workers()
     stream = BatchStream(_Stalled(), batch_size=4, start=0, stop=3, workers=1, timeout_s=2.0)

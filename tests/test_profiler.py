@@ -83,6 +83,7 @@ def _mean(tels: list[dict], key: str) -> float:
     return float(np.nanmean([t[key] for t in tels]))
 
 
+@pytest.mark.timing
 def test_spin_on_our_core_slows_a_layer_and_telemetry_sees_it(pinned):
     # fc00 of a 512-wide mlp at batch 256: a ~1-3 ms matmul on one core.
     model = get_model("mlp", depth=1, width=512, in_features=512)

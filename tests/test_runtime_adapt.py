@@ -98,6 +98,7 @@ def _adapt_then_static(rank: int, world: int, scenario: str, log: str) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+@pytest.mark.timing
 def test_controller_adapts_to_emulated_slowdown_and_moves_back(tmp_path) -> None:
     from dynpipe.runtime.records import read_log
 
@@ -270,6 +271,7 @@ def _misled(rank: int, world: int, log: str, scenario: str) -> list[float]:
     return train(cfg, topo=Topology.from_env(device="cpu"))["losses"]
 
 
+@pytest.mark.timing
 def test_a_move_that_makes_steps_slower_is_undone(tmp_path) -> None:
     from dynpipe.runtime.records import read_log
 

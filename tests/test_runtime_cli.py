@@ -170,6 +170,7 @@ def _die_at_step_3(rank: int, world: int) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_dead_peer_fails_other_ranks_naming_it() -> None:
     res = run_ranks(_die_at_step_3, 3, timeout_s=120, pg_timeout_s=20, expect_failure=True)
     assert not res[1]["ok"]  # the dead rank left no result

@@ -120,6 +120,7 @@ def _receiver_dies(rank: int, world: int) -> str:
     return "no error"
 
 
+@pytest.mark.timing
 def test_migration_peer_death_fails_every_rank_naming_it() -> None:
     res = run_ranks(_receiver_dies, 3, timeout_s=120, pg_timeout_s=20, expect_failure=True)
     for r in (0, 1):
