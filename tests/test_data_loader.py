@@ -152,6 +152,8 @@ def test_an_unpicklable_source_says_so() -> None:
 
 @pytest.mark.timing
 def test_a_stalled_worker_times_out_instead_of_hanging() -> None:
+    with BatchStream(_Broken(), batch_size=4, start=0, stop=2, workers=1) as warm:
+        list(warm)  # the fork server starts once per process and stays: count it out
     before = _workers()
     stream = BatchStream(_Stalled(), batch_size=4, start=0, stop=3, workers=1, timeout_s=2.0)
     stream.batch(0)  # the worker is up; the next step is where it hangs
