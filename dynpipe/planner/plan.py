@@ -56,7 +56,24 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class Plan:
-    """A pipeline partition: stage ``s`` is ``stages[s]``, in pipeline order."""
+    """A pipeline partition: stage ``s`` is ``stages[s]``, in pipeline order.
+
+    dp: data-parallel replicas of the pipeline. Replica ``r`` runs every stage of the plan
+        on its own ranks: stage ``s`` on rank ``r * num_stages + stages[s].rank`` (a
+        ``(dp, pp)`` device mesh); ``stages[s].rank`` is the stage's place in its pipeline.
+        Every replica holds the same layers on the same stages (uneven replication of
+        stages is not supported: see the README).
+    microbatches: microbatches per replica per step when the batch is shared evenly; a step
+        has ``dp * microbatches`` microbatches of ``batch_size / (dp * microbatches)``
+        samples in all.
+    shares: microbatches each replica takes per step (None: ``microbatches`` each), at
+        least one each. They sum to ``dp * microbatches``; replica ``r`` takes the
+        consecutive microbatches after those of replicas ``0..r-1``, so every sample is
+        still a pure function of the step and the update is the full batch's.
+    dropped: replicas whose share is left out of the update (SD-Pipe's partial reduce: the
+        gradient is the mean over the other replicas' microbatches only). This changes what
+        training computes; empty (the default) keeps it exact.
+    """
 
     model: str
     num_layers: int
@@ -66,6 +83,9 @@ class Plan:
     model_fingerprint: str | None = None
     version: int = PLAN_VERSION
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    dp: int = 1
+    shares: tuple[int, ...] | None = None
+    dropped: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Structural checks that need no model: a Plan object is always self-consistent.
@@ -113,6 +133,29 @@ class Plan:
         ranks = [st.rank for st in self.stages]
         if len(set(ranks)) != len(ranks):
             raise PlanError(f"plan puts two stages on one rank (ranks {ranks}); use one rank each")
+        self._check_replicas()
+
+    def _check_replicas(self) -> None:
+        if self.dp < 1:
+            raise PlanError(f"dp must be >= 1 (pipeline replicas), got {self.dp}")
+        if self.shares is not None:
+            object.__setattr__(self, "shares", tuple(int(x) for x in self.shares))
+            total = self.dp * self.microbatches
+            if len(self.shares) != self.dp or sum(self.shares) != total or min(self.shares) < 1:
+                raise PlanError(
+                    f"batch shares {list(self.shares)} do not give {self.dp} replicas "
+                    f"{total} microbatches ({self.dp} x {self.microbatches}); give one count "
+                    f">= 1 per replica summing to {total}"
+                )
+        object.__setattr__(self, "dropped", tuple(sorted({int(r) for r in self.dropped})))
+        bad = [r for r in self.dropped if not 0 <= r < self.dp]
+        if bad:
+            raise PlanError(f"dropped replicas {bad} are not replicas 0–{self.dp - 1}")
+        if len(self.dropped) >= self.dp:
+            raise PlanError(
+                f"partial reduce drops every replica ({list(self.dropped)}), leaving no "
+                "microbatch to train on; keep at least one"
+            )
 
     # ---- views -------------------------------------------------------------------------
     @property
@@ -126,6 +169,40 @@ class Plan:
     @property
     def ranks(self) -> list[int]:
         return [st.rank for st in self.stages]
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the plan runs on: every stage of every replica."""
+        return self.num_stages * self.dp
+
+    @property
+    def total_microbatches(self) -> int:
+        """Microbatches of one step over all replicas (their size is fixed by the batch)."""
+        return self.dp * self.microbatches
+
+    @property
+    def replica_microbatches(self) -> tuple[int, ...]:
+        """Microbatches of the step that replica ``r`` takes (its share)."""
+        return self.shares if self.shares is not None else (self.microbatches,) * self.dp
+
+    def replica_slice(self, replica: int) -> tuple[int, int]:
+        """``[first, stop)``: the microbatches of the step's ``total_microbatches`` that
+        ``replica`` takes."""
+        shares = self.replica_microbatches
+        first = sum(shares[:replica])
+        return first, first + shares[replica]
+
+    @property
+    def counted_microbatches(self) -> int:
+        """Microbatches whose gradients make the update: all of them, unless replicas are
+        dropped (partial reduce)."""
+        shares = self.replica_microbatches
+        return sum(n for r, n in enumerate(shares) if r not in self.dropped)
+
+    @property
+    def partial(self) -> bool:
+        """The plan drops replicas' shares: the update differs from full-batch training."""
+        return bool(self.dropped)
 
     def stage_of_rank(self, rank: int) -> int | None:
         for s, st in enumerate(self.stages):
@@ -145,7 +222,17 @@ class Plan:
 
     def __repr__(self) -> str:
         parts = " ".join(repr(st) for st in self.stages)
-        return f"Plan({self.model} L={self.num_layers} {self.schedule} mb={self.microbatches}: {parts})"
+        dp = ""
+        if self.dp > 1:
+            dp = f" dp={self.dp}"
+            if self.shares is not None:
+                dp += f" shares={'/'.join(map(str, self.shares))}"
+            if self.dropped:
+                dp += f" dropped={list(self.dropped)}"
+        return (
+            f"Plan({self.model} L={self.num_layers} {self.schedule} mb={self.microbatches}{dp}: "
+            f"{parts})"
+        )
 
     # ---- construction ------------------------------------------------------------------
     @classmethod
@@ -236,16 +323,23 @@ class Plan:
                 f"regenerate it with `dynpipe plan --model {model.name} --stages {self.num_stages}`"
             )
         if world_size is not None:
-            if world_size != self.num_stages:
+            if world_size != self.world_size and self.dp > 1:
+                raise PlanError(
+                    f"plan has {self.num_stages} stages x {self.dp} replicas = "
+                    f"{self.world_size} ranks but the world has {world_size} ranks; launch "
+                    f"with --nproc {self.world_size}, or plan for {world_size} GPUs "
+                    f"(`dynpipe plan --gpus {world_size}`)"
+                )
+            if world_size != self.world_size:
                 raise PlanError(
                     f"plan has {self.num_stages} stages but the world has {world_size} ranks; "
                     f"launch with --nproc {self.num_stages} (one process per stage) or make a "
                     f"{world_size}-stage plan"
                 )
-            bad = [r for r in self.ranks if not 0 <= r < world_size]
+            bad = [r for r in self.ranks if not 0 <= r < self.num_stages]
             if bad:
                 raise PlanError(
-                    f"plan places stages on ranks {bad} outside 0–{world_size - 1}; "
+                    f"plan places stages on ranks {bad} outside 0–{self.num_stages - 1}; "
                     "fix the stage ranks"
                 )
         if self.microbatches < self.num_stages:
@@ -265,6 +359,14 @@ class Plan:
             {k: (list(v) if isinstance(v, tuple) else v) for k, v in st.items()}
             for st in d["stages"]
         ]
+        # One replica writes the plan as it always has (files, logs and checkpoints of
+        # single-pipeline runs do not change).
+        if self.dp == 1:
+            for k in ("dp", "shares", "dropped"):
+                d.pop(k)
+        else:
+            d["shares"] = None if self.shares is None else list(self.shares)
+            d["dropped"] = list(self.dropped)
         return d
 
     @classmethod
@@ -274,6 +376,9 @@ class Plan:
                 StagePlan(**{**st, "layers": tuple(st.get("layers", ()))}) for st in d["stages"]
             )
             fields = {k: v for k, v in d.items() if k != "stages"}
+            if fields.get("shares") is not None:
+                fields["shares"] = tuple(fields["shares"])
+            fields["dropped"] = tuple(fields.get("dropped") or ())
             return cls(stages=stages, **fields)
         except (KeyError, TypeError) as exc:
             raise PlanError(f"malformed plan ({exc}); regenerate it with `dynpipe plan`") from None

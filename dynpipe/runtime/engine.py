@@ -3,6 +3,17 @@
 One ``PipelineEngine`` per process. It owns this rank's ``StageModule``, its optimizer and
 the torch pipelining stage and schedule, and can rebuild all of them for a new plan while
 keeping the process group (live repartitioning hands it the moved layers and state).
+
+Data x pipeline parallelism (``plan.dp > 1``, a ``Mesh`` of ``dp`` x ``pp`` ranks): every
+replica runs the plan's stages on its own ranks over the mesh's ``pp`` group and takes its
+share of each step's batch (``plan.replica_slice``). Each stage's gradients are summed
+across its ``dp`` group by torch's ``DistributedDataParallel`` wrapped around the stage
+module (``dataparallel.ReplicaReducer``, which says why DDP and not ``replicate`` or a
+hand-written reduce), overlapped with the last microbatch's backward, then divided by the
+step's microbatch count: with any batch shares the update is the full batch's. The loss
+and the global gradient-norm clipping stay one small all-reduce over every rank: each
+replica's last stage adds its microbatches' loss sum, and replica 0 alone fills the norm
+slots (every replica holds the same averaged gradients after the reduce).
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from dynpipe.errors import UserError
 from dynpipe.models.base import LayeredModel
 from dynpipe.planner.plan import Plan
+from dynpipe.runtime.mesh import Mesh
 from dynpipe.runtime.optim import OptimConfig, build_optimizer, export_state, import_state, lr_at
 from dynpipe.runtime.stage import StageModule, TimedPipelineStage, boundary_examples
 from dynpipe.runtime.timing import StageTimer, StepTiming
@@ -46,15 +58,18 @@ class NonFiniteLoss(UserError):
 class EngineConfig:
     """How a stage runs (the plan says *what* it holds).
 
-    batch_size: samples per optimizer step, split into ``plan.microbatches`` microbatches.
+    batch_size: samples per optimizer step over all replicas, split into
+        ``plan.total_microbatches`` microbatches.
     bf16: run layers under bfloat16 autocast (CUDA only) and send bf16 activations.
     timing: per-microbatch compute timers (cheap; off only to measure their cost).
+    bucket_mb: data parallelism: DDP's gradient bucket size in MiB.
     """
 
     batch_size: int
     optim: OptimConfig = field(default_factory=OptimConfig)
     bf16: bool = False
     timing: bool = True
+    bucket_mb: float = 25.0
 
 
 @dataclass
@@ -106,8 +121,23 @@ def clip_coefficient(norms: torch.Tensor, max_norm: float) -> tuple[torch.Tensor
     return total, coef
 
 
+class _ZeroWeight:
+    """The loss times zero: a dropped replica's probe microbatch (partial reduce) runs the
+    pipeline and the reduce like any other, and adds exactly nothing to the gradients."""
+
+    def __init__(self, loss_fn) -> None:
+        self.loss_fn = loss_fn
+
+    def __call__(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(out, target) * 0.0
+
+
 class PipelineEngine:
-    """This rank's stage of a pipeline, built from ``plan`` for ``model``."""
+    """This rank's stage of a pipeline, built from ``plan`` for ``model``.
+
+    mesh: this rank's place among ``plan.dp`` replicas (default: one pipeline over the world,
+        whose stages talk over ``group``, the default group if None).
+    """
 
     def __init__(
         self,
@@ -118,13 +148,18 @@ class PipelineEngine:
         config: EngineConfig,
         group: dist.ProcessGroup | None = None,
         layers: nn.ModuleDict | None = None,
+        mesh: Mesh | None = None,
     ) -> None:
         self.model = model
         self.topo = topo
         self.config = config
-        self.group = group
+        self.mesh = (
+            mesh if mesh is not None else Mesh.single(rank=topo.rank, world_size=topo.world_size)
+        )
+        self.group = self.mesh.pp_group if self.mesh.dp > 1 else group
         self.slots = param_slots(model)
         self.timer = StageTimer(device=topo.device, enabled=config.timing)
+        self._synced = False  # replicas' copies made identical by DDP's first build
         self._build(plan, layers=layers, opt_state=None)
 
     # ---- construction ------------------------------------------------------------------
@@ -136,13 +171,22 @@ class PipelineEngine:
         opt_state: dict[str, torch.Tensor] | None,
     ) -> None:
         plan.validate(self.model, self.topo.world_size)
+        if plan.dp != self.mesh.dp:
+            raise UserError(
+                f"plan has {plan.dp} replicas but this run's mesh has {self.mesh.dp}; a run "
+                "keeps its dp degree: resume from a checkpoint to change it"
+            )
         check_batch(plan, self.config.batch_size)
         self.plan = plan
-        self.stage_index = plan.stage_of_rank(self.topo.rank)
+        self.stage_index = plan.stage_of_rank(self.mesh.pp_rank)
         if self.stage_index is None:
             raise UserError(
                 f"rank {self.topo.rank} holds no stage in {plan!r}; give every rank a stage"
             )
+        replica = self.mesh.replica
+        self.dropped = replica in plan.dropped
+        # A dropped replica (partial reduce) runs one zero-weight microbatch: see _ZeroWeight.
+        self.microbatches = 1 if self.dropped else plan.replica_microbatches[replica]
         st = plan.stages[self.stage_index]
         if layers is None:
             layers = self.model.build_range(st.start, st.stop, device=self.topo.device)
@@ -163,14 +207,28 @@ class PipelineEngine:
         self.optimizer = build_optimizer(list(self.named_params.values()), self.config.optim)
         if opt_state:
             import_state(self.optimizer, self.named_params, opt_state)
-        mb = self.config.batch_size // plan.microbatches
+        mb = self.config.batch_size // plan.total_microbatches
         inp, out = boundary_examples(
             self.model, plan, self.stage_index, microbatch_size=mb, wire_dtype=wire
         )
+        submod: nn.Module = self.module
+        self.reducer = None
+        if self.mesh.dp > 1:
+            from dynpipe.runtime.dataparallel import ReplicaReducer
+
+            self.reducer = ReplicaReducer(
+                self.module,
+                mesh=self.mesh,
+                timer=self.timer,
+                init_sync=not self._synced,
+                bucket_mb=self.config.bucket_mb,
+            )
+            self._synced = True
+            submod = self.reducer.module
         # Stage indices map to ranks through the plan; torch pipelining addresses peers by
         # stage index within the group, so the group ranks must follow pipeline order.
         self.pipe_stage = TimedPipelineStage(
-            self.module,
+            submod,
             stage_index=self.stage_index,
             num_stages=plan.num_stages,
             device=self.topo.device,
@@ -179,9 +237,18 @@ class PipelineEngine:
             group=self.group,
             timer=self.timer,
         )
-        self.schedule = _SCHEDULES[plan.schedule](
-            self.pipe_stage, n_microbatches=plan.microbatches, loss_fn=self.model.loss_fn
-        )
+        if self.mesh.dp == 1:
+            self.schedule = _SCHEDULES[plan.schedule](
+                self.pipe_stage, n_microbatches=plan.microbatches, loss_fn=self.model.loss_fn
+            )
+        else:
+            # Gradients are divided once, by the step's microbatches over all replicas.
+            self.schedule = _SCHEDULES["gpipe" if self.dropped else plan.schedule](
+                self.pipe_stage,
+                n_microbatches=self.microbatches,
+                loss_fn=_ZeroWeight(self.model.loss_fn) if self.dropped else self.model.loss_fn,
+                scale_grads=False,
+            )
 
     def rebuild(
         self, plan: Plan, *, layers: nn.ModuleDict, opt_state: dict[str, torch.Tensor]
@@ -211,11 +278,16 @@ class PipelineEngine:
         """One optimizer step over ``batch`` (the whole batch; split into microbatches here).
 
         Only the first stage reads the inputs and only the last the targets; a middle stage
-        may pass ``None`` (it receives activations instead). ``sample_layers``: also time
-        every layer this stage holds (``StepResult.timing.layers``).
+        may pass ``None`` (it receives activations instead). With replicas, ``batch`` is
+        still the whole step's batch: each replica takes its share here.
+        ``sample_layers``: also time every layer this stage holds
+        (``StepResult.timing.layers``).
         """
         dev = self.topo.device
         x, y = batch if batch is not None else (None, None)
+        dp = self.mesh.dp > 1
+        if dp:
+            x, y = self._share(x), self._share(y)
         self.timer.sample_layers(sample_layers)
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
@@ -229,6 +301,12 @@ class PipelineEngine:
         else:
             self.schedule.step()
         t_sched = time.perf_counter()
+        if dp:
+            # The reduce summed every replica's microbatches: one division makes the mean.
+            k = self.plan.counted_microbatches
+            for p in self.named_params.values():
+                if p.grad is not None:
+                    p.grad.div_(k)
 
         # One small all-reduce per step carries the loss (held by the last stage) and, when
         # clipping, every parameter's gradient norm in its global slot. Nothing here waits on
@@ -237,13 +315,17 @@ class PipelineEngine:
         clip = self.config.optim.clip_grad
         n = len(self.slots) if clip > 0 else 0
         vec = torch.zeros(n + 1, dtype=torch.float32, device=dev)
-        if clip > 0:
+        if clip > 0 and self.mesh.replica == 0:
+            # Replicas hold the same averaged gradients: one of them fills the slots.
             fill_grad_norms(vec, self.named_params, self.slots)
-        if self.is_last:
+        if self.is_last and not dp:
             vec[n] = torch.stack([loss.detach().float() for loss in losses]).mean()
+        elif self.is_last and not self.dropped:
+            vec[n] = torch.stack([loss.detach().float() for loss in losses]).sum()
         work = None
         if self.topo.world_size > 1:
-            work = dist.all_reduce(vec, group=self.group, async_op=True)
+            # Over every replica's stages: the default group when there are replicas.
+            work = dist.all_reduce(vec, group=None if dp else self.group, async_op=True)
         total = None
         if clip > 0:
             if work is not None:
@@ -260,7 +342,7 @@ class PipelineEngine:
             work.wait()
         # The step's one host synchronisation: it also completes the timing events, which sit
         # on the same stream before it.
-        loss = float(vec[n])
+        loss = float(vec[n] / self.plan.counted_microbatches if dp else vec[n])
         t1 = time.perf_counter()
         if not math.isfinite(loss):
             raise NonFiniteLoss(
@@ -280,6 +362,15 @@ class PipelineEngine:
             end_time=time.time(),
         )
 
+    def _share(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """This replica's microbatches of the step's batch ``t`` (a dropped replica: the
+        first of its share, for its zero-weight probe)."""
+        if t is None:
+            return None
+        a = self.plan.replica_slice(self.mesh.replica)[0]
+        size = self.config.batch_size // self.plan.total_microbatches
+        return t[a * size : (a + self.microbatches) * size]
+
     # ---- state by name -----------------------------------------------------------------
     def model_state(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers of this stage, keyed ``<layer>.<name>``."""
@@ -295,6 +386,13 @@ class PipelineEngine:
 
 def check_batch(plan: Plan, batch_size: int) -> None:
     """Batch/microbatch/schedule combinations that cannot run, as one-line errors."""
+    if plan.dp > 1 and batch_size % plan.total_microbatches:
+        total = plan.total_microbatches
+        raise UserError(
+            f"batch size {batch_size} does not split into {plan.dp} replicas x "
+            f"{plan.microbatches} microbatches = {total} equal microbatches; use a batch size "
+            f"divisible by {total}"
+        )
     if batch_size % plan.microbatches:
         raise UserError(
             f"batch size {batch_size} does not split into {plan.microbatches} equal microbatches; "
@@ -304,4 +402,11 @@ def check_batch(plan: Plan, batch_size: int) -> None:
         raise UserError(
             f"1F1B needs at least as many microbatches as stages ({plan.microbatches} < "
             f"{plan.num_stages}); use --microbatches {plan.num_stages} or more, or --schedule gpipe"
+        )
+    counts = [n for r, n in enumerate(plan.replica_microbatches) if r not in plan.dropped]
+    if plan.schedule == "1f1b" and min(counts) < plan.num_stages:
+        raise UserError(
+            f"1F1B needs at least as many microbatches as stages in every replica (batch "
+            f"shares {list(plan.replica_microbatches)}, {plan.num_stages} stages); give each "
+            f"replica {plan.num_stages} or more, or use --schedule gpipe"
         )

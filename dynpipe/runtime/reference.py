@@ -3,6 +3,14 @@
 This is the semantics dynpipe promises: the same microbatches, the same loss, gradients
 summed over microbatches and divided by their number, the same global-norm clipping, the
 same optimizer, on one unsplit model.
+
+With data parallelism the sum over microbatches is made in groups: each replica sums its
+own share, then the all-reduce adds the replicas' sums. Floating-point addition is not
+associative, so that grouping can change the last bits; ``groups`` (microbatches per
+replica) makes the reference add in the same grouping: each group's gradients accumulated
+in order, then the groups added in replica order, which is what a two-replica all-reduce
+computes (``a + b`` is commutative; with more replicas the reduce's own order decides).
+``dropped`` leaves groups out of the update, as partial reduce does.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ class ReferenceTrainer:
     microbatches: int
     optim: OptimConfig
     device: str = "cpu"
+    groups: tuple[int, ...] | None = None
+    dropped: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.layers = self.model.build_range(0, len(self.model), device=self.device)
@@ -52,17 +62,20 @@ class ReferenceTrainer:
     def step(self, step: int, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         x, y = (t.to(self.device) for t in batch)
         self.optimizer.zero_grad(set_to_none=True)
-        losses = []
-        for xm, ym in zip(
-            x.tensor_split(self.microbatches), y.tensor_split(self.microbatches), strict=True
-        ):
-            loss = self.model.loss_fn(self.forward(xm), ym)
-            loss.backward()
-            losses.append(loss.detach())
-        for p in self.named_params.values():
-            if p.grad is not None:
-                p.grad.div_(self.microbatches)
-        mean = float(torch.stack(losses).float().mean())
+        if self.groups is not None:
+            mean = self._grouped(x, y)
+        else:
+            losses = []
+            for xm, ym in zip(
+                x.tensor_split(self.microbatches), y.tensor_split(self.microbatches), strict=True
+            ):
+                loss = self.model.loss_fn(self.forward(xm), ym)
+                loss.backward()
+                losses.append(loss.detach())
+            for p in self.named_params.values():
+                if p.grad is not None:
+                    p.grad.div_(self.microbatches)
+            mean = float(torch.stack(losses).float().mean())
         if not math.isfinite(mean):
             raise NonFiniteLoss(f"loss is {mean} at step {step}")
         if self.optim.clip_grad > 0:
@@ -77,6 +90,39 @@ class ReferenceTrainer:
         self.optimizer.step()
         self.losses.append(mean)
         return mean
+
+    def _grouped(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Accumulate per group, add the groups in order, divide once (see the docstring)."""
+        assert self.groups is not None and sum(self.groups) == self.microbatches
+        xs, ys = x.tensor_split(self.microbatches), y.tensor_split(self.microbatches)
+        params = list(self.named_params.values())
+        total: list[torch.Tensor | None] = [None] * len(params)
+        loss_sum: torch.Tensor | None = None
+        first = 0
+        for g, n in enumerate(self.groups):
+            mbs = range(first, first + n)
+            first += n
+            if g in self.dropped:
+                continue
+            for p in params:
+                p.grad = None
+            losses = []
+            for i in mbs:
+                loss = self.model.loss_fn(self.forward(xs[i]), ys[i])
+                loss.backward()
+                losses.append(loss.detach().float())
+            part = torch.stack(losses).sum()
+            loss_sum = part if loss_sum is None else loss_sum + part
+            for j, p in enumerate(params):
+                if p.grad is not None:
+                    total[j] = p.grad if total[j] is None else total[j] + p.grad
+        counted = sum(n for g, n in enumerate(self.groups) if g not in self.dropped)
+        for p, t in zip(params, total, strict=True):
+            p.grad = t
+            if p.grad is not None:
+                p.grad.div_(counted)
+        assert loss_sum is not None
+        return float(loss_sum / counted)
 
     def train(self, data: BatchSource, *, steps: int, start: int = 0) -> list[float]:
         return [self.step(s, data.batch(s, self.batch_size)) for s in range(start, start + steps)]

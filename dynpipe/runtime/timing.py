@@ -3,7 +3,10 @@
 ``StageTimer`` times every microbatch's forward and backward of the stage (a pair of CUDA
 events resolved once per step, after the step's own synchronisation, or a ``perf_counter``
 pair on CPU). Time the stage spends in its schedule that is not forward or backward compute
-is its wait: P2P receives and pipeline bubbles.
+is its wait: P2P receives and pipeline bubbles. With data parallelism the last backward of a
+step also waits for the gradient all-reduce across replicas (which waits for the slowest
+replica): the reduce hook marks when the last gradient bucket was handed over, and the rest
+of that backward counts as the step's reduce time, not as compute.
 
 ``LayerProbe`` times every layer the stage holds, forward and backward, on the steps the
 training loop asks it to sample. Stage totals cannot say how a stage's time splits among its
@@ -52,6 +55,7 @@ class StepTiming:
     bwd_ms: list[float] = field(default_factory=list)
     schedule_ms: float = 0.0
     layers: LayerTiming | None = None
+    reduce_ms: float = 0.0  # data parallelism: the gradient all-reduce's tail and wait
 
     @property
     def fwd_total(self) -> float:
@@ -63,7 +67,7 @@ class StepTiming:
 
     @property
     def wait_ms(self) -> float:
-        return max(0.0, self.schedule_ms - self.fwd_total - self.bwd_total)
+        return max(0.0, self.schedule_ms - self.fwd_total - self.bwd_total - self.reduce_ms)
 
 
 def _marker(cuda: bool):
@@ -197,7 +201,9 @@ class StageTimer:
         self.layers = LayerProbe(device=device)
         self._fwd: list = []
         self._bwd: list = []
+        self._reduce: list = []
         self._open: object | None = None
+        self._handed: object | None = None  # when the last gradient bucket was handed over
 
     @property
     def dilation(self) -> float:
@@ -219,9 +225,28 @@ class StageTimer:
     def stop(self, phase: str) -> None:
         if not self.enabled or self._open is None:
             return
-        pair = (self._open, self._mark())
-        (self._fwd if phase == "fwd" else self._bwd).append(pair)
-        self._open = None
+        end = self._mark()
+        if phase == "bwd" and self._handed is not None:
+            # Compute ended when the last bucket went to the all-reduce; the rest waited.
+            self._bwd.append((self._open, self._handed))
+            self._reduce.append((self._handed, end))
+        else:
+            (self._fwd if phase == "fwd" else self._bwd).append((self._open, end))
+        self._open = self._handed = None
+
+    def handed_to_reduce(self) -> None:
+        """A gradient bucket went to the data-parallel all-reduce (the reduce hook calls
+        this; the last call of a backward marks the end of its compute)."""
+        if self.enabled and self._open is not None:
+            self._handed = self._mark()
+
+    def reduce_interval(self, start: object) -> None:
+        """A reduce with no backward around it (a replica whose share is dropped)."""
+        if self.enabled:
+            self._reduce.append((start, self._mark()))
+
+    def mark(self) -> object | None:
+        return self._mark() if self.enabled else None
 
     def collect(self, schedule_ms: float) -> StepTiming:
         """Resolve this step's intervals (call after the step has synchronised) and reset."""
@@ -229,7 +254,12 @@ class StageTimer:
         def ms(pairs: list) -> list[float]:
             return [_elapsed_ms(self.cuda, a, b) for a, b in pairs]
 
-        out = StepTiming(fwd_ms=ms(self._fwd), bwd_ms=ms(self._bwd), schedule_ms=schedule_ms)
+        out = StepTiming(
+            fwd_ms=ms(self._fwd),
+            bwd_ms=ms(self._bwd),
+            schedule_ms=schedule_ms,
+            reduce_ms=float(sum(ms(self._reduce))),
+        )
         per_layer = self.layers.collect()
         if per_layer is not None:
             out.layers = LayerTiming(
@@ -239,5 +269,5 @@ class StageTimer:
                 stage_bwd_ms=float(np.median(out.bwd_ms)) if out.bwd_ms else float("nan"),
             )
         self.layers.sampling = False
-        self._fwd, self._bwd = [], []
+        self._fwd, self._bwd, self._reduce = [], [], []
         return out
