@@ -8,6 +8,8 @@
         --predictor predictor/xgb.joblib --telemetry now.json            # predicted slowdowns
     dynpipe plan --model gpt --stages 4 --slowdown 2:3 \\
         --current partitions/gpt-4.json --migration-ms-per-gb 5         # pay for moving layers
+    dynpipe plan --model vgg16 --gpus 4 --batch-size 256 --link-gbs 300 \\
+        -o partitions/vgg16-4gpu.json          # the dp x pp shape and split for 4 GPUs
 """
 
 from __future__ import annotations
@@ -38,7 +40,15 @@ def register(subparsers: Any) -> None:
         metavar="KEY=VALUE",
         help="model config override, e.g. --set depth=4",
     )
-    p.add_argument("--stages", type=int, required=True, metavar="S", help="pipeline stages")
+    p.add_argument("--stages", type=int, metavar="S", help="pipeline stages (one replica)")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        metavar="G",
+        help="choose the data x pipeline shape for G GPUs instead of --stages: every dp x pp "
+        "with dp * pp = G, its best split, the gradient all-reduce priced over --link-gbs "
+        "(--microbatches then counts per replica)",
+    )
     p.add_argument(
         "--batch-size",
         type=int,
@@ -251,6 +261,13 @@ def run(args: argparse.Namespace) -> int:
         model = get_model(args.model, **parse_overrides(args.overrides))
     except (ValueError, TypeError) as exc:
         raise UserError(str(exc)) from None
+    if (args.stages is None) == (args.gpus is None):
+        raise UserError(
+            "give --stages S (one pipeline) or --gpus G (the dp x pp shape for G GPUs), not "
+            f"{'both' if args.stages is not None else 'neither'}"
+        )
+    if args.gpus is not None:
+        return _shape(args, model)
     s = args.stages
     if not 1 <= s <= len(model):
         raise UserError(f"--stages {s}: {model.name} has {len(model)} layers; use 1–{len(model)}")
@@ -299,6 +316,90 @@ def run(args: argparse.Namespace) -> int:
             ]
             print()
             print(format_comparison([plan, *others]))
+    if args.output:
+        path = plan.save(args.output)
+        if not args.json:
+            print(f"wrote {path}")
+    return 0
+
+
+def _shape(args: argparse.Namespace, model: Any) -> int:
+    """``--gpus``: rank every dp x pp shape, print the table, write the best one's plan."""
+    import dataclasses
+
+    from dynpipe.errors import UserError
+    from dynpipe.planner.make import annotate
+    from dynpipe.planner.report import format_plan, format_shapes
+    from dynpipe.planner.shape import choose_shape
+
+    for flag in ("slowdown", "predictor", "telemetry", "current"):
+        if getattr(args, flag):
+            raise UserError(
+                f"--{flag} describes the devices of one pipeline; with --gpus every device is "
+                "taken clean: plan with --stages for a given pipeline"
+            )
+    if args.conditions and len(args.conditions.split(",")) > 1:
+        raise UserError("--gpus takes one --conditions entry (every device alike)")
+    if args.gpus < 1:
+        raise UserError(f"--gpus must be >= 1, got {args.gpus}")
+    memory = _memory(args.memory_gb, 1)
+    one = argparse.Namespace(**{**vars(args), "stages": 1})
+    shapes = choose_shape(
+        lambda mb: _costs(one, model, mb),
+        gpus=args.gpus,
+        batch_size=args.batch_size,
+        num_layers=len(model),
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        memory_bytes=None if memory is None else memory[0],
+    )
+    best = shapes[0]
+    if not best.fits:
+        why = "; ".join(f"{c.dp}x{c.pp}: {c.note or 'does not fit memory'}" for c in shapes)
+        raise UserError(f"no dp x pp shape of {args.gpus} GPUs can run {model.name}: {why}")
+    costs = _costs(one, model, best.microbatch_size)
+    plan = annotate(
+        costs,
+        best.bounds,
+        schedule=args.schedule,
+        microbatches=best.microbatches,
+        method="shape",
+        memory_bytes=None if memory is None else memory[0],
+        meta={
+            "gpus": args.gpus,
+            "pipeline_ms": round(best.pipeline_ms, 6),
+            "reduce_ms": round(best.reduce_ms, 6),
+            "step_ms": round(best.step_ms, 6),
+            "shapes": [
+                {
+                    "dp": c.dp,
+                    "pp": c.pp,
+                    "split": [b - a for a, b in c.bounds],
+                    "step_ms": None if not c.bounds else round(c.step_ms, 6),
+                    "pipeline_ms": None if not c.bounds else round(c.pipeline_ms, 6),
+                    "reduce_ms": None if not c.bounds else round(c.reduce_ms, 6),
+                    "fits": c.fits,
+                    "note": c.note,
+                }
+                for c in shapes
+            ],
+        },
+    )
+    plan = dataclasses.replace(plan, dp=best.dp)
+    plan.meta.update(
+        batch_size=args.batch_size, model_config=json.loads(json.dumps(model.config, default=str))
+    )
+    if args.json:
+        print(plan.to_json())
+    else:
+        print(
+            f"{model.name}: {len(model)} layers on {args.gpus} GPUs, batch {args.batch_size}; "
+            f"best shape {best.dp} replicas x {best.pp} stages, {best.microbatches} microbatches "
+            f"of {best.microbatch_size} per replica"
+        )
+        print(format_shapes(shapes))
+        print()
+        print(format_plan(plan))
     if args.output:
         path = plan.save(args.output)
         if not args.json:

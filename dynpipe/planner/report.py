@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dynpipe.planner.plan import Plan
 
-__all__ = ["format_comparison", "format_plan", "replace_section"]
+__all__ = ["format_comparison", "format_plan", "format_shapes", "replace_section"]
 
 
 def _mem(b: int | None) -> str:
@@ -140,3 +140,25 @@ def replace_section(path: str | Path, name: str, body: str) -> None:
     else:
         text = text.rstrip() + ("\n\n" if text else "") + block + "\n"
     p.write_text(text)
+
+
+def format_shapes(shapes: Sequence) -> str:
+    """One row per dp x pp shape (``planner.shape.ShapeChoice``): split and step time."""
+    rows = []
+    for c in shapes:
+        split = "|".join(str(b - a) for a, b in c.bounds) or "-"
+        done = bool(c.bounds)
+        rows.append(
+            [
+                f"{c.dp} x {c.pp}",
+                split,
+                f"{c.microbatches} x {c.microbatch_size}" if done else "-",
+                _ms(c.pipeline_ms) if done else "-",
+                _ms(c.reduce_ms) if done else "-",
+                _ms(c.step_ms) if done else "-",
+                _mem(c.mem_bytes) if done else "-",
+                c.note or ("" if c.fits else "does not fit memory"),
+            ]
+        )
+    head = ["dp x pp", "split", "microbatches", "pipe ms", "reduce ms", "step ms", "memory", ""]
+    return _table(rows, head)

@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 # TrainConfig's fields by help section; any other field lands at the end, ungrouped.
 _GROUPS = (
     ("model and data", ("model", "data", "data_path", "data_workers", "device_batches")),
-    ("pipeline", ("plan", "stages", "schedule", "microbatches", "bf16", "timing")),
+    ("pipeline", ("plan", "stages", "dp", "schedule", "microbatches", "bf16", "timing")),
     ("optimisation", ("steps", "batch_size", "seed")),
     ("adaptation", ("scenario", "predictor", "telemetry")),
     ("logs and checkpoints", ("log", "log_every", "save_every", "save_dir", "resume", "progress")),
@@ -63,7 +63,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         "--nproc",
         type=int,
         default=None,
-        help="workers to start on this node (default: the plan's stage count)",
+        help="workers to start on this node (default: the plan's stage count times its replicas)",
     )
     g.add_argument("--device", default="auto", help="auto, cpu or cuda (one GPU per rank)")
     g.add_argument(
@@ -126,9 +126,10 @@ def _launcher(cfg, args: argparse.Namespace) -> int:
         if cfg.plan:
             from dynpipe.planner.plan import Plan
 
-            nproc = Plan.load(cfg.plan).num_stages
+            plan = Plan.load(cfg.plan)
+            nproc = plan.num_stages * (cfg.dp or plan.dp)
         else:
-            nproc = cfg.stages or 1
+            nproc = (cfg.stages or 1) * (cfg.dp or 1)
     resolve_plan(cfg, model, nproc)  # a mismatch is reported here, before any worker starts
     if args.device.startswith("cuda"):
         import torch

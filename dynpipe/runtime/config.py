@@ -39,7 +39,11 @@ class TrainConfig:
     batch_size: samples per step, split into ``microbatches``.
     microbatches: microbatches per step (unset: the plan's, else 4).
     schedule: pipeline schedule (unset: the plan's, else 1f1b).
-    stages: without a plan, this many equal-layer stages (unset: the world size).
+    stages: without a plan, this many equal-layer stages (unset: the world size over
+        ``dp``).
+    dp: pipeline replicas (data parallelism): N ranks run dp pipelines of N/dp stages on a
+        (dp, pp) device mesh, each taking its share of every batch, gradients averaged
+        across them (unset: the plan's, else 1).
     plan: plan JSON (from ``dynpipe plan``).
     optim: optimizer and learning-rate schedule.
     bf16: bfloat16 autocast on GPU.
@@ -70,6 +74,7 @@ class TrainConfig:
     microbatches: int | None = None
     schedule: str | None = field(default=None, metadata={"choices": SCHEDULES})
     stages: int | None = None
+    dp: int | None = field(default=None, metadata={"metavar": "R"})
     plan: str | None = None
     optim: OptimConfig = field(default_factory=OptimConfig)
     bf16: bool = False
@@ -98,6 +103,8 @@ class TrainConfig:
                 f"--device-batches must be >= 0 (0: load every step's batch), got "
                 f"{self.device_batches}"
             )
+        if self.dp is not None and self.dp < 1:
+            raise UserError(f"--dp must be >= 1 (pipeline replicas), got {self.dp}")
         if self.log_every < 1:
             raise UserError(f"--log-every must be >= 1, got {self.log_every}")
         if self.adapt.mode == "restart" and not (self.save_dir or self.log):

@@ -9,6 +9,12 @@ each rank posts all its sends and receives of a round in one batch, which cannot
 on gloo or NCCL whatever the transfer pattern. Receivers build the layers from the model
 spec, load the bytes, verify the checksum, and every rank rebuilds its stage, optimizer
 and schedule under the new plan, keeping its process group.
+
+With data parallelism every replica holds the same layers on the same stages, so the plan's
+diff is the same in each: each replica's ranks move their own copies among themselves
+(place ``p`` of replica ``r`` is rank ``r * pp + p``), all replicas at once, and the vote is
+over every rank of every replica. A plan that changes only the batch shares (or the
+replicas partial reduce drops) moves nothing and rebuilds the stages.
 """
 
 from __future__ import annotations
@@ -292,7 +298,8 @@ def repartition(
     heartbeat is given) instead of training on under a half-moved model.
     """
     old = engine.plan
-    me = engine.topo.rank
+    # Plans name a stage's place in its pipeline; the wire needs the replica's own ranks.
+    me, to_rank = engine.mesh.pp_rank, engine.mesh.global_rank
     dev = engine.topo.device
     timeout_s = engine.topo.timeout_s if timeout_s is None else timeout_s
     new_plan.validate(engine.model, engine.topo.world_size)
@@ -306,15 +313,16 @@ def repartition(
         if t.dst == me:
             in_by_peer.setdefault(t.src, []).append(t.name)
 
-    where = f"rank {me} repartitioning {old!r} -> {new_plan!r}"
-    peers = sorted(set(out_by_peer) | set(in_by_peer))
+    where = f"rank {engine.topo.rank} repartitioning {old!r} -> {new_plan!r}"
+    peers = sorted(to_rank(p) for p in set(out_by_peer) | set(in_by_peer))
     try:
         packed = {
-            p: _message(_layer_payload(engine, names), dev) for p, names in out_by_peer.items()
+            to_rank(p): _message(_layer_payload(engine, names), dev)
+            for p, names in out_by_peer.items()
         }
         t_packed = time.perf_counter()
         recv, stats.bytes_received = _exchange(
-            packed, sorted(in_by_peer), device=dev, timeout_s=timeout_s
+            packed, sorted(to_rank(p) for p in in_by_peer), device=dev, timeout_s=timeout_s
         )
     except MigrationError:
         raise

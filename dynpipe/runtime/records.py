@@ -45,6 +45,7 @@ __all__ = [
     "LayerTimes",
     "LogRecords",
     "Record",
+    "ReplicaTiming",
     "StageTiming",
     "Step",
     "Telemetry",
@@ -80,7 +81,11 @@ class Record:
         out: dict[str, Any] = {"type": self.TYPE, "time": self.time}
         for f in dataclasses.fields(self):
             if f.name not in ("time", "extra"):
-                out[f.name] = _plain(getattr(self, f.name))
+                value = getattr(self, f.name)
+                # Fields only some runs fill (data parallelism) stay out of other runs' logs.
+                if f.metadata.get("omit_empty") and not value:
+                    continue
+                out[f.name] = _plain(value)
         return {**out, **self.extra}
 
     @classmethod
@@ -144,6 +149,42 @@ class StageTiming:
         )
 
 
+@dataclass(frozen=True)
+class ReplicaTiming:
+    """One pipeline replica's share of one step (data x pipeline parallelism), in ms.
+
+    microbatches: the microbatches it ran (its batch share; 1 for a replica whose share
+        partial reduce dropped, which runs one zero-weight microbatch).
+    dropped: its share was left out of the update (partial reduce).
+    busy_ms: the replica's own step: its slowest stage's time in the schedule, less the
+        wait for the gradient all-reduce across replicas.
+    reduce_ms: its longest all-reduce tail: the time a stage waited, after its last
+        gradient bucket, for the reduce across replicas (the slowest replica's lead).
+    stages: its stages' timings (``rank``: the global rank).
+    """
+
+    replica: int
+    microbatches: int
+    busy_ms: float
+    reduce_ms: float
+    dropped: bool = False
+    stages: tuple[StageTiming, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ReplicaTiming:
+        return cls(
+            replica=int(d["replica"]),
+            microbatches=int(d["microbatches"]),
+            busy_ms=float(d["busy_ms"]),
+            reduce_ms=float(d["reduce_ms"]),
+            dropped=bool(d.get("dropped", False)),
+            stages=tuple(StageTiming.from_dict(x) for x in d.get("stages", ())),
+        )
+
+
 @record_type("header")
 @dataclass(frozen=True, kw_only=True)
 class Header(Record):
@@ -173,7 +214,8 @@ class Step(Record):
     wall: seconds from this launch's training loop start to this step's end; t_end: the
     step's end as epoch seconds, which a relaunch shares with the launch before it (None in
     older logs); step_ms: the step's duration on the writing rank; stages: every stage's
-    timing, in stage order.
+    timing, in stage order (with replicas: replica 0's). replicas: with data parallelism,
+    every replica's timing (absent otherwise).
     """
 
     step: int
@@ -185,6 +227,7 @@ class Step(Record):
     grad_norm: float | None = None
     samples_per_s: float | None = None
     stages: tuple[StageTiming, ...] = ()
+    replicas: tuple[ReplicaTiming, ...] = field(default=(), metadata={"omit_empty": True})
 
 
 @record_type("telemetry")
@@ -206,13 +249,16 @@ class LayerTimes(Record):
     """Every layer's time per microbatch on the window's sampled step (the last step before
     ``step + 1``), each from the stage that held it: the median over its microbatches (ms;
     None where a layer was not timed). stage_fwd_ms / stage_bwd_ms: every stage's own timer
-    on that step, per microbatch (beyond its layers: the stage's overhead)."""
+    on that step, per microbatch (beyond its layers: the stage's overhead). With replicas
+    the fields above are replica 0's, and ``replicas`` holds every replica's as a dict of
+    the same four keys (absent otherwise)."""
 
     step: int
     fwd_ms: tuple[float | None, ...] = ()
     bwd_ms: tuple[float | None, ...] = ()
     stage_fwd_ms: tuple[float | None, ...] = ()
     stage_bwd_ms: tuple[float | None, ...] = ()
+    replicas: tuple[dict[str, Any], ...] = field(default=(), metadata={"omit_empty": True})
 
 
 @dataclass(frozen=True)
@@ -277,6 +323,13 @@ EVENTS: dict[str, EventSpec] = {
             "repartition",
             "layers moved live before `step`: plans, bytes, and the pause by part",
             ("step", "old_plan", "new_plan", "bytes", "decide_ms", "transfer_ms", "rebuild_ms"),
+        ),
+        EventSpec(
+            "reshare",
+            "the batch shares between replicas changed before `step` (no layer moved); "
+            "`partial` marks SD-Pipe's partial reduce, which leaves `dropped` replicas' "
+            "shares out of the update and so changes what training computes",
+            ("step", "old_plan", "new_plan", "shares", "dropped", "partial", "pause_ms"),
         ),
         EventSpec(
             "first_step",

@@ -15,6 +15,11 @@ A scenario file (``recipes/scenarios/*.toml``)::
     action = "stop"
     stage = 1
 
+With pipeline replicas (``dynpipe train --dp R``) ``replica = r`` (default 0) picks stage
+``stage`` of replica ``r``; ``rank = n`` instead of ``stage`` names a rank's device outright
+(rank ``n`` is GPU ``n`` of a one-node run), which stays the same device whatever the
+dp x pp shape, so runs of different shapes can be slowed on the same GPU.
+
 Real interferers are separate processes on the target rank's device (its GPU, or its CPU
 cores), started idle before training and switched on and off at their steps, so an onset
 costs no process start-up inside the run. ``emulate`` instead stretches the target stage's
@@ -48,10 +53,17 @@ class ScenarioEvent:
     intensity: float = 1.0
     count: int = 1
     factor: float = 3.0
+    replica: int = 0
+    rank: int | None = None  # a rank's device, in place of (replica, stage)
 
     @property
     def emulated(self) -> bool:
         return self.kind == "emulate"
+
+    @property
+    def target(self) -> tuple[int, int]:
+        """What the event names: ``(replica, stage)``, or ``(-1, rank)``."""
+        return (-1, self.rank) if self.rank is not None else (self.replica, self.stage)
 
 
 @dataclass(frozen=True)
@@ -59,20 +71,22 @@ class Scenario:
     name: str
     events: tuple[ScenarioEvent, ...] = field(default_factory=tuple)
 
-    def active_at(self, step: int) -> dict[int, ScenarioEvent]:
-        """Interference running on each stage's device just before ``step`` runs."""
-        on: dict[int, ScenarioEvent] = {}
+    def active_at(self, step: int) -> dict[tuple[int, int], ScenarioEvent]:
+        """Interference running on each target's device just before ``step`` runs, by
+        ``ScenarioEvent.target``."""
+        on: dict[tuple[int, int], ScenarioEvent] = {}
         for ev in sorted(self.events, key=lambda e: e.step):
             if ev.step > step:
                 break
             if ev.action == "start":
-                on[ev.stage] = ev
+                on[ev.target] = ev
             else:
-                on.pop(ev.stage, None)
+                on.pop(ev.target, None)
         return on
 
 
-def load_scenario(path: str | Path, *, num_stages: int | None = None) -> Scenario:
+def load_scenario(path: str | Path, *, num_stages: int | None = None, dp: int = 1) -> Scenario:
+    """``num_stages`` / ``dp``: the run's pipeline length and replicas, checked against."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"scenario file {p} does not exist; see recipes/scenarios/ for examples")
@@ -84,7 +98,8 @@ def load_scenario(path: str | Path, *, num_stages: int | None = None) -> Scenari
     from dynpipe.devices.interfere import KINDS
 
     for i, raw in enumerate(doc.get("events", [])):
-        unknown = set(raw) - {"step", "action", "stage", "kind", "intensity", "count", "factor"}
+        keys = {"step", "action", "stage", "kind", "intensity", "count", "factor", "replica"}
+        unknown = set(raw) - keys - {"rank"}
         if unknown:
             raise UserError(f"scenario {p} event {i} has unknown keys {sorted(unknown)}")
         action = raw.get("action")
@@ -96,7 +111,24 @@ def load_scenario(path: str | Path, *, num_stages: int | None = None) -> Scenari
                 f"scenario {p} event {i}: unknown kind {kind!r}; use emulate or one of "
                 f"{', '.join(KINDS)}"
             )
-        stage = int(raw.get("stage", -1))
+        rank = int(raw["rank"]) if "rank" in raw else None
+        world = None if num_stages is None else num_stages * dp
+        if rank is not None and (rank < 0 or (world is not None and rank >= world)):
+            raise UserError(
+                f"scenario {p} event {i}: rank {rank} is not a rank of this {world}-rank "
+                f"run; use 0–{(world or 1) - 1}"
+            )
+        if rank is not None and ("stage" in raw or "replica" in raw):
+            raise UserError(
+                f"scenario {p} event {i} names both a rank and a stage or replica; give one"
+            )
+        replica = int(raw.get("replica", 0))
+        if replica < 0 or replica >= dp:
+            raise UserError(
+                f"scenario {p} event {i}: replica {replica} is not a replica of this run "
+                f"({dp} replica{'s' if dp > 1 else ''}); use 0–{dp - 1}"
+            )
+        stage = int(raw.get("stage", -1 if rank is None else 0))
         if stage < 0 or (num_stages is not None and stage >= num_stages):
             raise UserError(
                 f"scenario {p} event {i}: stage {stage} is not a stage of this "
@@ -116,6 +148,8 @@ def load_scenario(path: str | Path, *, num_stages: int | None = None) -> Scenari
                 intensity=float(raw.get("intensity", 1.0)),
                 count=int(raw.get("count", 1)),
                 factor=factor,
+                replica=replica,
+                rank=rank,
             )
         )
     return Scenario(name=str(doc.get("name", p.stem)), events=tuple(events))
@@ -125,7 +159,9 @@ class ScenarioRunner:
     """Applies a scenario on this rank: real interferers on its device, or emulation.
 
     ``target_ranks[s]`` is the rank whose device "stage s" names (fixed at the start: when
-    layers move, the interference stays on the device, which is the point).
+    layers move, the interference stays on the device, which is the point); with replicas it
+    is the stage's place in its pipeline, and replica ``r``'s copy is on rank
+    ``r * len(target_ranks) + target_ranks[s]``.
     """
 
     def __init__(
@@ -137,8 +173,10 @@ class ScenarioRunner:
         device: str,
         timer: Any,
         timeout_s: float = 3600.0,
+        dp: int = 1,
     ) -> None:
         self.scenario = scenario
+        self.dp = dp
         self.rank = rank
         self.targets = target_ranks
         self.device = device
@@ -146,8 +184,13 @@ class ScenarioRunner:
         self.timeout_s = timeout_s
         self._procs: dict[tuple[str, float, int], Any] = {}
 
+    def _rank(self, ev: ScenarioEvent) -> int:
+        if ev.rank is not None:
+            return ev.rank
+        return ev.replica * len(self.targets) + self.targets[ev.stage]
+
     def _mine(self, ev: ScenarioEvent) -> bool:
-        return self.targets[ev.stage] == self.rank
+        return self._rank(ev) == self.rank
 
     def prepare(self) -> None:
         """Start every real interferer this rank will need, idle (intensity 0), and wait."""
@@ -177,16 +220,19 @@ class ScenarioRunner:
             if ev.step != step:
                 continue
             if ev.action == "stop":
-                if ev.stage not in running:
+                if ev.target not in running:
                     continue  # nothing runs there: a stop without a start is a no-op
+                on = running[ev.target]
                 ev = ScenarioEvent(
                     step=ev.step,
                     action="stop",
                     stage=ev.stage,
-                    kind=running[ev.stage].kind,
-                    intensity=running[ev.stage].intensity,
-                    count=running[ev.stage].count,
-                    factor=running[ev.stage].factor,
+                    kind=on.kind,
+                    intensity=on.intensity,
+                    count=on.count,
+                    factor=on.factor,
+                    replica=ev.replica,
+                    rank=ev.rank,
                 )
             rec = {
                 "step": step,
@@ -194,11 +240,13 @@ class ScenarioRunner:
                 "intensity": ev.intensity,
                 "count": ev.count,
                 "factor": ev.factor if ev.emulated else None,
-                "stage": ev.stage,
-                "rank": self.targets[ev.stage],
+                "stage": self.targets.index(self._rank(ev) % len(self.targets)),
+                "rank": self._rank(ev),
                 "emulated": ev.emulated,
                 "event": f"interference_{ev.action}",
             }
+            if self.dp > 1:
+                rec["replica"] = self._rank(ev) // len(self.targets)
             records.append(rec)
             if self._mine(ev):
                 self._switch(ev, on=ev.action == "start")
@@ -206,8 +254,8 @@ class ScenarioRunner:
 
     def resume_at(self, step: int) -> None:
         """After a relaunch: turn on what the scenario has running at ``step``."""
-        for stage, ev in self.scenario.active_at(step - 1).items():
-            if self.targets[stage] == self.rank and ev.step < step:
+        for ev in self.scenario.active_at(step - 1).values():
+            if self._mine(ev) and ev.step < step:
                 self._switch(ev, on=True)
 
     def _switch(self, ev: ScenarioEvent, *, on: bool) -> None:

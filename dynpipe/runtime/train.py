@@ -32,7 +32,8 @@ from dynpipe.runtime.checkpoint import find_checkpoint, load_checkpoint, save_ch
 from dynpipe.runtime.config import TrainConfig
 from dynpipe.runtime.engine import EngineConfig, NonFiniteLoss, PipelineEngine, StepResult
 from dynpipe.runtime.health import Heartbeat, StageFailure
-from dynpipe.runtime.records import LayerTimes, StageTiming, Step, Telemetry
+from dynpipe.runtime.mesh import Mesh, init_mesh
+from dynpipe.runtime.records import LayerTimes, ReplicaTiming, StageTiming, Step, Telemetry
 from dynpipe.runtime.runlog import RunLog, code_revision, environment
 from dynpipe.runtime.topology import Topology
 
@@ -70,21 +71,36 @@ def build_model_and_data(cfg: TrainConfig) -> tuple[LayeredModel, Any]:
 
 def resolve_plan(cfg: TrainConfig, model: LayeredModel, world_size: int) -> Plan:
     """The run's plan, validated against the model and the world before any collective."""
-    # A plan file's schedule and microbatches hold unless the command line overrides them.
+    from dynpipe.runtime.mesh import check_dp
+
+    # A plan file's schedule, microbatches and replicas hold unless the command line
+    # overrides them.
     if cfg.plan:
         plan = Plan.load(cfg.plan)
+        dp = cfg.dp or plan.dp
+        check_dp(dp, world_size)
         plan = dataclasses.replace(
             plan,
             schedule=cfg.schedule or plan.schedule,
             microbatches=cfg.microbatches or plan.microbatches,
+            dp=dp,
+            # Shares are counts for the plan's replicas and microbatches: kept only for those.
+            shares=plan.shares
+            if (dp, cfg.microbatches or plan.microbatches) == (plan.dp, plan.microbatches)
+            else None,
+            dropped=plan.dropped if dp == plan.dp else (),
         )
     else:
+        dp = cfg.dp or 1
+        pp = check_dp(dp, world_size)
         plan = Plan.even(
             model,
-            cfg.stages or world_size,
+            cfg.stages or pp,
             schedule=cfg.schedule or "1f1b",
             microbatches=cfg.microbatches or 4,
         )
+        if dp > 1:
+            plan = dataclasses.replace(plan, dp=dp)
     plan.validate(model, world_size)
     from dynpipe.runtime.engine import check_batch
 
@@ -95,12 +111,18 @@ def resolve_plan(cfg: TrainConfig, model: LayeredModel, world_size: int) -> Plan
 @dataclass
 class _Gathered:
     """One window as every rank sees it after the gather: step records, the sampled step's
-    per-layer timings, per-rank telemetry and free device memory."""
+    per-layer timings (replica 0's, and with replicas every replica's), per-rank telemetry
+    and free device memory."""
 
     records: list[dict]
     layers: dict[str, Any] | None
     telemetry: list[dict[str, float]]
     free_bytes: list[float]
+    replica_layers: list[dict[str, Any] | None] | None = None
+
+
+# Per step and rank: forward, backward, wait, step and reduce milliseconds.
+_TIMES = 5
 
 
 class _StepLog:
@@ -108,11 +130,20 @@ class _StepLog:
     every stage's numbers, every layer's sampled timings and every device's telemetry (the
     adaptation loop reads them, the writer logs them)."""
 
-    def __init__(self, *, topo: Topology, plan: Plan, log: RunLog | None, batch_size: int):
+    def __init__(
+        self,
+        *,
+        topo: Topology,
+        plan: Plan,
+        log: RunLog | None,
+        batch_size: int,
+        mesh: Mesh | None = None,
+    ):
         self.topo = topo
         self.plan = plan
         self.log = log
         self.batch_size = batch_size
+        self.mesh = mesh or Mesh.single(rank=topo.rank, world_size=topo.world_size)
         self.pending: list[StepResult] = []
         self.t_start = time.time()
 
@@ -125,7 +156,7 @@ class _StepLog:
         n = self.plan.num_layers
         row = [float("nan")] * (2 * n + 2)
         sampled = [r.timing.layers for r in self.pending if r.timing.layers is not None]
-        stage = self.plan.stage_of_rank(self.topo.rank)
+        stage = self.plan.stage_of_rank(self.mesh.pp_rank)
         if not sampled or stage is None:
             return row
         lt, st = sampled[-1], self.plan.stages[stage]
@@ -144,7 +175,13 @@ class _StepLog:
         row = [
             v
             for r in self.pending
-            for v in (r.timing.fwd_total, r.timing.bwd_total, r.timing.wait_ms, r.step_ms)
+            for v in (
+                r.timing.fwd_total,
+                r.timing.bwd_total,
+                r.timing.wait_ms,
+                r.step_ms,
+                r.timing.reduce_ms,
+            )
         ]
         tel = telemetry or {}
         row += [float(tel.get(c, float("nan"))) for c in TELEMETRY_COLUMNS]
@@ -159,28 +196,16 @@ class _StepLog:
         else:
             by_rank = [mine]
         nt = len(TELEMETRY_COLUMNS)
-        times = [p[: 4 * k].view(k, 4) for p in by_rank]
+        times = [p[: _TIMES * k].view(k, _TIMES) for p in by_rank]
         tels = [
-            dict(zip(TELEMETRY_COLUMNS, p[4 * k : 4 * k + nt].tolist(), strict=True))
+            dict(zip(TELEMETRY_COLUMNS, p[_TIMES * k : _TIMES * k + nt].tolist(), strict=True))
             for p in by_rank
         ]
-        layer_rows = [p[4 * k + nt : -1].tolist() for p in by_rank]
+        layer_rows = [p[_TIMES * k + nt : -1].tolist() for p in by_rank]
         free = [float(p[-1]) for p in by_rank]
         steps = []
         for j, res in enumerate(self.pending):
-            stages = []
-            for s, st in enumerate(self.plan.stages):
-                f, b, w, _ = times[st.rank][j].tolist()
-                stages.append(
-                    StageTiming(
-                        stage=s,
-                        rank=st.rank,
-                        layers=(st.start, st.stop),
-                        fwd_ms=round(f, 4),
-                        bwd_ms=round(b, 4),
-                        wait_ms=round(w, 4),
-                    )
-                )
+            replicas = [self._replica(times, r, j) for r in range(self.mesh.dp)]
             rec = Step(
                 step=res.step,
                 # When this step ended here: seconds since this process started training, and
@@ -192,14 +217,19 @@ class _StepLog:
                 lr=res.lr,
                 grad_norm=res.grad_norm,
                 samples_per_s=round(self.batch_size / (res.step_ms / 1e3), 3),
-                stages=tuple(stages),
+                stages=replicas[0].stages,
+                replicas=tuple(replicas) if self.mesh.dp > 1 else (),
             )
             steps.append(rec)
             if self.log is not None:
                 self.log.record(rec)
-        layers = self._layers(layer_rows, n)
+        per_replica = [self._layers(layer_rows, n, r) for r in range(self.mesh.dp)]
+        layers = per_replica[0]
         if self.log is not None and layers is not None:
-            self.log.record(LayerTimes(step=self.pending[-1].step, **layers))
+            extra = {}
+            if self.mesh.dp > 1:
+                extra["replicas"] = tuple(x or {} for x in per_replica)
+            self.log.record(LayerTimes(step=self.pending[-1].step, **layers, **extra))
         if self.log is not None and telemetry is not None:
             self.log.record(
                 Telemetry(
@@ -210,14 +240,48 @@ class _StepLog:
         # The adaptation loop reads the window's steps as plain dicts.
         records = [rec.to_dict() for rec in steps]
         self.pending = []
-        return _Gathered(records=records, layers=layers, telemetry=tels, free_bytes=free)
+        return _Gathered(
+            records=records,
+            layers=layers,
+            telemetry=tels,
+            free_bytes=free,
+            replica_layers=per_replica if self.mesh.dp > 1 else None,
+        )
 
-    def _layers(self, rows: list[list[float]], n: int) -> dict[str, Any] | None:
-        """Every layer's sampled time from the rank that holds it (None if none sampled)."""
+    def _replica(self, times: list[torch.Tensor], replica: int, j: int) -> ReplicaTiming:
+        """Step ``j`` of the window on ``replica``'s stages."""
+        stages, busy, reduce = [], 0.0, 0.0
+        for s, st in enumerate(self.plan.stages):
+            rank = self.mesh.global_rank(st.rank, replica)
+            f, b, w, _, red = times[rank][j].tolist()
+            busy, reduce = max(busy, f + b + w), max(reduce, red)
+            stages.append(
+                StageTiming(
+                    stage=s,
+                    rank=rank,
+                    layers=(st.start, st.stop),
+                    fwd_ms=round(f, 4),
+                    bwd_ms=round(b, 4),
+                    wait_ms=round(w, 4),
+                )
+            )
+        dropped = replica in self.plan.dropped
+        return ReplicaTiming(
+            replica=replica,
+            microbatches=1 if dropped else self.plan.replica_microbatches[replica],
+            busy_ms=round(busy, 4),
+            reduce_ms=round(reduce, 4),
+            dropped=dropped,
+            stages=tuple(stages),
+        )
+
+    def _layers(self, rows: list[list[float]], n: int, replica: int = 0) -> dict[str, Any] | None:
+        """Every layer's sampled time in ``replica`` from the rank that holds it (None if none
+        sampled)."""
         fwd, bwd = [float("nan")] * n, [float("nan")] * n
         sf, sb = [], []
         for st in self.plan.stages:
-            row = rows[st.rank]
+            row = rows[self.mesh.global_rank(st.rank, replica)]
             fwd[st.start : st.stop] = row[st.start : st.stop]
             bwd[st.start : st.stop] = row[n + st.start : n + st.stop]
             sf.append(row[2 * n])
@@ -244,6 +308,13 @@ def _free_bytes(topo: Topology) -> float:
 
 
 def _window(got: _Gathered, plan: Plan, *, telemetry: bool) -> Window:
+    extra: dict[str, Any] = {}
+    if plan.dp > 1:
+        extra = {
+            "shares": plan.replica_microbatches,
+            "dropped": plan.dropped,
+            "replica_layers": got.replica_layers,
+        }
     return Window.from_records(
         got.records,
         bounds=plan.bounds,
@@ -253,6 +324,7 @@ def _window(got: _Gathered, plan: Plan, *, telemetry: bool) -> Window:
         layers=got.layers,
         telemetry=got.telemetry if telemetry else None,
         memory_bytes=got.free_bytes,
+        **extra,
     )
 
 
@@ -330,6 +402,7 @@ def train(
         initial_plan = Plan.from_dict(
             restart_meta.get("initial_plan", restart_meta["restart_plan"])
         )
+    mesh = init_mesh(topo, dp=plan.dp)
     engine = PipelineEngine(
         model,
         plan,
@@ -337,11 +410,12 @@ def train(
         config=EngineConfig(
             batch_size=cfg.batch_size, optim=cfg.optim, bf16=cfg.bf16, timing=cfg.timing
         ),
+        mesh=mesh,
     )
     start = 0
     if resume:
         start = _resume(engine, resume, topo=topo)
-    writer = plan.stages[-1].rank == topo.rank
+    writer = mesh.replica == 0 and engine.is_last
     log = None
     if writer:
         log = RunLog(cfg.log or default_log_path(cfg), append=bool(resume))
@@ -360,17 +434,18 @@ def train(
                 step=start,
                 pause_ms=round((time.time() - restart_meta["decided_time"]) * 1e3, 3),
             )
-    mb = cfg.batch_size // plan.microbatches
+    mb = cfg.batch_size // plan.total_microbatches
     if policy is None:
         policy = make_policy(
             cfg.adapt,
             model=model,
             microbatch_size=mb,
-            num_ranks=topo.world_size,
+            num_ranks=plan.num_stages if plan.dp > 1 else topo.world_size,
             predictor=cfg.predictor,
+            dp=plan.dp,
         )
     every = cfg.adapt.monitor_every if policy is not None else cfg.log_every
-    steplog = _StepLog(topo=topo, plan=plan, log=log, batch_size=cfg.batch_size)
+    steplog = _StepLog(topo=topo, plan=plan, log=log, batch_size=cfg.batch_size, mesh=mesh)
     adapter = None
     if policy is not None:
         adapter = Adapter(
@@ -397,7 +472,8 @@ def train(
     step = start
     # Middle stages never read a batch: they do not load one either. A rank's stage index is
     # the same under every plan of the run (repartitions keep the plan's rank order), so the
-    # ranks that load are fixed; the stream resumes at ``start`` like the data itself.
+    # ranks that load are fixed; the stream resumes at ``start`` like the data itself. Every
+    # replica's first and last stage load the whole step's batch and take their share.
     stream: BatchStream | CyclicBatches | None = None
     if (engine.is_first or engine.is_last) and cfg.device_batches:
         stream = CyclicBatches(
@@ -480,10 +556,15 @@ def _scenario_runner(
         return None
     from dynpipe.runtime.scenario import ScenarioRunner, load_scenario
 
-    scenario = load_scenario(cfg.scenario, num_stages=engine.plan.num_stages)
+    scenario = load_scenario(cfg.scenario, num_stages=engine.plan.num_stages, dp=engine.mesh.dp)
     device = f"cuda:{topo.device.index}" if topo.is_cuda else "cpu"
     return ScenarioRunner(
-        scenario, rank=topo.rank, target_ranks=targets, device=device, timer=engine.timer
+        scenario,
+        rank=topo.rank,
+        target_ranks=targets,
+        device=device,
+        timer=engine.timer,
+        dp=engine.mesh.dp,
     )
 
 
@@ -500,9 +581,12 @@ def _failure(
     exc: Exception, *, engine: PipelineEngine, topo: Topology, step: int, beat: Heartbeat
 ) -> StageFailure:
     dead = beat.dead_peers()
+    pp = engine.mesh.pp
     who = (
         ", ".join(
-            f"rank {r} (stage {engine.plan.stage_of_rank(r)}) silent for {age:.1f}s"
+            f"rank {r} (stage {engine.plan.stage_of_rank(r % pp)}"
+            + (f" of replica {r // pp}" if engine.mesh.dp > 1 else "")
+            + f") silent for {age:.1f}s"
             for r, age in dead
         )
         or "no peer looks dead"
@@ -537,10 +621,13 @@ def _save(
         "data_position": step,
         "world_size": topo.world_size,
     }
+    # Replicas hold identical copies: replica 0's are written (keys are layer names, so
+    # the checkpoint loads under any dp x pp shape, or into one process).
+    mine = engine.mesh.replica == 0
     return save_checkpoint(
         path or _ckpt_dir(cfg, step),
-        model_state=engine.model_state(),
-        optim_state=engine.optim_state(),
+        model_state=engine.model_state() if mine else {},
+        optim_state=engine.optim_state() if mine else {},
         meta=meta,
         rank=topo.rank,
     )

@@ -21,6 +21,7 @@ def make_policy(
     num_ranks: int,
     predictor: str | None = None,
     base: CostModel | None = None,
+    dp: int = 1,
 ) -> Policy | None:
     """The policy of ``config.mode`` (None for ``static``).
 

@@ -8,6 +8,7 @@ policy sees the same type whether it runs in a training process, over a recorded
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,13 @@ class Window:
         step: what a stage spends beyond its layers is its fixed overhead.
     telemetry: one ``tel_*`` dict per rank, or None.
     memory_bytes: ``[R]`` bytes each rank's stage may occupy (NaN where unknown), or None.
+    replicas: with data parallelism, one window per pipeline replica (its own stages, layers,
+        telemetry and memory; ``step_ms`` its busy time without the wait for the gradient
+        all-reduce, ``microbatches`` what it ran), else None. The fields above are then
+        replica 0's, but ``step_ms``: the job's step times.
+    shares / dropped: the plan's batch shares per replica and the replicas partial reduce
+        leaves out (None / empty for one replica).
+    reduce_ms: ``[k, dp]`` each replica's longest all-reduce tail per step, or None.
     """
 
     step: int
@@ -48,11 +56,20 @@ class Window:
     sampled_bwd_ms: np.ndarray | None = None
     telemetry: tuple[Mapping[str, Any], ...] | None = None
     memory_bytes: np.ndarray | None = None
+    replicas: tuple[Window, ...] | None = None
+    shares: tuple[int, ...] | None = None
+    dropped: tuple[int, ...] = ()
+    reduce_ms: np.ndarray | None = None
 
     def __repr__(self) -> str:
         split = "|".join(str(b - a) for a, b in self.bounds)
         has = "layers" if self.has_layers else "stages only"
-        return f"Window(step={self.step}, {split}, {len(self.step_ms)} steps, {has})"
+        dp = "" if self.replicas is None else f", dp={self.dp} shares={list(self.shares or ())}"
+        return f"Window(step={self.step}, {split}{dp}, {len(self.step_ms)} steps, {has})"
+
+    @property
+    def dp(self) -> int:
+        return 1 if self.replicas is None else len(self.replicas)
 
     @property
     def num_stages(self) -> int:
@@ -88,8 +105,28 @@ class Window:
         layers: Mapping[str, Any] | None = None,
         telemetry: Sequence[Mapping[str, Any]] | None = None,
         memory_bytes: Sequence[float] | None = None,
+        shares: Sequence[int] | None = None,
+        dropped: Sequence[int] = (),
+        replica_layers: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> Window:
-        """From the run log's step records of one window (and its ``layer_times`` record)."""
+        """From the run log's step records of one window (and its ``layer_times`` record).
+
+        With ``shares`` (data parallelism) the records carry ``replicas``; ``telemetry``
+        and ``memory_bytes`` are then per global rank, ``replica_layers`` one
+        ``layer_times`` dict per replica.
+        """
+        if shares is not None:
+            return cls._with_replicas(
+                records,
+                bounds=bounds,
+                ranks=ranks,
+                schedule=schedule,
+                telemetry=telemetry,
+                memory_bytes=memory_bytes,
+                shares=shares,
+                dropped=dropped,
+                replica_layers=replica_layers,
+            )
         s = len(bounds)
         fwd = np.array([[r["stages"][i]["fwd_ms"] for i in range(s)] for r in records], float)
         bwd = np.array([[r["stages"][i]["bwd_ms"] for i in range(s)] for r in records], float)
@@ -114,4 +151,54 @@ class Window:
             sampled_bwd_ms=arr("stage_bwd_ms"),
             telemetry=tuple(telemetry) if telemetry is not None else None,
             memory_bytes=np.array(memory_bytes, float) if memory_bytes is not None else None,
+        )
+
+    @classmethod
+    def _with_replicas(
+        cls,
+        records: Sequence[Mapping[str, Any]],
+        *,
+        bounds: Sequence[Sequence[int]],
+        ranks: Sequence[int],
+        schedule: str,
+        telemetry: Sequence[Mapping[str, Any]] | None,
+        memory_bytes: Sequence[float] | None,
+        shares: Sequence[int],
+        dropped: Sequence[int],
+        replica_layers: Sequence[Mapping[str, Any] | None] | None,
+    ) -> Window:
+        pp, dp = len(bounds), len(shares)
+        subs = []
+        for r in range(dp):
+            recs = [
+                {
+                    "step": rec["step"],
+                    "step_ms": rec["replicas"][r]["busy_ms"],
+                    "stages": rec["replicas"][r]["stages"],
+                }
+                for rec in records
+            ]
+            mine = slice(r * pp, (r + 1) * pp)
+            subs.append(
+                cls.from_records(
+                    recs,
+                    bounds=bounds,
+                    ranks=ranks,
+                    microbatches=1 if r in dropped else int(shares[r]),
+                    schedule=schedule,
+                    layers=None if replica_layers is None else replica_layers[r],
+                    telemetry=None if telemetry is None else telemetry[mine],
+                    memory_bytes=None if memory_bytes is None else memory_bytes[mine],
+                )
+            )
+        first = subs[0]
+        return dataclasses.replace(
+            first,
+            step_ms=np.array([rec["step_ms"] for rec in records], float),
+            replicas=tuple(subs),
+            shares=tuple(int(x) for x in shares),
+            dropped=tuple(int(x) for x in dropped),
+            reduce_ms=np.array(
+                [[rec["replicas"][r]["reduce_ms"] for r in range(dp)] for rec in records], float
+            ),
         )
