@@ -109,13 +109,15 @@ class Plan:
                 f"{self.num_layers} layers; use at most {self.num_layers} stages"
             )
         expect = 0
+        # Every replica runs the plan's stages: a gap is a gap in every replica.
+        each = f" in each of its {self.dp} replicas" if self.dp > 1 else ""
         for s, st in enumerate(self.stages):
             if st.start != expect:
                 what = "misses" if st.start > expect else "repeats"
                 lo, hi = sorted((expect, st.start))
                 raise PlanError(
-                    f"plan {what} layers {lo}–{hi - 1} before stage {s} (stage {s} starts at "
-                    f"layer {st.start}, expected {expect}); stages must cover 0–"
+                    f"plan {what} layers {lo}–{hi - 1} before stage {s}{each} (stage {s} "
+                    f"starts at layer {st.start}, expected {expect}); stages must cover 0–"
                     f"{self.num_layers - 1} contiguously, each exactly once"
                 )
             if st.stop <= st.start:
@@ -126,9 +128,9 @@ class Plan:
             expect = st.stop
         if expect != self.num_layers:
             raise PlanError(
-                f"plan covers layers 0–{expect - 1} but {self.model} has {self.num_layers} "
-                f"layers; regenerate it with `dynpipe plan --model {self.model} --stages "
-                f"{len(self.stages)}`"
+                f"plan covers layers 0–{expect - 1}{each} but {self.model} has "
+                f"{self.num_layers} layers; regenerate it with `dynpipe plan --model "
+                f"{self.model} --stages {len(self.stages)}`"
             )
         ranks = [st.rank for st in self.stages]
         if len(set(ranks)) != len(ranks):

@@ -78,7 +78,8 @@ def resolve_plan(cfg: TrainConfig, model: LayeredModel, world_size: int) -> Plan
     if cfg.plan:
         plan = Plan.load(cfg.plan)
         dp = cfg.dp or plan.dp
-        check_dp(dp, world_size)
+        if cfg.dp is not None:
+            check_dp(dp, world_size)  # else the plan's own check below names its shape
         plan = dataclasses.replace(
             plan,
             schedule=cfg.schedule or plan.schedule,

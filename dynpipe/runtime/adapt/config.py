@@ -40,6 +40,9 @@ class AdaptConfig:
     sweep_windows: windows each split is held in ``sweep`` mode (the first settles).
     sweep_plans: ``sweep`` mode with more than 2 stages: how many splits to visit (the best
         under the measured per-layer costs); 2 stages visit every split.
+    partial_reduce: with pipeline replicas, let the policy leave a straggling replica's
+        batch share out of the update (SD-Pipe's partial reduce). This changes what training
+        computes (fewer samples per update while it holds); off, every move is exact.
     """
 
     mode: str = "adaptive"
@@ -51,6 +54,7 @@ class AdaptConfig:
     horizon_steps: int = 100
     sweep_windows: int = 3
     sweep_plans: int = 12
+    partial_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ADAPT_MODES:

@@ -5,12 +5,15 @@ Run by the training loop once per monitoring window, with the window every rank 
 taken from one rank and broadcast, so ranks can never act on different plans; every rank
 then builds the new plan from the same bounds in one place (``_plan``). A move is applied
 live (``migrate.repartition``) or, in ``restart`` mode, by the training loop's restart hook
-(checkpoint, exit, relaunch). The loop owns no decision logic: what a move was and how it
+(checkpoint, exit, relaunch). With pipeline replicas a decision may also change the batch
+shares or the replicas partial reduce leaves out; a change of those alone moves no layer
+and is logged as ``reshare``. The loop owns no decision logic: what a move was and how it
 did lives in the policy's ``MoveRecord``; the loop reports what the move cost.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable
@@ -82,7 +85,7 @@ class Adapter:
         decision = self.policy.observe(window)
         if decision is None:
             return None
-        bounds = self._agree(decision.bounds if decision.repartition else None)
+        agreed = self._agree(decision if decision.repartition else None)
         decide_ms = (time.perf_counter() - t0) * 1e3
         if self.log is not None:
             if decision.judged is not None:
@@ -92,8 +95,8 @@ class Adapter:
             d = decision.to_dict()
             d.pop("judged")
             self.log.event("decision", **d)
-        if bounds is not None:
-            self._apply(self._plan(bounds, decided_at=decision.step), window, decide_ms)
+        if agreed is not None:
+            self._apply(self._plan(*agreed, decided_at=decision.step), window, decide_ms)
         return decision
 
     def _apply(self, new_plan: Plan, window: Window, decide_ms: float) -> None:
@@ -109,7 +112,21 @@ class Adapter:
         pause_ms = decide_ms + (stats.transfer_s + stats.rebuild_s) * 1e3
         moved = self._bytes(stats)  # collective: every rank takes part
         self.policy.applied(step=step, pause_ms=pause_ms, moved_bytes=moved)
-        if self.log is not None:
+        if self.log is not None and new_plan.bounds == old.bounds:
+            self.log.event(
+                "reshare",
+                step=step,
+                mode=self.policy.mode_used,
+                old_plan=old.to_dict(),
+                new_plan=new_plan.to_dict(),
+                shares=list(new_plan.replica_microbatches),
+                dropped=list(new_plan.dropped),
+                partial=new_plan.partial,
+                decide_ms=round(decide_ms, 3),
+                rebuild_ms=round(stats.rebuild_s * 1e3, 3),
+                pause_ms=round(pause_ms, 3),
+            )
+        elif self.log is not None:
             self.log.event(
                 "repartition",
                 step=step,
@@ -152,27 +169,56 @@ class Adapter:
             dist.all_reduce(t)
         return int(t.item())
 
-    def _agree(self, bounds: Bounds | None) -> Bounds | None:
-        """The last stage's rank's decision, broadcast: ranks never act on different plans."""
-        if self.topo.world_size == 1:
-            return bounds
+    def _agree(
+        self, decision: Decision | None
+    ) -> tuple[Bounds, tuple[int, ...] | None, tuple[int, ...]] | None:
+        """The last stage's rank's decision, broadcast: ranks never act on different plans.
+
+        Returns (bounds, batch shares, dropped replicas) of the plan to move to, or None.
+        """
         cur = self.engine.plan
+        dp = cur.dp
+        if decision is not None:
+            bounds = decision.bounds if decision.bounds is not None else tuple(cur.bounds)
+            shares = decision.shares if decision.shares is not None else cur.shares
+            dropped = decision.dropped if decision.dropped is not None else cur.dropped
+        if self.topo.world_size == 1:
+            return None if decision is None else (bounds, shares, tuple(dropped))
         n = cur.num_stages
-        t = torch.zeros(n + 2, dtype=torch.int64, device=self.topo.device)
-        src = cur.stages[-1].rank
-        if self.topo.rank == src and bounds is not None:
+        # [move?, cuts..., then with replicas: shares per replica (0: even), dropped flags]
+        t = torch.zeros(n + 2 + (2 * dp if dp > 1 else 0), dtype=torch.int64)
+        src = cur.stages[-1].rank  # replica 0's last stage, which writes the log
+        if self.topo.rank == src and decision is not None:
             t[0] = 1
-            t[1:] = torch.tensor([a for a, _ in bounds] + [cur.num_layers])
+            t[1 : n + 2] = torch.tensor([a for a, _ in bounds] + [cur.num_layers])
+            if dp > 1:
+                t[n + 2 : n + 2 + dp] = torch.tensor(list(shares or (0,) * dp))
+                t[n + 2 + dp :] = torch.tensor([int(r in dropped) for r in range(dp)])
+        t = t.to(self.topo.device)
         dist.broadcast(t, src=src)
+        t = t.cpu()
         if int(t[0]) == 0:
             return None
-        cuts = [int(x) for x in t[1:].tolist()]
-        return tuple(itertools.pairwise(cuts))
+        cuts = [int(x) for x in t[1 : n + 2].tolist()]
+        got_shares: tuple[int, ...] | None = None
+        got_dropped: tuple[int, ...] = ()
+        if dp > 1:
+            raw = tuple(int(x) for x in t[n + 2 : n + 2 + dp].tolist())
+            got_shares = None if not any(raw) else raw
+            got_dropped = tuple(r for r in range(dp) if int(t[n + 2 + dp + r]))
+        return tuple(itertools.pairwise(cuts)), got_shares, got_dropped
 
-    def _plan(self, bounds: Bounds, *, decided_at: int) -> Plan:
+    def _plan(
+        self,
+        bounds: Bounds,
+        shares: tuple[int, ...] | None,
+        dropped: tuple[int, ...],
+        *,
+        decided_at: int,
+    ) -> Plan:
         """The one place a new plan is built, from the agreed bounds, on every rank."""
         cur = self.engine.plan
-        return Plan.from_bounds(
+        plan = Plan.from_bounds(
             self.engine.model,
             list(bounds),
             ranks=cur.ranks,
@@ -184,6 +230,12 @@ class Adapter:
                 "decided_at": decided_at,
             },
         )
+        if cur.dp > 1:
+            even = shares is None or (len(set(shares)) == 1 and shares[0] == cur.microbatches)
+            plan = dataclasses.replace(
+                plan, dp=cur.dp, shares=None if even else shares, dropped=dropped
+            )
+        return plan
 
     def state(self) -> dict:
         return self.policy.state()

@@ -28,12 +28,15 @@ def make_policy(
     predictor: path of a trained slowdown predictor (``adaptive`` and ``restart``).
     base: the model's cost model for one device (default: the analytic one); its times
         are only the prior before the first window measures every layer.
+    dp: pipeline replicas; more than one makes the replica policy (``num_ranks`` is then
+        the stages of one pipeline).
     """
     if config.mode == "static":
         return None
     if base is None:
         base = CostModel.from_model(model, microbatch_size=microbatch_size, num_devices=1)
     if config.mode == "sweep":
+        # With replicas every replica holds each split in turn, its batch share unchanged.
         return SweepPolicy(base=base, config=config, num_ranks=num_ranks)
     loaded: Any = None
     prepared: Any = None
@@ -46,6 +49,17 @@ def make_policy(
             loaded.estimator.set_predict_threads(1)
         prepared = prepare_layers(
             loaded, layer_stats(model, batch_size=microbatch_size), batch_size=microbatch_size
+        )
+    if dp > 1:
+        from dynpipe.runtime.adapt.replicas import ReplicaPolicy
+
+        return ReplicaPolicy(
+            base=base,
+            config=config,
+            num_stages=num_ranks,
+            dp=dp,
+            predictor=loaded,
+            prepared=prepared,
         )
     return Controller(
         base=base, config=config, num_ranks=num_ranks, predictor=loaded, prepared=prepared

@@ -54,6 +54,8 @@ class Decision:
     model's step time under the current and the proposed plan; pause_ms: the pause a move
     is expected to cost; bounds: the plan to move to (``repartition``), else None;
     judged: the verdict on the previous move, when this window judged one.
+    shares / dropped: with pipeline replicas, the batch shares and the replicas partial
+    reduce leaves out under the plan moved to (None: one replica, or no move).
     """
 
     step: int
@@ -67,11 +69,18 @@ class Decision:
     reason: str
     bounds: Bounds | None = None
     judged: dict[str, Any] | None = field(default=None, repr=False)
+    shares: tuple[int, ...] | None = None
+    dropped: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["slowdown"] = [round(float(x), 4) for x in self.slowdown]
         d["bounds"] = None if self.bounds is None else [list(b) for b in self.bounds]
+        for k in ("shares", "dropped"):
+            if d[k] is None:
+                del d[k]  # one replica's decisions read as they always have
+            else:
+                d[k] = list(d[k])
         for k in ("current_ms", "proposed_ms", "pause_ms"):
             d[k] = round(float(d[k]), 4)
         return d

@@ -1,0 +1,408 @@
+"""Adaptation across pipeline replicas: batch share, every replica's layers, partial reduce.
+
+With data parallelism a slowed device slows its own replica, and the gradient all-reduce at
+the end of every step makes every replica wait for the slowest one. ``ReplicaPolicy`` sees
+every replica's window (``Window.replicas``) and keeps, per replica, the per-layer costs on
+that replica's own devices (one ``CostEstimates`` each, as the single-pipeline
+``Controller`` keeps for its one pipeline). From them it predicts each replica's pipeline
+step under any split and any number of microbatches (``predicted_step_ms``); the job's step
+is the slowest replica's plus the gradient all-reduce's tail
+(``planner.shape.reduce_tail_ms``).
+
+It considers three kinds of move:
+
+- **shift batch share**: microbatches go from the slow replica to the others
+  (``best_shares``). Exact: every microbatch still counts once and gradients are divided by
+  the step's microbatch count, so the update is the full batch's.
+- **move layers of every replica together**: the best split of each replica's own cost
+  model and of their element-wise worst, each with its best shares, applied by live
+  migration in every replica at once.
+- **partial reduce** (opt in, ``AdaptConfig.partial_reduce``; SD-Pipe's): the slowest
+  replica's share is left out of the update. That changes what training computes (the
+  step trains on fewer samples), so it is compared by time per counted sample, not per
+  step, and logged as partial. The dropped replica still runs one zero-weight microbatch
+  per step, so its devices stay measured and the share comes back when they recover.
+
+The rule is the ``Controller``'s: a move is taken when its predicted gain is at least
+``min_gain`` and pays back the measured pause within ``horizon_steps``; a measured step
+time outranks the model (a configuration measured clearly faster under the same conditions
+is moved back to, one measured no better is not tried again while they hold); and the model
+is acted on only once it has predicted a window of the configuration in force.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dynpipe.planner.costs import CostModel
+from dynpipe.planner.dp import plan_partition
+from dynpipe.planner.shape import reduce_tail_ms
+from dynpipe.runtime.adapt.config import AdaptConfig
+from dynpipe.runtime.adapt.estimates import CostEstimates
+from dynpipe.runtime.adapt.policy import (
+    Decision,
+    layer_classes,
+    moved_bytes,
+    planner_costs,
+    predicted_step_ms,
+)
+from dynpipe.runtime.adapt.record import Bounds
+from dynpipe.runtime.adapt.window import Window
+
+__all__ = ["ReplicaConfig", "ReplicaPolicy", "best_shares"]
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """What the policy chooses among: the split every replica runs, each replica's batch
+    share (microbatches) and the replicas partial reduce leaves out."""
+
+    bounds: Bounds
+    shares: tuple[int, ...]
+    dropped: tuple[int, ...] = ()
+
+    def __repr__(self) -> str:
+        split = "|".join(str(b - a) for a, b in self.bounds)
+        drop = f" drop {list(self.dropped)}" if self.dropped else ""
+        return f"{split} shares {'/'.join(map(str, self.shares))}{drop}"
+
+    @property
+    def counted_fraction(self) -> float:
+        """Share of the batch whose gradients make the update (1: exact)."""
+        kept = sum(n for r, n in enumerate(self.shares) if r not in self.dropped)
+        return kept / sum(self.shares)
+
+
+def best_shares(
+    step_ms: Callable[[int, int], float], *, total: int, low: Sequence[int]
+) -> tuple[tuple[int, ...], float]:
+    """Microbatches per replica minimising the slowest replica's step, ``max_r
+    step_ms(r, m_r)``, with ``sum m_r = total`` and ``m_r >= low[r]``.
+
+    Start every replica at its minimum and hand out the rest one microbatch at a time to
+    the replica whose step would then be shortest: for step times that grow with the count
+    (a pipeline's do) this greedy choice is optimal.
+    """
+    shares = [int(x) for x in low]
+    if sum(shares) > total:
+        raise ValueError(f"minimum shares {shares} exceed {total} microbatches")
+    for _ in range(total - sum(shares)):
+        r = min(range(len(shares)), key=lambda q: (step_ms(q, shares[q] + 1), q))
+        shares[r] += 1
+    return tuple(shares), max(step_ms(r, m) for r, m in enumerate(shares))
+
+
+class _Memory:
+    """Measured time per full batch of each configuration held, with its regime."""
+
+    def __init__(self, keep: int = 256) -> None:
+        self.keep = keep
+        self.entries: list[tuple[ReplicaConfig, int, float]] = []
+
+    def add(self, cfg: ReplicaConfig, regime: int, ms: float) -> None:
+        self.entries = [*self.entries, (cfg, regime, float(ms))][-self.keep :]
+
+    def measured(self, cfg: ReplicaConfig, regime: int) -> float | None:
+        ms = [t for c, g, t in self.entries if c == cfg and g == regime]
+        return float(np.median(ms)) if ms else None
+
+    def best(self, regime: int) -> tuple[ReplicaConfig, float] | None:
+        cfgs = {c for c, g, _ in self.entries if g == regime}
+        scored = [(c, self.measured(c, regime)) for c in cfgs]
+        scored = [(c, t) for c, t in scored if t is not None]
+        return min(scored, key=lambda x: (x[1], repr(x[0]))) if scored else None
+
+
+class ReplicaPolicy:
+    """The policy for ``dp`` replicas of an ``S``-stage pipeline (module docstring).
+
+    base: the model's cost model (one device row): the prior per-layer costs, state and
+        parameter bytes, the link the all-reduce crosses.
+    predictor / prepared: as ``Controller``'s (``adaptive``): per-layer slowdowns predicted
+        from each replica's device telemetry, calibrated on what its devices measure.
+    """
+
+    def __init__(
+        self,
+        *,
+        base: CostModel,
+        config: AdaptConfig,
+        num_stages: int,
+        dp: int,
+        predictor: Any = None,
+        prepared: Any = None,
+    ) -> None:
+        self.config, self.base = config, base
+        self.num_stages, self.dp = num_stages, dp
+        self.predictor, self.prepared = predictor, prepared
+        use = config.mode in ("adaptive", "restart") and predictor is not None
+        self.mode_used = "adaptive" if use else "measured"
+        self.est = [
+            CostEstimates(
+                prior_fwd=base.fwd_ms[0],
+                prior_bwd=base.bwd_ms[0],
+                classes=layer_classes(base),
+                num_ranks=num_stages,
+                window=config.average_windows,
+                jump=config.jump,
+            )
+            for _ in range(dp)
+        ]
+        self.memory = _Memory()
+        self.pause_ms: float | None = None
+        self.settle = config.settle_windows
+        self._seen: ReplicaConfig | None = None  # the configuration of the last window
+
+    def describe(self) -> str:
+        partial = (
+            "; partial reduce ON: a straggling replica's share may be left out of the update "
+            "(changes the training math)"
+            if self.config.partial_reduce
+            else ""
+        )
+        return (
+            f"{self.config.mode} across {self.dp} replicas: per-layer costs measured on every "
+            "replica's devices; shifts batch share between replicas (exact) or moves the "
+            f"layers of every replica together; moves when the gain is >= "
+            f"{self.config.min_gain:.0%} and pays back the pause within "
+            f"{self.config.horizon_steps} steps{partial}"
+        )
+
+    # ---- one window ----------------------------------------------------------------------
+    @property
+    def regime(self) -> int:
+        # Each replica's regime only grows, so their sum changes whenever any one does.
+        return sum(e.regime for e in self.est)
+
+    def observe(self, window: Window) -> Decision | None:
+        if window.replicas is None or len(window.replicas) != self.dp:
+            raise ValueError(
+                f"the replica policy needs a window of {self.dp} replicas, got {window!r}"
+            )
+        if self.settle > 0:
+            self.settle -= 1
+            return None
+        for est, sub in zip(self.est, window.replicas, strict=True):
+            est.update(sub)
+        cur = ReplicaConfig(
+            bounds=window.bounds,
+            shares=tuple(window.shares or (window.microbatches,) * self.dp),
+            dropped=tuple(window.dropped),
+        )
+        here = window.median_step_ms / cur.counted_fraction
+        self.memory.add(cur, self.regime, here)
+        return self._decide(window, cur, here)
+
+    def _decide(self, w: Window, cur: ReplicaConfig, here: float) -> Decision:
+        cfg = self.config
+        costs = [self._costs(r, sub) for r, sub in enumerate(w.replicas or ())]
+        model_now = self._predict(costs, cur, w.schedule)
+        pause = self.pause_ms if self.pause_ms is not None else w.median_step_ms
+        slow = tuple(float(x) for e in self.est for x in e.load)
+        prev, self._seen = self._seen, cur
+        regime = self.regime
+
+        def verdict(reason: str, proposed: float = model_now, to: ReplicaConfig | None = None):
+            nbytes = 0
+            if to is not None and to.bounds != cur.bounds:
+                ranks = tuple(range(self.num_stages))
+                nbytes = self.dp * moved_bytes(self.base.state_bytes, cur.bounds, to.bounds, ranks)
+                self._seen = to
+            elif to is not None:
+                self._seen = to
+            return Decision(
+                step=w.step + 1,
+                mode=self.mode_used,
+                slowdown=slow,
+                current_ms=model_now,
+                proposed_ms=proposed,
+                pause_ms=pause,
+                moved_bytes=nbytes,
+                repartition=to is not None,
+                reason=reason,
+                bounds=None if to is None else to.bounds,
+                shares=None if to is None else to.shares,
+                dropped=None if to is None else to.dropped,
+            )
+
+        best = self.memory.best(regime)
+        if (
+            best is not None
+            and best[0] != cur
+            and best[1] < here * (1 - cfg.min_gain)
+            and (here - best[1]) * cfg.horizon_steps > pause
+        ):
+            return verdict(
+                f"{best[0]!r} measured {best[1]:.2f} ms per batch under these conditions "
+                f"against {here:.2f} now",
+                proposed=model_now * best[1] / here,
+                to=best[0],
+            )
+        if prev != cur:
+            return verdict("the model has not yet predicted a window of this configuration")
+        options = self._candidates(costs, cur, w.schedule)
+        scored = [(self._predict(costs, c, w.schedule) / c.counted_fraction, c) for c in options]
+        now = model_now / cur.counted_fraction
+        ms, pick = min(scored, key=lambda x: (x[0], x[1] != cur, repr(x[1])))
+        if pick == cur:
+            return verdict("current configuration is best")
+        gain = now - ms
+        if gain < cfg.min_gain * now:
+            return verdict(f"gain {gain / now:.1%} below {cfg.min_gain:.1%}", ms)
+        # The model's gain, on the scale of the measured step, must pay the pause back.
+        real = here * gain / now
+        if real * cfg.horizon_steps <= pause:
+            return verdict(
+                f"gain {real:.2f} ms/step does not pay {pause:.1f} ms within "
+                f"{cfg.horizon_steps} steps",
+                ms,
+            )
+        known = self.memory.measured(pick, regime)
+        if known is not None and known >= here * (1 - cfg.min_gain):
+            return verdict(
+                f"{pick!r} measured {known:.2f} ms per batch under these conditions, no "
+                f"better than {here:.2f} now",
+                ms,
+            )
+        what = "partial reduce: " if pick.dropped else ""
+        return verdict(
+            f"{what}predicted {now:.2f} -> {ms:.2f} ms per batch with {pick!r}", ms, pick
+        )
+
+    # ---- the model -------------------------------------------------------------------------
+    def _costs(self, r: int, sub: Window) -> CostModel:
+        """Replica ``r``'s planner costs: rows in stage order of its window."""
+        return planner_costs(self.base, self.est[r], sub, predicted=self._predicted(r, sub))
+
+    def _predict(self, costs: list[CostModel], c: ReplicaConfig, schedule: str) -> float:
+        """The job's step: the slowest replica's pipeline plus the all-reduce tail."""
+        t = 0.0
+        for r, cm in enumerate(costs):
+            dropped = r in c.dropped
+            t = max(
+                t,
+                predicted_step_ms(
+                    cm,
+                    c.bounds,
+                    schedule="gpipe" if dropped else schedule,
+                    microbatches=1 if dropped else c.shares[r],
+                ),
+            )
+        return t + reduce_tail_ms(self.base, c.bounds, replicas=self.dp)
+
+    def _low(self, schedule: str) -> list[int]:
+        return [self.num_stages if schedule == "1f1b" else 1] * self.dp
+
+    def _with_shares(
+        self, costs: list[CostModel], bounds: Bounds, schedule: str, total: int
+    ) -> ReplicaConfig:
+        cache: dict[tuple[int, int], float] = {}
+
+        def step(r: int, m: int) -> float:
+            if (r, m) not in cache:
+                cache[(r, m)] = predicted_step_ms(
+                    costs[r], bounds, schedule=schedule, microbatches=m
+                )
+            return cache[(r, m)]
+
+        shares, _ = best_shares(step, total=total, low=self._low(schedule))
+        return ReplicaConfig(bounds=bounds, shares=shares)
+
+    def _candidates(
+        self, costs: list[CostModel], cur: ReplicaConfig, schedule: str
+    ) -> list[ReplicaConfig]:
+        total = sum(cur.shares)
+        splits: list[Bounds] = [cur.bounds]
+        worst = dataclasses.replace(
+            costs[0],
+            fwd_ms=np.max([c.fwd_ms for c in costs], axis=0),
+            bwd_ms=np.max([c.bwd_ms for c in costs], axis=0),
+            stage_fwd_ms=np.max([c.stage_fwd_ms for c in costs], axis=0),
+            stage_bwd_ms=np.max([c.stage_bwd_ms for c in costs], axis=0),
+        )
+        mean = total // self.dp
+        for cm in [*costs, worst]:
+            res = plan_partition(
+                cm, num_stages=self.num_stages, schedule=schedule, microbatches=mean
+            )
+            b = tuple((int(x), int(y)) for x, y in res.bounds)
+            if b not in splits:
+                splits.append(b)
+        out = [cur]
+        for b in splits:
+            c = self._with_shares(costs, b, schedule, total)
+            out += [c, ReplicaConfig(bounds=b, shares=cur.shares)]
+        if self.config.partial_reduce and self.dp > 1:
+            # Leave out the replica slowest per microbatch under each exact option.
+            for c in list(out):
+                if c.dropped:
+                    continue
+                per_mb = [
+                    predicted_step_ms(cm, c.bounds, schedule="gpipe", microbatches=1)
+                    for cm in costs
+                ]
+                slowest = int(np.argmax(per_mb))
+                out.append(ReplicaConfig(bounds=c.bounds, shares=cur.shares, dropped=(slowest,)))
+        # Deduplicated, the current one first.
+        return list(dict.fromkeys(out))
+
+    def _predicted(self, r: int, sub: Window) -> tuple[np.ndarray, np.ndarray] | None:
+        """Replica ``r``'s per-layer predicted slowdowns from its devices' telemetry."""
+        if self.mode_used != "adaptive" or not sub.telemetry:
+            return None
+        from dynpipe.predictor import predict_layer_times
+
+        est = self.est[r]
+        cf, cb = est.clean_f, est.clean_b
+        pf, pb = predict_layer_times(
+            self.predictor,
+            layers=self.prepared,
+            alone_fwd_ms=np.maximum(cf, 1e-6),
+            alone_bwd_ms=np.maximum(cb, 1e-6),
+            telemetry=[
+                {k: (np.nan if v is None else v) for k, v in t.items()} for t in sub.telemetry
+            ],
+        )
+        return pf / np.maximum(cf, 1e-6), pb / np.maximum(cb, 1e-6)
+
+    # ---- after a move ----------------------------------------------------------------------
+    def applied(self, *, step: int, pause_ms: float, moved_bytes: int) -> None:
+        del step, moved_bytes
+        self.settle = self.config.settle_windows
+        p = float(pause_ms)
+        self.pause_ms = p if self.pause_ms is None else 0.5 * (self.pause_ms + p)
+
+    # ---- persistence ---------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {
+            "estimates": [e.state() for e in self.est],
+            "memory": [
+                [[list(b) for b in c.bounds], list(c.shares), list(c.dropped), g, t]
+                for c, g, t in self.memory.entries
+            ],
+            "pause_ms": self.pause_ms,
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        for e, s in zip(self.est, state.get("estimates", []), strict=False):
+            e.load_state(s)
+        self.memory.entries = [
+            (
+                ReplicaConfig(
+                    bounds=tuple((int(a), int(b)) for a, b in bounds),
+                    shares=tuple(int(x) for x in shares),
+                    dropped=tuple(int(x) for x in dropped),
+                ),
+                int(g),
+                float(t),
+            )
+            for bounds, shares, dropped, g, t in state.get("memory", [])
+        ]
+        self.pause_ms = state.get("pause_ms")
