@@ -70,9 +70,9 @@ class Plan:
         least one each. They sum to ``dp * microbatches``; replica ``r`` takes the
         consecutive microbatches after those of replicas ``0..r-1``, so every sample is
         still a pure function of the step and the update is the full batch's.
-    dropped: replicas whose share is left out of the update (SD-Pipe's partial reduce: the
-        gradient is the mean over the other replicas' microbatches only). This changes what
-        training computes; empty (the default) keeps it exact.
+    dropped: replicas whose share is left out of the update (SD-Pipe's partial reduce: they
+        compute nothing, and the gradient is the mean over the other replicas' microbatches
+        only). This changes what training computes; empty (the default) keeps it exact.
     """
 
     model: str

@@ -29,10 +29,14 @@ Two settings differ from DDP's defaults:
   different order. Models with running statistics therefore train the same weights only up
   to those statistics; the zoo's mlp and gpt have none.
 
-DDP also rebuilds its buckets once, on the forward after its first synchronised backward,
-with a broadcast over the ``dp`` group. Every replica therefore runs at least one
-microbatch every step (a replica whose share is dropped by partial reduce runs one with
-zero weight), so every replica calls the same collectives in the same order.
+A replica whose share partial reduce leaves out computes nothing; its ranks take part in
+the reduce with zero gradients and receive the others' sum (``shadow``), through the
+calls DDP's own uneven-input ``join`` makes for a rank that has run out of data: rebuild
+the buckets when the others do (DDP rebuilds them once, on the forward after its first
+synchronised backward, with a broadcast over the group), all-reduce one zero bucket per
+bucket in DDP's order through the same comm hook, then offer its parameters for the
+rebuild. Unlike ``join``, the reduced buckets are kept: they become the gradients, so the
+dropped replica applies the same update and stays identical to the others.
 """
 
 from __future__ import annotations
@@ -97,9 +101,27 @@ class ReplicaReducer:
             forward_sync_buffers=False,
             bucket_cap_mb=bucket_mb,
         )
-        self.ddp.register_comm_hook(_HookState(mesh.dp_group, timer), _sum_buckets)
+        self._state = _HookState(mesh.dp_group, timer)
+        self.ddp.register_comm_hook(self._state, _sum_buckets)
 
     @property
     def module(self) -> nn.Module:
         """What the pipelining stage runs (the DDP wrapper)."""
         return self.ddp
+
+    def shadow(self) -> None:
+        """This step's reduce without a backward: zeros in, the other replicas' gradient
+        sums out, written as this stage's gradients (see the module docstring)."""
+        reducer = self.ddp.reducer
+        timer = self._state.timer
+        start = timer.mark()
+        reducer._rebuild_buckets()
+        buckets = reducer._get_zeros_like_grad_buckets()
+        futures = [reducer._run_comm_hook(b) for b in buckets]
+        for bucket, fut in zip(buckets, futures, strict=True):
+            fut.wait()
+            for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
+                p.grad = g.detach().clone()
+        reducer._push_all_rebuilt_params()
+        if start is not None:
+            timer.reduce_interval(start)

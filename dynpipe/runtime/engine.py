@@ -121,17 +121,6 @@ def clip_coefficient(norms: torch.Tensor, max_norm: float) -> tuple[torch.Tensor
     return total, coef
 
 
-class _ZeroWeight:
-    """The loss times zero: a dropped replica's probe microbatch (partial reduce) runs the
-    pipeline and the reduce like any other, and adds exactly nothing to the gradients."""
-
-    def __init__(self, loss_fn) -> None:
-        self.loss_fn = loss_fn
-
-    def __call__(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(out, target) * 0.0
-
-
 class PipelineEngine:
     """This rank's stage of a pipeline, built from ``plan`` for ``model``.
 
@@ -185,8 +174,8 @@ class PipelineEngine:
             )
         replica = self.mesh.replica
         self.dropped = replica in plan.dropped
-        # A dropped replica (partial reduce) runs one zero-weight microbatch: see _ZeroWeight.
-        self.microbatches = 1 if self.dropped else plan.replica_microbatches[replica]
+        # A dropped replica (partial reduce) computes nothing; it takes part in the reduce.
+        self.microbatches = 0 if self.dropped else plan.replica_microbatches[replica]
         st = plan.stages[self.stage_index]
         if layers is None:
             layers = self.model.build_range(st.start, st.stop, device=self.topo.device)
@@ -241,14 +230,16 @@ class PipelineEngine:
             self.schedule = _SCHEDULES[plan.schedule](
                 self.pipe_stage, n_microbatches=plan.microbatches, loss_fn=self.model.loss_fn
             )
-        else:
+        elif not self.dropped:
             # Gradients are divided once, by the step's microbatches over all replicas.
-            self.schedule = _SCHEDULES["gpipe" if self.dropped else plan.schedule](
+            self.schedule = _SCHEDULES[plan.schedule](
                 self.pipe_stage,
                 n_microbatches=self.microbatches,
-                loss_fn=_ZeroWeight(self.model.loss_fn) if self.dropped else self.model.loss_fn,
+                loss_fn=self.model.loss_fn,
                 scale_grads=False,
             )
+        else:
+            self.schedule = None
 
     def rebuild(
         self, plan: Plan, *, layers: nn.ModuleDict, opt_state: dict[str, torch.Tensor]
@@ -292,7 +283,10 @@ class PipelineEngine:
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
-        if self.is_first and self.is_last:
+        if self.dropped:
+            assert self.reducer is not None
+            self.reducer.shadow()
+        elif self.is_first and self.is_last:
             self.schedule.step(x.to(dev, non_blocking=True), target=y.to(dev), losses=losses)
         elif self.is_first:
             self.schedule.step(x.to(dev, non_blocking=True))
@@ -363,9 +357,8 @@ class PipelineEngine:
         )
 
     def _share(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        """This replica's microbatches of the step's batch ``t`` (a dropped replica: the
-        first of its share, for its zero-weight probe)."""
-        if t is None:
+        """This replica's microbatches of the step's batch ``t``."""
+        if t is None or self.dropped:
             return None
         a = self.plan.replica_slice(self.mesh.replica)[0]
         size = self.config.batch_size // self.plan.total_microbatches

@@ -153,11 +153,12 @@ class StageTiming:
 class ReplicaTiming:
     """One pipeline replica's share of one step (data x pipeline parallelism), in ms.
 
-    microbatches: the microbatches it ran (its batch share; 1 for a replica whose share
-        partial reduce dropped, which runs one zero-weight microbatch).
+    microbatches: the microbatches it ran (its batch share; 0 for a replica whose share
+        partial reduce dropped: it only takes part in the gradient reduce).
     dropped: its share was left out of the update (partial reduce).
-    busy_ms: the replica's own step: its slowest stage's time in the schedule, less the
-        wait for the gradient all-reduce across replicas.
+    compute_ms: its busiest stage's forward and backward compute over the step: what
+        bounds the replica's pipeline, and (unlike its stages' waits, which a stage's
+        neighbour blocked in the all-reduce lengthens) free of waiting for other replicas.
     reduce_ms: its longest all-reduce tail: the time a stage waited, after its last
         gradient bucket, for the reduce across replicas (the slowest replica's lead).
     stages: its stages' timings (``rank``: the global rank).
@@ -165,7 +166,7 @@ class ReplicaTiming:
 
     replica: int
     microbatches: int
-    busy_ms: float
+    compute_ms: float
     reduce_ms: float
     dropped: bool = False
     stages: tuple[StageTiming, ...] = ()
@@ -178,7 +179,7 @@ class ReplicaTiming:
         return cls(
             replica=int(d["replica"]),
             microbatches=int(d["microbatches"]),
-            busy_ms=float(d["busy_ms"]),
+            compute_ms=float(d["compute_ms"]),
             reduce_ms=float(d["reduce_ms"]),
             dropped=bool(d.get("dropped", False)),
             stages=tuple(StageTiming.from_dict(x) for x in d.get("stages", ())),

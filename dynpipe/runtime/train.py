@@ -255,7 +255,7 @@ class _StepLog:
         for s, st in enumerate(self.plan.stages):
             rank = self.mesh.global_rank(st.rank, replica)
             f, b, w, _, red = times[rank][j].tolist()
-            busy, reduce = max(busy, f + b + w), max(reduce, red)
+            busy, reduce = max(busy, f + b), max(reduce, red)
             stages.append(
                 StageTiming(
                     stage=s,
@@ -269,8 +269,8 @@ class _StepLog:
         dropped = replica in self.plan.dropped
         return ReplicaTiming(
             replica=replica,
-            microbatches=1 if dropped else self.plan.replica_microbatches[replica],
-            busy_ms=round(busy, 4),
+            microbatches=0 if dropped else self.plan.replica_microbatches[replica],
+            compute_ms=round(busy, 4),
             reduce_ms=round(reduce, 4),
             dropped=dropped,
             stages=tuple(stages),

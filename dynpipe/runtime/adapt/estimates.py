@@ -87,6 +87,12 @@ class CostEstimates:
     def num_layers(self) -> int:
         return len(self.clean_f)
 
+    @property
+    def changing(self) -> bool:
+        """A rank's reading moved beyond its threshold and the next window has yet to
+        confirm it (see ``update``)."""
+        return any(x is not None for x in self._suspect)
+
     # ---- from one window ---------------------------------------------------------------
     def _measure(self, w: Window) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Per-layer fwd/bwd ms per microbatch measured in ``w`` and per-rank overheads.

@@ -20,14 +20,17 @@ It considers three kinds of move:
 - **partial reduce** (opt in, ``AdaptConfig.partial_reduce``; SD-Pipe's): the slowest
   replica's share is left out of the update. That changes what training computes (the
   step trains on fewer samples), so it is compared by time per counted sample, not per
-  step, and logged as partial. The dropped replica still runs one zero-weight microbatch
-  per step, so its devices stay measured and the share comes back when they recover.
+  step, and logged as partial. A left-out replica computes nothing, so its devices are not
+  measured: after ``horizon_steps`` steps its share comes back for a few windows to
+  re-measure them, and goes again only if they are still slow.
 
 The rule is the ``Controller``'s: a move is taken when its predicted gain is at least
-``min_gain`` and pays back the measured pause within ``horizon_steps``; a measured step
-time outranks the model (a configuration measured clearly faster under the same conditions
-is moved back to, one measured no better is not tried again while they hold); and the model
-is acted on only once it has predicted a window of the configuration in force.
+``min_gain`` (or twice the model's measured tracking error, if more) and pays back the
+measured pause within ``horizon_steps``; a measured step time outranks the model (a
+configuration measured clearly faster under the same conditions is moved back to, one
+measured no better is not tried again while they hold); and the model is acted on only as
+far as it has tracked the measured steps: not before it has predicted a window of the
+configuration in force, and not when its estimate moved and the job's steps did not.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ from dynpipe.runtime.adapt.record import Bounds
 from dynpipe.runtime.adapt.window import Window
 
 __all__ = ["ReplicaConfig", "ReplicaPolicy", "best_shares"]
+
+_MISSES = 16  # the model's misses remembered for its tracking error
 
 
 @dataclass(frozen=True)
@@ -156,7 +161,12 @@ class ReplicaPolicy:
         self.memory = _Memory()
         self.pause_ms: float | None = None
         self.settle = config.settle_windows
-        self._seen: ReplicaConfig | None = None  # the configuration of the last window
+        # (configuration, model's step, measured step) of the last trusted window, and the
+        # model's recent misses (``tracking_error``), as the Controller keeps them.
+        self._seen: tuple[ReplicaConfig, float, float] | None = None
+        self._misses: list[float] = []
+        self._left_out = 0  # steps a replica's share has been left out (partial reduce)
+        self._hold = 0  # windows to wait after bringing a left-out replica back
 
     def describe(self) -> str:
         partial = (
@@ -188,7 +198,8 @@ class ReplicaPolicy:
             self.settle -= 1
             return None
         for est, sub in zip(self.est, window.replicas, strict=True):
-            est.update(sub)
+            if sub.microbatches > 0:  # a left-out replica measured nothing
+                est.update(sub)
         cur = ReplicaConfig(
             bounds=window.bounds,
             shares=tuple(window.shares or (window.microbatches,) * self.dp),
@@ -204,7 +215,7 @@ class ReplicaPolicy:
         model_now = self._predict(costs, cur, w.schedule)
         pause = self.pause_ms if self.pause_ms is not None else w.median_step_ms
         slow = tuple(float(x) for e in self.est for x in e.load)
-        prev, self._seen = self._seen, cur
+        prev, self._seen = self._seen, (cur, model_now, w.median_step_ms)
         regime = self.regime
 
         def verdict(reason: str, proposed: float = model_now, to: ReplicaConfig | None = None):
@@ -212,9 +223,9 @@ class ReplicaPolicy:
             if to is not None and to.bounds != cur.bounds:
                 ranks = tuple(range(self.num_stages))
                 nbytes = self.dp * moved_bytes(self.base.state_bytes, cur.bounds, to.bounds, ranks)
-                self._seen = to
-            elif to is not None:
-                self._seen = to
+            if to is not None:
+                # The next window checks the model's promise against the steps.
+                self._seen = (to, model_now, w.median_step_ms)
             return Decision(
                 step=w.step + 1,
                 mode=self.mode_used,
@@ -230,6 +241,20 @@ class ReplicaPolicy:
                 dropped=None if to is None else to.dropped,
             )
 
+        self._left_out = self._left_out + len(w.step_ms) if cur.dropped else 0
+        if self._hold > 0:
+            # A replica just came back from partial reduce: two windows let its estimates
+            # confirm (or not) that its devices changed before anything is compared.
+            self._hold -= 1
+            return verdict("re-measuring a replica partial reduce had left out")
+        if cur.dropped and self._left_out >= cfg.horizon_steps:
+            back = self._with_shares(costs, cur.bounds, w.schedule, sum(cur.shares))
+            self._hold = 2
+            return verdict(
+                f"partial reduce: replicas {list(cur.dropped)} left out for {self._left_out} "
+                "steps: their share back to re-measure their devices",
+                to=back,
+            )
         best = self.memory.best(regime)
         if (
             best is not None
@@ -243,8 +268,16 @@ class ReplicaPolicy:
                 proposed=model_now * best[1] / here,
                 to=best[0],
             )
-        if prev != cur:
+        if prev is None or prev[0] != cur:
             return verdict("the model has not yet predicted a window of this configuration")
+        model, steps = model_now / max(prev[1], 1e-9), w.median_step_ms / max(prev[2], 1e-9)
+        miss = float(np.log(model / steps))
+        self._misses = [*self._misses, miss][-_MISSES:]
+        lm, ls = float(np.log(model)), float(np.log(steps))
+        if abs(miss) > np.log1p(self._tolerance(w)) and (lm * ls < 0 or abs(lm) > abs(ls)):
+            return verdict(
+                f"estimates moved {model - 1:+.0%} but steps {steps - 1:+.0%}: not acted on"
+            )
         options = self._candidates(costs, cur, w.schedule)
         scored = [(self._predict(costs, c, w.schedule) / c.counted_fraction, c) for c in options]
         now = model_now / cur.counted_fraction
@@ -252,8 +285,9 @@ class ReplicaPolicy:
         if pick == cur:
             return verdict("current configuration is best")
         gain = now - ms
-        if gain < cfg.min_gain * now:
-            return verdict(f"gain {gain / now:.1%} below {cfg.min_gain:.1%}", ms)
+        need = self.required_gain()
+        if gain < need * now:
+            return verdict(f"gain {gain / now:.1%} below {need:.1%}", ms)
         # The model's gain, on the scale of the measured step, must pay the pause back.
         real = here * gain / now
         if real * cfg.horizon_steps <= pause:
@@ -274,6 +308,24 @@ class ReplicaPolicy:
             f"{what}predicted {now:.2f} -> {ms:.2f} ms per batch with {pick!r}", ms, pick
         )
 
+    def tracking_error(self) -> float:
+        """As ``Controller.tracking_error``: the robust spread of how far the model's
+        window-to-window change missed the measured one."""
+        if len(self._misses) < 3:
+            return 0.0
+        x = np.asarray(self._misses)
+        return float(np.expm1(1.4826 * np.median(np.abs(x - np.median(x)))))
+
+    def required_gain(self) -> float:
+        return max(self.config.min_gain, 2.0 * self.tracking_error())
+
+    def _tolerance(self, w: Window) -> float:
+        k = len(w.step_ms)
+        med = float(np.median(w.step_ms))
+        mad = float(np.median(np.abs(w.step_ms - med)))
+        steps = 3.0 * 1.25 * 1.4826 * mad / max(med, 1e-9) / np.sqrt(k)
+        return max(self.config.jump, 3.0 * self.tracking_error(), steps)
+
     # ---- the model -------------------------------------------------------------------------
     def _costs(self, r: int, sub: Window) -> CostModel:
         """Replica ``r``'s planner costs: rows in stage order of its window."""
@@ -283,16 +335,10 @@ class ReplicaPolicy:
         """The job's step: the slowest replica's pipeline plus the all-reduce tail."""
         t = 0.0
         for r, cm in enumerate(costs):
-            dropped = r in c.dropped
-            t = max(
-                t,
-                predicted_step_ms(
-                    cm,
-                    c.bounds,
-                    schedule="gpipe" if dropped else schedule,
-                    microbatches=1 if dropped else c.shares[r],
-                ),
-            )
+            if r not in c.dropped:  # a left-out replica only waits for the reduce
+                t = max(
+                    t, predicted_step_ms(cm, c.bounds, schedule=schedule, microbatches=c.shares[r])
+                )
         return t + reduce_tail_ms(self.base, c.bounds, replicas=self.dp)
 
     def _low(self, schedule: str) -> list[int]:
@@ -337,7 +383,9 @@ class ReplicaPolicy:
         for b in splits:
             c = self._with_shares(costs, b, schedule, total)
             out += [c, ReplicaConfig(bounds=b, shares=cur.shares)]
-        if self.config.partial_reduce and self.dp > 1:
+        # Leaving a replica out stops its measurement: only on a confirmed change, so a
+        # spike cannot leave its devices unmeasured, and memory compares like with like.
+        if self.config.partial_reduce and self.dp > 1 and not any(e.changing for e in self.est):
             # Leave out the replica slowest per microbatch under each exact option.
             for c in list(out):
                 if c.dropped:
@@ -386,6 +434,8 @@ class ReplicaPolicy:
                 for c, g, t in self.memory.entries
             ],
             "pause_ms": self.pause_ms,
+            "misses": self._misses,
+            "left_out": self._left_out,
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -406,3 +456,5 @@ class ReplicaPolicy:
             for bounds, shares, dropped, g, t in state.get("memory", [])
         ]
         self.pause_ms = state.get("pause_ms")
+        self._misses = [float(x) for x in state.get("misses", [])]
+        self._left_out = int(state.get("left_out", 0))

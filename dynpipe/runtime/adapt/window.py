@@ -34,8 +34,9 @@ class Window:
     telemetry: one ``tel_*`` dict per rank, or None.
     memory_bytes: ``[R]`` bytes each rank's stage may occupy (NaN where unknown), or None.
     replicas: with data parallelism, one window per pipeline replica (its own stages, layers,
-        telemetry and memory; ``step_ms`` its busy time without the wait for the gradient
-        all-reduce, ``microbatches`` what it ran), else None. The fields above are then
+        telemetry and memory; ``step_ms`` its busiest stage's compute, ``microbatches`` what
+        it ran: 0 for a replica partial reduce leaves out, which measures nothing), else
+        None. The fields above are then
         replica 0's, but ``step_ms``: the job's step times.
     shares / dropped: the plan's batch shares per replica and the replicas partial reduce
         leaves out (None / empty for one replica).
@@ -173,7 +174,7 @@ class Window:
             recs = [
                 {
                     "step": rec["step"],
-                    "step_ms": rec["replicas"][r]["busy_ms"],
+                    "step_ms": rec["replicas"][r]["compute_ms"],
                     "stages": rec["replicas"][r]["stages"],
                 }
                 for rec in records
@@ -184,7 +185,7 @@ class Window:
                     recs,
                     bounds=bounds,
                     ranks=ranks,
-                    microbatches=1 if r in dropped else int(shares[r]),
+                    microbatches=0 if r in dropped else int(shares[r]),
                     schedule=schedule,
                     layers=None if replica_layers is None else replica_layers[r],
                     telemetry=None if telemetry is None else telemetry[mine],

@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# Data x pipeline parallelism on one 4-GPU host: the same 4 GPUs as DP only (4 x 1), one
+# 4-stage pipeline (1 x 4), and 2 replicas x 2 stages static, measured and adaptive, with a
+# real 'gemm' interferer on GPU 3 (rank 3: replica 1's second stage in 2 x 2) from step 30
+# to 60 (recipes/scenarios/gpu-gemm-rank3.toml); then a sweep run that holds every 2 x 2
+# split in turn, clean and then under the interferer: the oracle is the fastest static
+# shape or split of each phase (bench/dp_pp_table.py prints the table from the raw logs).
+#   bench/gpu_dp_pp.sh OUTDIR
+# Models: vgg16 224x224 at batch 256 and gpt of width 2048 (12 blocks, 1024 tokens) at
+# batch 32; every shape runs microbatches of the same size (32 images, 4 sequences): 2 per
+# replica for 4 x 1, 4 for 2 x 2, 8 for 1 x 4. Four batches are kept on the GPUs
+# (--device-batches 4), so the GPUs, not the loader, are measured.
+# The whole script stops within BUDGET seconds (default 450; runs are ordered so the core
+# comparison comes first and a run that would not fit is skipped, and said so); every run
+# is also bounded by RUN_TIMEOUT (default 150). Logs, outputs and the table are packed into
+# OUTDIR/dp-pp-logs.tgz on exit, whatever happened.
+# DEVICE=cpu checks the script end to end on a CPU machine (a small mlp, an emulated 3x
+# slowdown of rank 3: recipes/scenarios/emulate-3x-rank3.toml). MODELS overrides the models
+# (vgg16 gpt); PREDICTOR, if set, is given to the adaptive runs; PARTIAL=1 adds a run of
+# the adaptive policy with partial reduce allowed (it changes the training math).
+set -u
+O=$1
+mkdir -p "$O"
+T0=$(date +%s)
+BUDGET=${BUDGET:-450}
+RUN_TIMEOUT=${RUN_TIMEOUT:-150}
+DEVICE=${DEVICE:-cuda}
+STEPS=90; ONSET=30; END=60; WARMUP=8; EVERY=5; SWEEP_WINDOWS=2
+if [ "$DEVICE" = cuda ]; then
+  MODELS=${MODELS:-"vgg16 gpt"}
+  SCENARIO=recipes/scenarios/gpu-gemm-rank3.toml
+  EXTRA=(--bf16 --device-batches 4)
+else
+  MODELS=${MODELS:-"mlp"}
+  SCENARIO=recipes/scenarios/emulate-3x-rank3.toml
+  EXTRA=(--pin-cores)
+fi
+pack() {
+  [ -f "$O/meta.json" ] && python3 bench/dp_pp_table.py "$O" --json "$O/dp-pp-table.json" \
+    > "$O/table.out" 2>&1
+  # Written beside OUTDIR, then moved in: an archive growing inside the folder it packs
+  # would change that folder while tar reads it.
+  local tmp
+  tmp=$(mktemp "${TMPDIR:-/tmp}/dp-pp-logs.XXXXXX")
+  tar czf "$tmp" -C "$O" --exclude='dp-pp-logs.tgz' . && mv "$tmp" "$O/dp-pp-logs.tgz"
+  echo "packed $O/dp-pp-logs.tgz after $(( $(date +%s) - T0 ))s"
+}
+trap pack EXIT
+
+args_of() {  # model -> its arguments (without microbatches)
+  case $1 in
+    vgg16) echo --model vgg16 --model-arg image_size=224 --model-arg num_classes=1000 \
+                --batch-size 256 ;;
+    gpt)   echo --model gpt --model-arg depth=12 --model-arg width=2048 --model-arg heads=16 \
+                --model-arg seq_len=1024 --batch-size 32 ;;
+    mlp)   echo --model mlp --model-arg depth=6 --model-arg width=64 --batch-size 32 ;;
+    *) echo "unknown model $1" >&2; exit 2 ;;
+  esac
+}
+layers_of() {  # model arguments -> layer count
+  python3 - "$@" <<'PY'
+import argparse, sys
+from dynpipe.runtime.cli import config_from_args, register
+p = argparse.ArgumentParser()
+register(p.add_subparsers())
+from dynpipe.models import get_model
+cfg = config_from_args(p.parse_args(["train", *sys.argv[1:]]))
+print(len(get_model(cfg.model, **cfg.model_args)))
+PY
+}
+sweep_scenario() {  # recipe, onset, out: the recipe's interferer switched on at ONSET only
+  python3 - "$@" <<'PY'
+import sys
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+src, onset, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+doc = tomllib.loads(open(src).read())
+start = next(e for e in doc["events"] if e["action"] == "start")
+lines = [f'name = "{doc.get("name", "scenario")}-sweep"', "[[events]]", f"step = {onset}"]
+for k, v in start.items():
+    if k != "step":
+        lines.append(f"{k} = {v!r}".replace("'", '"'))
+open(out, "w").write("\n".join(lines) + "\n")
+PY
+}
+
+# The shapes' microbatches per replica (same microbatch size in every shape).
+declare -A MB=([4x1]=2 [2x2]=4 [1x4]=8)
+declare -A SWEEP_ONSET
+python3 - "$O" "$STEPS" "$ONSET" "$END" "$WARMUP" "$EVERY" "$DEVICE" "$SCENARIO" $MODELS <<'PY'
+import json, subprocess, sys
+o, steps, onset, end, warm, every, device, scenario, *models = sys.argv[1:]
+rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+json.dump({"steps": int(steps), "onset": int(onset), "end": int(end), "warmup": int(warm),
+           "monitor_every": int(every), "device": device, "scenario": scenario,
+           "models": models, "sweep_onset": {}, "revision": rev.stdout.strip() or None},
+          open(f"{o}/meta.json", "w"), indent=1)
+PY
+for m in $MODELS; do
+  n=$(layers_of $(args_of "$m"))
+  SWEEP_ONSET[$m]=$(( (n - 1) * SWEEP_WINDOWS * EVERY ))
+  python3 - "$O/meta.json" "$m" "${SWEEP_ONSET[$m]}" <<'PY'
+import json, sys
+p, m, onset = sys.argv[1:]
+meta = json.load(open(p)); meta["sweep_onset"][m] = int(onset); json.dump(meta, open(p, "w"), indent=1)
+PY
+  sweep_scenario "$SCENARIO" "${SWEEP_ONSET[$m]}" "$O/$m-sweep-scenario.toml"
+  # The planner's choice of shape and split for 4 GPUs (analytic costs), beside the runs.
+  python3 -m dynpipe plan $(args_of "$m" | sed 's/--model-arg/--set/g') --gpus 4 \
+    --dtype bfloat16 --link-gbs 300 > "$O/$m-plan-gpus4.txt" 2>&1
+done
+
+run() {  # model, name, shape, extra args...
+  local m=$1 name=$2 shape=$3; shift 3
+  local left=$(( BUDGET - ($(date +%s) - T0) - 15 ))
+  if [ "$left" -lt 40 ]; then echo "$m-$name: skipped (${left}s of the budget left)"; return 0; fi
+  local limit=$(( left < RUN_TIMEOUT ? left : RUN_TIMEOUT ))
+  local dp=${shape%x*}
+  local t0=$(date +%s)
+  timeout "$limit" python3 -m dynpipe train $(args_of "$m") --nproc 4 --dp "$dp" \
+    --microbatches "${MB[$shape]}" --device "$DEVICE" "${EXTRA[@]}" --optimizer adamw \
+    --lr 1e-4 --no-progress --monitor-every "$EVERY" --timeout 120 \
+    --log "$O/$m-$name.jsonl" "$@" > "$O/$m-$name.out" 2>&1
+  echo "$m-$name: exit $? in $(( $(date +%s) - t0 ))s (limit ${limit}s)"
+}
+core() {  # model: the comparison the benchmark is for
+  local m=$1
+  run "$m" static 2x2 --adapt static --steps "$STEPS" --scenario "$SCENARIO"
+  local p=(); [ -n "${PREDICTOR:-}" ] && p=(--predictor "$PREDICTOR")
+  run "$m" adaptive 2x2 --adapt adaptive "${p[@]}" --steps "$STEPS" --scenario "$SCENARIO"
+  run "$m" dp4 4x1 --adapt static --steps "$STEPS" --scenario "$SCENARIO"
+  run "$m" sweep 2x2 --adapt sweep --sweep-windows "$SWEEP_WINDOWS" \
+    --steps $(( 2 * ${SWEEP_ONSET[$m]} )) --scenario "$O/$m-sweep-scenario.toml"
+}
+rest() {
+  local m=$1
+  run "$m" measured 2x2 --adapt measured --steps "$STEPS" --scenario "$SCENARIO"
+  run "$m" pp4 1x4 --adapt static --steps "$STEPS" --scenario "$SCENARIO"
+  if [ -n "${PARTIAL:-}" ]; then
+    run "$m" partial 2x2 --adapt adaptive --partial-reduce --steps "$STEPS" --scenario "$SCENARIO"
+  fi
+}
+for m in $MODELS; do core "$m"; done
+for m in $MODELS; do rest "$m"; done
