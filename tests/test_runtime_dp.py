@@ -163,16 +163,19 @@ def get_model_state(name: str) -> dict[str, torch.Tensor]:
 
 
 # Forced changes at step boundaries: (step, sizes of the split or None, shares, dropped).
+# The last ones leave replica 1 out (partial reduce) for two steps: the first under a new
+# DDP reducer, the second when DDP rebuilds its buckets, which the left-out replica shadows.
 FORCED = {
     4: [
         (2, [5, 3], None, ()),
         (3, None, (6, 2), ()),
         (5, [2, 6], (3, 5), ()),
         (6, [4, 4], None, ()),
+        (7, None, None, (1,)),
     ],
-    2: [(2, None, (6, 2), ()), (4, None, (1, 7), ())],
+    2: [(2, None, (6, 2), ()), (4, None, (1, 7), ()), (7, None, (2, 6), (0,))],
 }
-FORCED_STEPS = 8
+FORCED_STEPS = 9
 
 
 def _schedule_of(world: int):
