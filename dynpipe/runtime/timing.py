@@ -107,6 +107,10 @@ class LayerProbe:
         self._bwd_edges: dict[int, tuple[object, object]] = {}
         self._n = 0
         self._t_last = 0.0  # host time of the last backward mark (dilation)
+        # Data parallelism: gradients went to the all-reduce, so what follows in this
+        # backward is waiting for other replicas, which emulation must not stretch.
+        self._handed = False
+        self.in_backward = False
 
     @property
     def active(self) -> bool:
@@ -157,12 +161,22 @@ class LayerProbe:
 
     def begin_backward(self, chunk: int) -> None:
         self._t_last = time.perf_counter()
+        self._handed = False
+        self.in_backward = True
         if self.sampling:
             self._bwd_edges[chunk] = (self._mark(), None)
 
+    def handed_to_reduce(self) -> None:
+        """Gradients went to the data-parallel all-reduce: the compute since the last mark
+        is stretched now, before the reduce starts, as a slowed device would delay it."""
+        self._t_last = self._stretch(self._t_last)
+        self._handed = True
+
     def end_backward(self, chunk: int) -> None:
         # The first layer's backward ends with the stage's (its input may need no gradient).
-        self._t_last = self._stretch(self._t_last)
+        if not self._handed:
+            self._t_last = self._stretch(self._t_last)
+        self._handed = self.in_backward = False
         if self.sampling and chunk in self._bwd_edges:
             self._bwd_edges[chunk] = (self._bwd_edges[chunk][0], self._mark())
 
@@ -237,6 +251,9 @@ class StageTimer:
     def handed_to_reduce(self) -> None:
         """A gradient bucket went to the data-parallel all-reduce (the reduce hook calls
         this; the last call of a backward marks the end of its compute)."""
+        if not self.layers.in_backward:
+            return  # no backward around it (a replica shadowing the reduce)
+        self.layers.handed_to_reduce()
         if self.enabled and self._open is not None:
             self._handed = self._mark()
 
