@@ -80,9 +80,9 @@ def test_mesh_arithmetic_and_dp_dividing_the_gpus() -> None:
     assert (m.replica, m.pp_rank) == (1, 1) and m.global_rank(2) == 5
     assert m.global_rank(0, replica=0) == 0 and m.replica_ranks(1) == [3, 4, 5]
     assert m.pp_group is None and m.dp_group is None  # no groups without a device mesh
-    assert check_dp(2, 4) == 2
+    assert check_dp(2, world_size=4) == 2
     with pytest.raises(UserError, match=r"--dp 3 does not divide 4 GPUs.*--dp 1 or 2 or 4"):
-        check_dp(3, 4)
+        check_dp(3, world_size=4)
 
 
 # ---- the command line: bad input before any process starts ---------------------------------
@@ -125,7 +125,7 @@ def test_ring_allreduce_and_the_reduce_tail() -> None:
     assert ring_allreduce_ms(1e9, replicas=4, bandwidth=1e9) == pytest.approx(1.5e3)
     costs = CostModel.from_model(MLP, microbatch_size=4, bandwidth=1e6)
     bounds = ((0, 4), (4, 8))
-    assert reduce_tail_ms(costs, bounds, replicas=1) == 0
+    assert reduce_tail_ms(costs, bounds=bounds, replicas=1) == 0
 
     def ring(a: int, b: int) -> float:  # two replicas: each sends and receives it all once
         return float(costs.param_bytes[a:b].sum()) / 1e6 * 1e3 + 2 * 0.02
@@ -134,7 +134,7 @@ def test_ring_allreduce_and_the_reduce_tail() -> None:
     # earlier by stage 0's last backward and the gradient sent to it.
     lead = float(costs.bwd_ms[0, :4].sum()) + float(costs.out_bytes[3]) / 1e6 * 1e3 + 0.02
     want = max(ring(0, 4), ring(4, 8) - lead)
-    assert reduce_tail_ms(costs, bounds, replicas=2) == pytest.approx(want)
+    assert reduce_tail_ms(costs, bounds=bounds, replicas=2) == pytest.approx(want)
     assert want > 0
 
 

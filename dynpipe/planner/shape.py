@@ -71,7 +71,7 @@ def _link(costs: CostModel) -> tuple[float, float]:
     )
 
 
-def reduce_tail_ms(costs: CostModel, bounds: Sequence[tuple[int, int]], *, replicas: int) -> float:
+def reduce_tail_ms(costs: CostModel, *, bounds: Sequence[tuple[int, int]], replicas: int) -> float:
     """How long the gradient all-reduce across ``replicas`` extends the step (see the
     module docstring): ``max_s (reduce_s - lead_s)``, at least 0."""
     if replicas <= 1:

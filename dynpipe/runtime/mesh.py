@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["Mesh", "check_dp", "init_mesh"]
 
 
-def check_dp(dp: int, world_size: int) -> int:
+def check_dp(dp: int, *, world_size: int) -> int:
     """Pipeline stages per replica for ``dp`` replicas over ``world_size`` ranks."""
     if dp < 1:
         raise UserError(f"--dp must be >= 1 (pipeline replicas), got {dp}")
@@ -104,7 +104,7 @@ def init_mesh(topo: Topology, *, dp: int) -> Mesh:
     ``DeviceMesh.from_group``: groups ``init_device_mesh`` makes would take the backend's
     default timeout (30 minutes on gloo), and no collective may wait that long on a dead peer.
     """
-    pp = check_dp(dp, topo.world_size)
+    pp = check_dp(dp, world_size=topo.world_size)
     if dp == 1:
         return Mesh.single(rank=topo.rank, world_size=topo.world_size)
     from datetime import timedelta

@@ -79,7 +79,7 @@ def resolve_plan(cfg: TrainConfig, model: LayeredModel, world_size: int) -> Plan
         plan = Plan.load(cfg.plan)
         dp = cfg.dp or plan.dp
         if cfg.dp is not None:
-            check_dp(dp, world_size)  # else the plan's own check below names its shape
+            check_dp(dp, world_size=world_size)  # else the plan's own check below names its shape
         plan = dataclasses.replace(
             plan,
             schedule=cfg.schedule or plan.schedule,
@@ -93,7 +93,7 @@ def resolve_plan(cfg: TrainConfig, model: LayeredModel, world_size: int) -> Plan
         )
     else:
         dp = cfg.dp or 1
-        pp = check_dp(dp, world_size)
+        pp = check_dp(dp, world_size=world_size)
         plan = Plan.even(
             model,
             cfg.stages or pp,

@@ -339,7 +339,7 @@ class ReplicaPolicy:
                 t = max(
                     t, predicted_step_ms(cm, c.bounds, schedule=schedule, microbatches=c.shares[r])
                 )
-        return t + reduce_tail_ms(self.base, c.bounds, replicas=self.dp)
+        return t + reduce_tail_ms(self.base, bounds=c.bounds, replicas=self.dp)
 
     def _low(self, schedule: str) -> list[int]:
         return [self.num_stages if schedule == "1f1b" else 1] * self.dp
