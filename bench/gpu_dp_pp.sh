@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Data x pipeline parallelism on one 4-GPU host: the same 4 GPUs as DP only (4 x 1), one
-# 4-stage pipeline (1 x 4), and 2 replicas x 2 stages static, measured and adaptive, with a
+# 4-stage pipeline (1 x 4, even split), and 2 replicas x 2 stages (even split and shares)
+# static, measured and adaptive, with a
 # real 'gemm' interferer on GPU 3 (rank 3: replica 1's second stage in 2 x 2) from step 30
 # to 60 (recipes/scenarios/gpu-gemm-rank3.toml); then a sweep run that holds every 2 x 2
 # split in turn, clean and then under the interferer: the oracle is the fastest static

@@ -92,14 +92,21 @@ class ReplicaReducer:
         init_sync: bool = True,
         bucket_mb: float = 25.0,
     ) -> None:
+        import inspect
+
         from torch.nn.parallel import DistributedDataParallel
 
+        # torch 2.13 renamed the forward buffer sync (broadcast_buffers is deprecated there).
+        params = inspect.signature(DistributedDataParallel).parameters
+        no_sync = (
+            "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+        )
         self.ddp = DistributedDataParallel(
             module,
             process_group=mesh.dp_group,
             init_sync=init_sync,
-            forward_sync_buffers=False,
             bucket_cap_mb=bucket_mb,
+            **{no_sync: False},
         )
         self._state = _HookState(mesh.dp_group, timer)
         self.ddp.register_comm_hook(self._state, _sum_buckets)

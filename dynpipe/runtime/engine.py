@@ -205,6 +205,8 @@ class PipelineEngine:
         if self.mesh.dp > 1:
             from dynpipe.runtime.dataparallel import ReplicaReducer
 
+            _check_scale_grads()
+
             self.reducer = ReplicaReducer(
                 self.module,
                 mesh=self.mesh,
@@ -375,6 +377,18 @@ class PipelineEngine:
 
     def optim_state(self) -> dict[str, torch.Tensor]:
         return export_state(self.optimizer, self.named_params)
+
+
+def _check_scale_grads() -> None:
+    """Replicas divide gradients once themselves; a schedule that always divides by its own
+    microbatch count (torch before ``scale_grads``) would make uneven shares inexact."""
+    import inspect
+
+    if "scale_grads" not in inspect.signature(ScheduleGPipe).parameters:
+        raise UserError(
+            f"--dp > 1 needs torch's pipelining schedules with scale_grads (torch "
+            f"{torch.__version__} lacks it); install torch 2.13 as the README says"
+        )
 
 
 def check_batch(plan: Plan, batch_size: int) -> None:

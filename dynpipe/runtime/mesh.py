@@ -118,7 +118,14 @@ def init_mesh(topo: Topology, *, dp: int) -> Mesh:
     # Every rank creates every group, in the same order (new_group is collective).
     pp_group, _ = dist.new_subgroups_by_enumeration(layout.tolist(), timeout=timeout)
     dp_group, _ = dist.new_subgroups_by_enumeration(layout.t().tolist(), timeout=timeout)
-    device_mesh = DeviceMesh.from_group(
-        [dp_group, pp_group], topo.device.type, mesh=layout, mesh_dim_names=("dp", "pp")
-    )
+    try:
+        device_mesh = DeviceMesh.from_group(
+            [dp_group, pp_group], topo.device.type, mesh=layout, mesh_dim_names=("dp", "pp")
+        )
+    except (TypeError, ValueError, NotImplementedError):
+        # A torch whose DeviceMesh cannot adopt 2-D groups makes its own (their timeout is
+        # then the backend's default).
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_mesh = init_device_mesh(topo.device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
     return Mesh(dp=dp, pp=pp, rank=topo.rank, device_mesh=device_mesh)
