@@ -153,6 +153,7 @@ def predicted_step_ms(
 
 
 _MISSES = 16  # the model's misses remembered for its tracking error
+_SHORTFALLS = 3  # moves whose shortfall against their promise is remembered
 
 
 class Controller:
@@ -195,6 +196,7 @@ class Controller:
         # the model's recent misses (see ``tracking_error``).
         self._seen: tuple[Bounds, float, float] | None = None
         self._misses: list[float] = []
+        self._shortfalls: list[float] = []  # of the last moves (see ``required_gain``)
 
     def describe(self) -> str:
         how = (
@@ -222,11 +224,21 @@ class Controller:
         if self.last is not None and self.last.verdict is None and self.last.pause_ms is not None:
             self.last.judge(here, slow, regime=regime, tol=self.config.min_gain)
             judged = self.last.to_dict()
-        decision = self._decide(window, slow)
+            if self.last.model:
+                # How far the steps fell short of what the model promised (0 if they did
+                # better), whatever else changed: a broken promise counts against it.
+                kept = np.log(self.last.after_ms / max(self.last.before_ms, 1e-9))
+                promised = np.log(self.last.predicted_ms / max(self.last.model_before_ms, 1e-9))
+                self._shortfalls = [*self._shortfalls, max(0.0, float(kept - promised))]
+                self._shortfalls = self._shortfalls[-_SHORTFALLS:]
+        decision = self._decide(window, slow, self.last if judged is not None else None)
         decision.judged = judged
         return decision
 
-    def _decide(self, w: Window, slow: tuple[float, ...]) -> Decision:
+    def _decide(
+        self, w: Window, slow: tuple[float, ...], judged: MoveRecord | None = None
+    ) -> Decision:
+        """``judged``: the move this window just judged, if any."""
         cfg = self.config
         costs = self.cost_model(w)
         kw = {"schedule": w.schedule, "microbatches": w.microbatches}
@@ -236,7 +248,9 @@ class Controller:
         pause = self.pause_ms if self.pause_ms is not None else w.median_step_ms
         prev, self._seen = self._seen, (w.bounds, cur, w.median_step_ms)
 
-        def verdict(reason: str, proposed: float = cur, bounds: Bounds | None = None) -> Decision:
+        def verdict(
+            reason: str, proposed: float = cur, bounds: Bounds | None = None, model: bool = False
+        ) -> Decision:
             nbytes = (
                 0 if bounds is None else moved_bytes(self._state_bytes, w.bounds, bounds, w.ranks)
             )
@@ -254,6 +268,7 @@ class Controller:
                     predicted_ms=proposed,
                     slowdown=slow,
                     regime=regime,
+                    model=model,
                 )
             return Decision(
                 step=w.step + 1,
@@ -269,6 +284,24 @@ class Controller:
             )
 
         # A plan measured clearly faster under these conditions: go back to it.
+        # A move measured slower across a change of conditions says nothing about the move:
+        # the plan it left is measured again under the new conditions (an A/B of the two
+        # plans in one regime), so neither an onset nor timers that fake one can leave the
+        # run on a worse plan.
+        last = judged
+        if (
+            last is not None
+            and last.verdict == "conditions changed"
+            and last.after_ms is not None
+            and last.after_ms > last.before_ms * (1 + cfg.min_gain)
+            and last.dst == w.bounds
+            and self.memory.measured(last.src, regime) is None
+        ):
+            return verdict(
+                f"{_split(last.src)} measured again: the move from it measured slower "
+                "across a change of conditions",
+                bounds=last.src,
+            )
         best = self.memory.best(regime)
         if (
             best is not None
@@ -321,7 +354,9 @@ class Controller:
                 f"no better than {here:.2f} now",
                 res.step_ms,
             )
-        return verdict(f"predicted {cur:.2f} -> {res.step_ms:.2f} ms/step", res.step_ms, bounds)
+        return verdict(
+            f"predicted {cur:.2f} -> {res.step_ms:.2f} ms/step", res.step_ms, bounds, model=True
+        )
 
     def tracking_error(self) -> float:
         """Relative standard deviation of the model's misses: how far, window to window,
@@ -343,9 +378,12 @@ class Controller:
         return max(self.config.jump, 3.0 * self.tracking_error(), steps)
 
     def required_gain(self) -> float:
-        """The relative gain a model-proposed move needs: ``min_gain``, or twice the model's
-        measured tracking error, if that is more."""
-        return max(self.config.min_gain, 2.0 * self.tracking_error())
+        """The relative gain a model-proposed move needs: ``min_gain``, twice the model's
+        measured tracking error, or what the last moves fell short of their promise by on
+        average, whichever is most: where timers mislead the model (a launch-bound GPU), its
+        promises are measured to be empty and it stops moving layers."""
+        short = float(np.expm1(np.mean(self._shortfalls))) if self._shortfalls else 0.0
+        return max(self.config.min_gain, 2.0 * self.tracking_error(), short)
 
     @property
     def _state_bytes(self) -> np.ndarray:
@@ -397,6 +435,7 @@ class Controller:
             "memory": self.memory.state(),
             "pause_ms": self.pause_ms,
             "misses": self._misses,
+            "shortfalls": self._shortfalls,
             "pending": None if self.pending is None else self.pending.to_dict(),
             "last": None if self.last is None else self.last.to_dict(),
         }
@@ -408,6 +447,7 @@ class Controller:
         self.memory.load_state(state.get("memory", []))
         self.pause_ms = state.get("pause_ms")
         self._misses = [float(x) for x in state.get("misses", [])]
+        self._shortfalls = [float(x) for x in state.get("shortfalls", [])]
         self.pending = MoveRecord.from_dict(state["pending"]) if state.get("pending") else None
         self.last = MoveRecord.from_dict(state["last"]) if state.get("last") else None
 
