@@ -215,7 +215,16 @@ class Controller:
         if self.settle > 0:
             self.settle -= 1
             return None
-        self.est.update(window)
+        # Steps that jump beyond their noise under an unchanged plan are a change of
+        # conditions whatever the timers say (launch-bound timers can hide one in noise).
+        prev = self._seen
+        changed = (
+            prev is not None
+            and prev[0] == window.bounds
+            and abs(np.log(window.median_step_ms / max(prev[2], 1e-9)))
+            > np.log1p(self._step_noise_limit(window))
+        )
+        self.est.update(window, changed=changed)
         slow = tuple(float(x) for x in self.est.load)
         here = window.median_step_ms
         regime = self.est.regime
@@ -366,6 +375,16 @@ class Controller:
             return 0.0
         x = np.asarray(self._misses)
         return float(np.expm1(1.4826 * np.median(np.abs(x - np.median(x)))))
+
+    def _step_noise_limit(self, w: Window) -> float:
+        """A change of the window's median step that is more than noise: ``jump``, or three
+        standard errors of the median (from the spread of the window's steps), or twice the
+        model's tracking error (steps that swing on their own), whichever is most."""
+        k = len(w.step_ms)
+        med = float(np.median(w.step_ms))
+        mad = float(np.median(np.abs(w.step_ms - med)))
+        steps = 3.0 * 1.25 * 1.4826 * mad / max(med, 1e-9) / np.sqrt(k)
+        return max(self.config.jump, steps, 2.0 * self.tracking_error())
 
     def _tolerance(self, w: Window) -> float:
         """How far model and steps may disagree in one window: ``jump``, three tracking
