@@ -225,6 +225,10 @@ class Controller:
             > np.log1p(self._step_noise_limit(window))
         )
         self.est.update(window, changed=changed)
+        if changed:
+            # Promises broken under the old conditions say little about the model's view of
+            # new ones (its timers may well be sound there).
+            self._shortfalls = []
         slow = tuple(float(x) for x in self.est.load)
         here = window.median_step_ms
         regime = self.est.regime
@@ -402,7 +406,7 @@ class Controller:
         average, whichever is most: where timers mislead the model (a launch-bound GPU), its
         promises are measured to be empty and it stops moving layers."""
         short = float(np.expm1(np.mean(self._shortfalls))) if self._shortfalls else 0.0
-        return max(self.config.min_gain, 2.0 * self.tracking_error(), short)
+        return max(self.config.min_gain, short)
 
     @property
     def _state_bytes(self) -> np.ndarray:
