@@ -280,3 +280,15 @@ def test_bad_adapt_config_is_one_clear_line() -> None:
         AdaptConfig(min_gain=1.5)
     with pytest.raises(UserError, match="unknown --adapt"):
         AdaptConfig(mode="fast")
+
+
+def test_emulated_interference_is_refused_on_cuda_in_one_line(tmp_path) -> None:
+    from dynpipe.errors import UserError
+    from dynpipe.runtime.scenario import load_scenario
+
+    path = tmp_path / "s.toml"
+    path.write_text('[[events]]\nstep = 3\naction = "start"\nkind = "emulate"\nstage = 1\n')
+    assert load_scenario(path, num_stages=2, device="cpu").events[0].emulated
+    with pytest.raises(UserError, match="CPU only") as err:
+        load_scenario(path, num_stages=2, device="cuda:0")
+    assert "\n" not in str(err.value) and "gemm" in str(err.value)

@@ -72,7 +72,12 @@ class Scenario:
         return on
 
 
-def load_scenario(path: str | Path, *, num_stages: int | None = None) -> Scenario:
+def load_scenario(
+    path: str | Path, *, num_stages: int | None = None, device: str = "cpu"
+) -> Scenario:
+    """A scenario file, checked against the pipeline (``num_stages``) and the device type:
+    emulated interference stretches layer times on the host clock, which on CUDA would
+    only delay kernel launches, so it is refused there."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"scenario file {p} does not exist; see recipes/scenarios/ for examples")
@@ -107,6 +112,12 @@ def load_scenario(path: str | Path, *, num_stages: int | None = None) -> Scenari
         factor = float(raw.get("factor", 3.0))
         if kind == "emulate" and factor < 1:
             raise UserError(f"scenario {p} event {i}: emulate factor {factor} must be >= 1")
+        if kind == "emulate" and action == "start" and device.startswith("cuda"):
+            raise UserError(
+                f"scenario {p} event {i}: kind = \"emulate\" is CPU only (it would only delay "
+                "kernel launches on a GPU); on CUDA use a real interferer: "
+                f"{', '.join(k for k in KINDS if k not in ('spin', 'membw'))}"
+            )
         events.append(
             ScenarioEvent(
                 step=int(raw["step"]),

@@ -480,8 +480,8 @@ def _scenario_runner(
         return None
     from dynpipe.runtime.scenario import ScenarioRunner, load_scenario
 
-    scenario = load_scenario(cfg.scenario, num_stages=engine.plan.num_stages)
     device = f"cuda:{topo.device.index}" if topo.is_cuda else "cpu"
+    scenario = load_scenario(cfg.scenario, num_stages=engine.plan.num_stages, device=device)
     return ScenarioRunner(
         scenario, rank=topo.rank, target_ranks=targets, device=device, timer=engine.timer
     )
