@@ -497,3 +497,10 @@ def test_pystdlib_of_this_python_trains_gpt_with_a_held_out_tenth() -> None:
     assert _equal(pickle.loads(pickle.dumps(train)).batch(9, 4), train.batch(9, 4))
     with pytest.raises(UserError, match="not read from disk"):
         get_data("pystdlib", path="somewhere")
+
+
+def test_digits_held_out_pixels_stay_on_a_sane_scale() -> None:
+    # Pixels constant in the training split must not blow up held-out images that use them.
+    test = get_data("digits", split="test")
+    x, _ = test.batch(0, test.num_samples)
+    assert float(x.abs().max()) < 100

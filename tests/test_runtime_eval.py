@@ -192,3 +192,53 @@ def test_eval_batches_must_have_the_training_batch_size() -> None:
     msg = res["value"]["error"]
     assert msg and "has 4 samples but the pipeline runs batches of 8" in msg
     assert res["value"]["modes"]  # layers are back in training mode after a failed pass
+
+
+def _train_with_eval(rank: int, world: int, log: str) -> list[dict]:
+    from dynpipe.runtime.optim import OptimConfig
+    from dynpipe.runtime.topology import Topology
+    from dynpipe.runtime.train import TrainConfig, train
+
+    cfg = TrainConfig(
+        model="mlp",
+        model_args={"depth": 2, "width": 32},
+        data="digits",
+        steps=12,
+        batch_size=16,
+        microbatches=2,
+        optim=OptimConfig(name="adamw", lr=3e-3),
+        progress=False,
+        log=log,
+        eval_every=5,
+    )
+    train(cfg, topo=Topology.from_env(device="cpu"))
+    return []
+
+
+def test_training_logs_eval_records_every_k_steps_and_at_the_end(tmp_path) -> None:
+    from dynpipe.runtime.runlog import read_log
+
+    log = tmp_path / "log.jsonl"
+    run_ranks(_train_with_eval, 2, str(log))
+    recs = read_log(log)
+    evals = [r for r in recs if r["type"] == "eval"]
+    assert [r["step"] for r in evals] == [5, 10, 12]
+    for r in evals:
+        # digits: 359 held-out images, 22 whole batches of 16 (the default reads them once).
+        assert r["split"] == "test" and r["batches"] == 22 and r["samples"] == 22 * 16
+        assert r["targets"] == r["samples"] and r["perplexity"] is None
+        assert 0.0 <= r["accuracy"] <= 1.0 and math.isfinite(r["loss"]) and r["eval_ms"] > 0
+    assert evals[-1]["loss"] < evals[0]["loss"]
+    # An evaluation after the last step comes before the run's end event.
+    kinds = [r.get("event", r["type"]) for r in recs]
+    assert kinds.index("end") > max(i for i, k in enumerate(kinds) if k == "eval")
+
+
+def test_eval_options_are_validated() -> None:
+    from dynpipe.errors import UserError
+    from dynpipe.runtime.train import TrainConfig
+
+    with pytest.raises(UserError, match="--eval-every must be >= 0"):
+        TrainConfig(eval_every=-1)
+    with pytest.raises(UserError, match="--eval-batches >= 1, got 5 and 0"):
+        TrainConfig(eval_every=5, eval_batches=0)

@@ -34,8 +34,11 @@ class DigitsSource(IndexedSource):
         n_test = round(len(x) * _TEST_FRACTION)
         train, test = order[n_test:], order[:n_test]
         mean = x[train].mean(dim=0)
-        # Border pixels are always 0 in the training split: leave them at 0, not 0/0.
-        std = x[train].std(dim=0).clamp_min(1e-6)
+        # A few border pixels are always 0 in the training split. Their training values stay
+        # 0 whatever they are divided by; a held-out image inked there must not be divided
+        # by a tiny std (logits in the thousands), so such pixels keep their raw scale.
+        std = x[train].std(dim=0)
+        std = torch.where(std > 0, std, torch.ones_like(std))
         keep = train if split == "train" else test
         self._x = ((x[keep] - mean) / std).contiguous()
         self._y = y[keep].contiguous()

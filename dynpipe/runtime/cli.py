@@ -32,7 +32,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         help="model config, e.g. --model-arg depth=4 (repeatable)",
     )
     g.add_argument(
-        "--data", default="synthetic", help="synthetic, digits, cifar10, imagefolder or text"
+        "--data",
+        default="synthetic",
+        help="synthetic, digits, cifar10, imagefolder, text or pystdlib (this Python's "
+        "standard library sources as bytes, for gpt/bert)",
     )
     g.add_argument("--data-path", default=None, help="local dataset path (never downloaded)")
     g.add_argument(
@@ -150,6 +153,22 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-dir", default=None)
     g.add_argument("--resume", default=None, help="checkpoint folder to resume from")
     g.add_argument("--no-progress", dest="progress", action="store_false")
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="evaluate on the held-out split every N steps and after the last (0: never); "
+        "logs `eval` records: loss, top-1 accuracy, perplexity for gpt/bert",
+    )
+    g.add_argument(
+        "--eval-batches",
+        type=int,
+        default=None,
+        metavar="N",
+        help="batches (of --batch-size) per evaluation (default: the held-out split once, "
+        "at most 50; 10 for synthetic)",
+    )
 
 
 def config_from_args(args: argparse.Namespace):
@@ -201,6 +220,8 @@ def config_from_args(args: argparse.Namespace):
         scenario=args.scenario,
         predictor=args.predictor,
         telemetry=args.telemetry,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
     )
 
 

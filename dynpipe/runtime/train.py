@@ -72,6 +72,8 @@ class TrainConfig:
         replaces ``log_every`` when adapting, since one gather serves both.
     scenario: interference scenario file; predictor: trained slowdown predictor (adaptive).
     telemetry: sample device telemetry in a side thread and gather it with stage times.
+    eval_every: evaluate on the held-out split every N steps and after the last (0: never);
+        eval_batches: batches per evaluation (None: see ``runtime.evaluation``).
     """
 
     model: str = "mlp"
@@ -100,6 +102,8 @@ class TrainConfig:
     scenario: str | None = None
     predictor: str | None = None
     telemetry: bool = True
+    eval_every: int = 0
+    eval_batches: int | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -115,6 +119,11 @@ class TrainConfig:
             )
         if self.log_every < 1:
             raise UserError(f"--log-every must be >= 1, got {self.log_every}")
+        if self.eval_every < 0 or (self.eval_batches is not None and self.eval_batches < 1):
+            raise UserError(
+                f"--eval-every must be >= 0 (0: no evaluation) and --eval-batches >= 1, got "
+                f"{self.eval_every} and {self.eval_batches}"
+            )
         if self.adapt.mode == "restart" and not (self.save_dir or self.log):
             raise UserError(
                 "--adapt restart needs --save-dir or --log: relaunched workers must "
@@ -340,6 +349,7 @@ def train(
     if restart_meta is not None:
         adapter.controller.load_state(restart_meta.get("controller", {}))
         adapter.controller.applied(start, 0.0)
+    evaluator = _evaluator(cfg, model, topo)
     runner = _scenario_runner(cfg, engine=engine, topo=topo, targets=initial_plan.ranks)
     sampler = _sampler(cfg, topo)
     bar = _progress(cfg, start) if writer and cfg.progress else None
@@ -390,6 +400,8 @@ def train(
                 records, tels = steplog.flush(sampler.window() if sampler else None)
                 if step + 1 < cfg.steps:
                     adapter.window(step, records, tels)
+            if evaluator is not None and evaluator.due(step):
+                evaluator.run(engine, step=step, topo=topo, log=log)
             if bar is not None:
                 bar.update(1)
                 split = "|".join(str(len(st)) for st in engine.plan.stages)
@@ -419,6 +431,25 @@ def train(
         "plan": engine.plan,
         "log": str(log.path) if log else None,
     }
+
+
+def _evaluator(cfg: TrainConfig, model: LayeredModel, topo: Topology):
+    if not cfg.eval_every:
+        return None
+    from dynpipe.data import get_data
+    from dynpipe.runtime.evaluation import Evaluator, eval_batch_count
+
+    held_out = get_data(cfg.data, model=model, path=cfg.data_path, seed=cfg.seed, split="test")
+    count = eval_batch_count(held_out, batch_size=cfg.batch_size, batches=cfg.eval_batches)
+    workers = cfg.data_workers if cfg.data_workers is not None else _auto_workers(topo)
+    return Evaluator(
+        source=held_out,
+        every=cfg.eval_every,
+        steps=cfg.steps,
+        batch_size=cfg.batch_size,
+        batches=count,
+        workers=workers,
+    )
 
 
 def _scenario_runner(
