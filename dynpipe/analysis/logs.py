@@ -52,6 +52,10 @@ class Run:
         wait_ms, busy`` (= (fwd + bwd) / step_ms of that step).
     events: one row per event record: ``event, step, time, elapsed_s, segment, record``
         (the record as a dict).
+    evals: one row per evaluation on the held-out split (``--eval-every``): ``step`` (steps
+        trained), ``segment, time, elapsed_s`` (when the record was written, right after
+        the evaluation), ``loss, accuracy, perplexity, samples, batches, eval_ms``; empty
+        for a run that never evaluated.
     windows: interference windows, in onset order.
     """
 
@@ -69,6 +73,7 @@ class Run:
     steps: pd.DataFrame = field(repr=False)
     stages: pd.DataFrame = field(repr=False)
     events: pd.DataFrame = field(repr=False)
+    evals: pd.DataFrame = field(default_factory=lambda: _evals_frame([], [], 0.0), repr=False)
     windows: list[Window] = field(default_factory=list)
     t0: float = 0.0
     redone_steps: int = 0
@@ -148,6 +153,30 @@ def group_experiments(root: str | Path) -> dict[str, list[Path]]:
     return out
 
 
+_EVAL_COLUMNS = ("loss", "accuracy", "perplexity", "samples", "batches", "eval_ms")
+
+
+def _evals_frame(records: list[dict[str, Any]], segments: list[int], t0: float) -> pd.DataFrame:
+    """Eval records as a frame; a relaunch that evaluated a step again keeps its last one."""
+    frame = pd.DataFrame(
+        {
+            "step": pd.Series([int(r["step"]) for r in records], dtype="int64"),
+            "segment": pd.Series(segments, dtype="int64"),
+            "time": pd.Series([float(r["time"]) for r in records], dtype="float64"),
+            **{
+                c: pd.Series(
+                    [np.nan if r.get(c) is None else float(r[c]) for r in records],
+                    dtype="float64",
+                )
+                for c in _EVAL_COLUMNS
+            },
+        }
+    )
+    frame["elapsed_s"] = frame["time"] - t0
+    frame = frame.drop_duplicates("step", keep="last").sort_values("step", kind="stable")
+    return frame.reset_index(drop=True)
+
+
 def _mode(header: dict[str, Any]) -> str:
     adapt = header.get("config", {}).get("adapt") or {}
     return str(adapt.get("mode", "static")) if isinstance(adapt, Mapping) else "static"
@@ -183,6 +212,7 @@ def load_run(path: str | Path, *, label: str | None = None) -> Run:
     if not path.is_file():
         raise UserError(f"run log {path} does not exist; write one with `dynpipe train --log FILE`")
     headers, step_recs, segs, ev_recs, ev_segs = [], [], [], [], []
+    eval_recs, eval_segs = [], []
     for rec in read_log(path):
         kind = rec.get("type")
         if kind == "header":
@@ -195,6 +225,9 @@ def load_run(path: str | Path, *, label: str | None = None) -> Run:
         elif kind == "event":
             ev_recs.append(rec)
             ev_segs.append(len(headers) - 1)
+        elif kind == "eval":
+            eval_recs.append(rec)
+            eval_segs.append(len(headers) - 1)
     if not headers:
         raise UserError(
             f"{path} has no header record; is it a run log written by `dynpipe train --log`?"
@@ -272,6 +305,7 @@ def load_run(path: str | Path, *, label: str | None = None) -> Run:
         steps=steps,
         stages=stages,
         events=events,
+        evals=_evals_frame(eval_recs, eval_segs, t0),
         windows=windows,
         t0=t0,
         redone_steps=n_all - len(steps),
