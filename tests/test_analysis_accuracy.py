@@ -66,9 +66,9 @@ def logs(tmp_path_factory):
     scenario = root / "scenario.toml"
     scenario.write_text(SCENARIO)
     paths = {
-        "static-1": (1, "static", None),
-        "static-2": (2, "static", str(scenario)),
-        "measured-2": (2, "measured", str(scenario)),
+        "static_1": (1, "static", None),
+        "static_2": (2, "static", str(scenario)),
+        "measured_2": (2, "measured", str(scenario)),
     }
     for name, (world, adapt, scen) in paths.items():
         run_ranks(_train, world, str(root / f"{name}.jsonl"), adapt, scen)
@@ -76,7 +76,7 @@ def logs(tmp_path_factory):
 
 
 def test_eval_records_become_a_frame_and_a_target_every_run_reaches(logs) -> None:
-    runs = load_runs([logs / "static-2.jsonl", logs / "measured-2.jsonl"])
+    runs = load_runs([logs / "static_2.jsonl", logs / "measured_2.jsonl"])
     for r in runs:
         assert list(r.evals["step"]) == [10, 20, 30, 40, 50, 60]
         assert r.evals["accuracy"].between(0, 1).all() and r.evals["perplexity"].isna().all()
@@ -98,7 +98,7 @@ def test_eval_records_become_a_frame_and_a_target_every_run_reaches(logs) -> Non
 
 
 def test_time_to_accuracy_table_and_figure(logs, tmp_path) -> None:
-    runs = load_runs([logs / "static-2.jsonl", logs / "measured-2.jsonl"])
+    runs = load_runs([logs / "static_2.jsonl", logs / "measured_2.jsonl"])
     table, target = time_to_accuracy_table(runs, target_accuracy=0.5)
     assert str(target) == "eval accuracy 50.0% (given)"
     static = table[table["system"] == "static"].iloc[0]
@@ -146,6 +146,25 @@ def test_figures_cli_draws_both_and_summary_gives_ratios(logs, tmp_path) -> None
     rows = {cells[1].strip(): cells[6].strip() for cells in table}
     # Each static run is its own baseline; the adaptive run is compared with the static run
     # under the same interference.
-    assert rows.keys() == {"static (static-1)", "static (static-2)", "measured"}, rows
-    assert rows["static (static-1)"] == rows["static (static-2)"] == "1.00"
+    assert rows.keys() == {"static (static_1)", "static (static_2)", "measured"}, rows
+    assert rows["static (static_1)"] == rows["static (static_2)"] == "1.00"
     assert float(rows["measured"]) > 0
+
+
+def test_analysis_scripts_redraw_both_from_a_logs_folder(logs, tmp_path, capsys) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    def script(name: str):
+        path = Path(__file__).parents[1] / "analysis" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    args = ["--logs", str(logs), "--out", str(tmp_path)]
+    assert script("fig_accuracy").main([*args, "--target-accuracy", "0.5"]) == 0
+    assert script("fig_scaling").main(args) == 0
+    printed = capsys.readouterr().out
+    for png in (tmp_path / logs.name / "time_to_accuracy.png", tmp_path / "scaling_mlp.png"):
+        assert png.stat().st_size > 10_000 and str(png) in printed
