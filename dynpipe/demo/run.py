@@ -4,13 +4,18 @@ Both runs train the same MLP on the same synthetic data with the same seed, each
 pinned to its own core. Before step ``onset`` two busy-loop processes start on stage 1's
 core, so stage 1 keeps about a third of it; before step ``departure`` they stop. The static
 run keeps its even split; the adaptive run (``--adapt measured``: repartitions from the
-measured stage times) moves layers to stage 0 and back. Both evaluate on the held-out
-split along the way; since the training math does not depend on the split, both end with
-the same accuracy, the adaptive one sooner.
+measured stage times) moves layers to stage 0 and back. Both evaluate on the held-out split
+along the way; since the training math does not depend on the split, both end with the same
+accuracy, the adaptive one sooner.
+
+``DemoConfig(adapt="adaptive", predictor=...)`` runs the predictor-based system instead
+(``predictor/cpu.joblib`` was trained on this kind of 2-vCPU machine); without a predictor
+file it falls back to ``measured`` and says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -29,9 +34,13 @@ class DemoConfig:
     interferer / intensity / count: what runs on stage 1's core during the interference:
         two busy loops at full duty leave the stage about a third of its core (one, about
         half, is too little where the scheduler favours a process that often waits).
-    adapt: the adaptive system (``measured``; ``adaptive`` needs a predictor).
+    adapt / predictor: the adaptive system: ``measured``, or ``adaptive`` with a predictor
+        file (without one it runs ``measured``).
     min_gain: the smallest predicted gain worth a move; above the swing of a stage timer
         on a busy shared machine, well below what the interference makes worth moving.
+    monitor_every / cooldown: steps per monitoring window and between moves. Windows of 10
+        steps: the medians of 5 steps of a stage that shares its core with busy loops swing
+        enough to move layers back and forth during the interference.
     eval_batches: held-out batches per evaluation (both runs evaluate the same ones).
     """
 
@@ -45,25 +54,28 @@ class DemoConfig:
     intensity: float = 1.0
     count: int = 2
     adapt: str = "measured"
+    predictor: str | None = None
     min_gain: float = 0.15
+    monitor_every: int = 10
+    cooldown: int = 10
     eval_batches: int = 4
     seed: int = 0
 
     @property
     def steps(self) -> int:
-        return 120 if self.quick else 300
+        return 120 if self.quick else 240
 
     @property
     def onset(self) -> int:
-        return 40 if self.quick else 80
+        return 40 if self.quick else 60
 
     @property
     def departure(self) -> int:
-        return 85 if self.quick else 200
+        return 85 if self.quick else 150
 
     @property
     def eval_every(self) -> int:
-        return 30 if self.quick else 50
+        return 30 if self.quick else 40
 
 
 def _scenario(cfg: DemoConfig, path: Path) -> Path:
@@ -89,14 +101,17 @@ def _argv(cfg: DemoConfig, *, adapt: str, scenario: Path, log: Path) -> list[str
         "--device": "cpu",
         "--adapt": adapt,
         "--scenario": scenario,
-        "--monitor-every": 5,
+        "--monitor-every": cfg.monitor_every,
         "--min-gain": cfg.min_gain,
+        "--cooldown": cfg.cooldown,
         # The demo's whole run is the horizon a repartition has to pay back within.
         "--horizon": cfg.steps,
         "--eval-every": cfg.eval_every,
         "--eval-batches": cfg.eval_batches,
         "--log": log,
     }
+    if adapt == "adaptive" and cfg.predictor:
+        words["--predictor"] = cfg.predictor
     argv = [str(w) for k, v in words.items() for w in (k, v)]
     for key, value in (("width", cfg.width), ("depth", cfg.depth), ("in_features", cfg.width)):
         argv += ["--model-arg", f"{key}={value}"]
@@ -108,6 +123,11 @@ def run_demo(cfg: DemoConfig) -> int:
     from dynpipe.demo.report import draw_figures, format_report, summarise
     from dynpipe.runtime.launch import launch_local
 
+    if cfg.adapt == "adaptive" and not (cfg.predictor and Path(cfg.predictor).is_file()):
+        print(
+            f"dynpipe demo: no predictor at {cfg.predictor}; the adaptive run uses --adapt measured"
+        )
+        cfg = dataclasses.replace(cfg, adapt="measured", predictor=None)
     run_dir = Path(cfg.out or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S"))
     run_dir.mkdir(parents=True, exist_ok=True)
     scenario = _scenario(cfg, run_dir / "scenario.toml")
