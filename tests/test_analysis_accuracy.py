@@ -38,7 +38,7 @@ stage = 1
 
 
 def _train(rank: int, world: int, log: str, adapt: str, scenario: str | None) -> None:
-    from dynpipe.runtime.controller import AdaptConfig
+    from dynpipe.runtime.adapt.config import AdaptConfig
     from dynpipe.runtime.optim import OptimConfig
     from dynpipe.runtime.topology import Topology
     from dynpipe.runtime.train import TrainConfig, train

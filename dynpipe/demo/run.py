@@ -38,9 +38,9 @@ class DemoConfig:
         file (without one it runs ``measured``).
     min_gain: the smallest predicted gain worth a move; above the swing of a stage timer
         on a busy shared machine, well below what the interference makes worth moving.
-    monitor_every / cooldown: steps per monitoring window and between moves. Windows of 10
-        steps: the medians of 5 steps of a stage that shares its core with busy loops swing
-        enough to move layers back and forth during the interference.
+    monitor_every: steps per monitoring window. Windows of 10 steps: the medians of 5 steps
+        of a stage that shares its core with busy loops swing enough to move layers back and
+        forth during the interference.
     eval_batches: held-out batches per evaluation (both runs evaluate the same ones).
     """
 
@@ -57,7 +57,6 @@ class DemoConfig:
     predictor: str | None = None
     min_gain: float = 0.15
     monitor_every: int = 10
-    cooldown: int = 10
     eval_batches: int = 4
     seed: int = 0
 
@@ -103,7 +102,6 @@ def _argv(cfg: DemoConfig, *, adapt: str, scenario: Path, log: Path) -> list[str
         "--scenario": scenario,
         "--monitor-every": cfg.monitor_every,
         "--min-gain": cfg.min_gain,
-        "--cooldown": cfg.cooldown,
         # The demo's whole run is the horizon a repartition has to pay back within.
         "--horizon": cfg.steps,
         "--eval-every": cfg.eval_every,

@@ -7,6 +7,7 @@ or a test harness creates it); everything it needs arrives by argument.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -21,14 +22,18 @@ import torch.distributed as dist
 from dynpipe.data.loader import BatchStream, CyclicBatches
 from dynpipe.errors import UserError
 from dynpipe.models import LayeredModel, get_model
+from dynpipe.planner.diff import diff
 from dynpipe.planner.plan import Plan
-from dynpipe.runtime.adapter import Adapter
+from dynpipe.runtime.adapt.config import AdaptConfig
+from dynpipe.runtime.adapt.loop import Adapter
+from dynpipe.runtime.adapt.make import make_policy, warm_bytes
+from dynpipe.runtime.adapt.policy import Policy
+from dynpipe.runtime.adapt.window import Window
 from dynpipe.runtime.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
-from dynpipe.runtime.controller import AdaptConfig
 from dynpipe.runtime.engine import EngineConfig, NonFiniteLoss, PipelineEngine, StepResult
 from dynpipe.runtime.health import Heartbeat, StageFailure
 from dynpipe.runtime.optim import OptimConfig
-from dynpipe.runtime.runlog import RunLog, environment
+from dynpipe.runtime.runlog import RunLog, code_revision, environment
 from dynpipe.runtime.topology import Topology
 
 __all__ = [
@@ -172,10 +177,21 @@ def resolve_plan(cfg: TrainConfig, model: LayeredModel, world_size: int) -> Plan
     return plan
 
 
+@dataclass
+class _Gathered:
+    """One window as every rank sees it after the gather: step records, the sampled step's
+    per-layer timings, per-rank telemetry and free device memory."""
+
+    records: list[dict]
+    layers: dict[str, Any] | None
+    telemetry: list[dict[str, float]]
+    free_bytes: list[float]
+
+
 class _StepLog:
     """Buffers this rank's per-step timings; every window one all-gather hands every rank
-    every stage's numbers and every device's telemetry (the monitor reads them, the writer
-    logs them)."""
+    every stage's numbers, every layer's sampled timings and every device's telemetry (the
+    adaptation loop reads them, the writer logs them)."""
 
     def __init__(self, *, topo: Topology, plan: Plan, log: RunLog | None, batch_size: int):
         self.topo = topo
@@ -188,13 +204,28 @@ class _StepLog:
     def add(self, res: StepResult) -> None:
         self.pending.append(res)
 
-    def flush(self, telemetry: dict[str, float] | None = None) -> tuple[list[dict], list[dict]]:
-        """Gather and log the pending steps; returns step records and per-rank telemetry."""
+    def _layer_row(self) -> list[float]:
+        """``[2L + 2]``: this rank's per-layer fwd/bwd ms (NaN for layers it does not hold)
+        from the window's last sampled step, then that step's stage medians."""
+        n = self.plan.num_layers
+        row = [float("nan")] * (2 * n + 2)
+        sampled = [r.timing.layers for r in self.pending if r.timing.layers is not None]
+        stage = self.plan.stage_of_rank(self.topo.rank)
+        if not sampled or stage is None:
+            return row
+        lt, st = sampled[-1], self.plan.stages[stage]
+        row[st.start : st.stop] = lt.fwd_ms
+        row[n + st.start : n + st.stop] = lt.bwd_ms
+        row[2 * n], row[2 * n + 1] = lt.stage_fwd_ms, lt.stage_bwd_ms
+        return row
+
+    def flush(self, telemetry: dict[str, float] | None = None) -> _Gathered | None:
+        """Gather and log the pending steps."""
         if not self.pending:
-            return [], []
+            return None
         from dynpipe.profiler.schema import TELEMETRY_COLUMNS
 
-        k = len(self.pending)
+        k, n = len(self.pending), self.plan.num_layers
         row = [
             v
             for r in self.pending
@@ -202,6 +233,8 @@ class _StepLog:
         ]
         tel = telemetry or {}
         row += [float(tel.get(c, float("nan"))) for c in TELEMETRY_COLUMNS]
+        row += self._layer_row()
+        row.append(_free_bytes(self.topo))
         mine = torch.tensor(row, dtype=torch.float64)
         if self.topo.world_size > 1:
             dev = self.topo.device
@@ -210,8 +243,14 @@ class _StepLog:
             by_rank = [p.cpu() for p in parts]
         else:
             by_rank = [mine]
+        nt = len(TELEMETRY_COLUMNS)
         times = [p[: 4 * k].view(k, 4) for p in by_rank]
-        tels = [dict(zip(TELEMETRY_COLUMNS, p[4 * k :].tolist(), strict=True)) for p in by_rank]
+        tels = [
+            dict(zip(TELEMETRY_COLUMNS, p[4 * k : 4 * k + nt].tolist(), strict=True))
+            for p in by_rank
+        ]
+        layer_rows = [p[4 * k + nt : -1].tolist() for p in by_rank]
+        free = [float(p[-1]) for p in by_rank]
         records = []
         for j, res in enumerate(self.pending):
             stages = []
@@ -229,7 +268,10 @@ class _StepLog:
                 )
             rec = {
                 "step": res.step,
-                "wall": round(time.time() - self.t_start, 4),
+                # When this step ended here: seconds since this process started training, and
+                # the epoch time (which a relaunched run shares with the launch before it).
+                "wall": round(res.end_time - self.t_start, 4),
+                "t_end": round(res.end_time, 4),
                 "step_ms": round(res.step_ms, 4),
                 "loss": res.loss,
                 "lr": res.lr,
@@ -240,6 +282,9 @@ class _StepLog:
             records.append(rec)
             if self.log is not None:
                 self.log.write("step", **rec)
+        layers = self._layers(layer_rows, n)
+        if self.log is not None and layers is not None:
+            self.log.write("layer_times", step=self.pending[-1].step, **layers)
         if self.log is not None and telemetry is not None:
             self.log.write(
                 "telemetry",
@@ -247,7 +292,50 @@ class _StepLog:
                 devices=[{k2: _finite(v) for k2, v in t.items()} for t in tels],
             )
         self.pending = []
-        return records, tels
+        return _Gathered(records=records, layers=layers, telemetry=tels, free_bytes=free)
+
+    def _layers(self, rows: list[list[float]], n: int) -> dict[str, Any] | None:
+        """Every layer's sampled time from the rank that holds it (None if none sampled)."""
+        fwd, bwd = [float("nan")] * n, [float("nan")] * n
+        sf, sb = [], []
+        for st in self.plan.stages:
+            row = rows[st.rank]
+            fwd[st.start : st.stop] = row[st.start : st.stop]
+            bwd[st.start : st.stop] = row[n + st.start : n + st.stop]
+            sf.append(row[2 * n])
+            sb.append(row[2 * n + 1])
+        if all(v != v for v in fwd):
+            return None
+        r4 = lambda xs: [_finite(v) for v in xs]  # noqa: E731
+        return {
+            "fwd_ms": r4(fwd),
+            "bwd_ms": r4(bwd),
+            "stage_fwd_ms": r4(sf),
+            "stage_bwd_ms": r4(sb),
+        }
+
+
+def _free_bytes(topo: Topology) -> float:
+    """Device memory this rank's stage could still take: the device's free memory plus what
+    this process's allocator holds unused (NaN on CPU, where no limit is planned)."""
+    if not topo.is_cuda:
+        return float("nan")
+    free, _total = torch.cuda.mem_get_info(topo.device)
+    cached = torch.cuda.memory_reserved(topo.device) - torch.cuda.memory_allocated(topo.device)
+    return float(free + cached)
+
+
+def _window(got: _Gathered, plan: Plan, *, telemetry: bool) -> Window:
+    return Window.from_records(
+        got.records,
+        bounds=plan.bounds,
+        ranks=plan.ranks,
+        microbatches=plan.microbatches,
+        schedule=plan.schedule,
+        layers=got.layers,
+        telemetry=got.telemetry if telemetry else None,
+        memory_bytes=got.free_bytes,
+    )
 
 
 def _finite(v: float) -> float | None:
@@ -262,20 +350,28 @@ def _auto_workers(topo: Topology) -> int:
     return max(1, min(4, per_rank - 1))
 
 
-def _restart(adapter: Adapter, new_plan: Plan, step: int, decide_ms: float) -> NoReturn:
+def _restart(
+    adapter: Adapter,
+    new_plan: Plan,
+    step: int,
+    decide_ms: float,
+    *,
+    cfg: TrainConfig,
+    initial_plan: Plan,
+) -> NoReturn:
     """The restart baseline: checkpoint under the old plan, then exit to be relaunched."""
     meta_extra = {
         "restart_plan": new_plan.to_dict(),
-        "controller": adapter.controller.state(),
-        "initial_plan": adapter.initial_plan.to_dict(),
+        "controller": adapter.state(),
+        "initial_plan": initial_plan.to_dict(),
         "decided_time": time.time(),
     }
     _save(
         adapter.engine,
-        adapter.cfg,
+        cfg,
         topo=adapter.topo,
         step=step,
-        path=_restart_dir(adapter.cfg),
+        path=_restart_dir(cfg),
         extra=meta_extra,
     )
     if adapter.log is not None:
@@ -296,8 +392,13 @@ def train(
     *,
     topo: Topology,
     on_step: Callable[[PipelineEngine, StepResult], None] | None = None,
+    policy: Policy | None = None,
 ) -> dict[str, Any]:
-    """Run ``cfg.steps`` steps on this rank; returns a summary (losses, final step)."""
+    """Run ``cfg.steps`` steps on this rank; returns a summary (losses, final step).
+
+    ``policy``: the adaptation policy (default: the one ``cfg.adapt`` names; tests and
+    benchmarks inject their own). Every rank must be given an equivalent one.
+    """
     torch.manual_seed(cfg.seed)
     model, data = build_model_and_data(cfg)
     plan = resolve_plan(cfg, model, topo.world_size)
@@ -333,6 +434,7 @@ def train(
             world_size=topo.world_size,
             backend=topo.backend,
             env=environment(topo.device),
+            revision=code_revision(),
             start_step=start,
         )
         if restart_meta is not None:
@@ -341,20 +443,40 @@ def train(
                 step=start,
                 pause_ms=round((time.time() - restart_meta["decided_time"]) * 1e3, 3),
             )
-    adapting = cfg.adapt.mode != "static"
-    every = cfg.adapt.monitor_every if adapting else cfg.log_every
+    mb = cfg.batch_size // plan.microbatches
+    if policy is None:
+        policy = make_policy(
+            cfg.adapt,
+            model=model,
+            microbatch_size=mb,
+            num_ranks=topo.world_size,
+            predictor=cfg.predictor,
+        )
+    every = cfg.adapt.monitor_every if policy is not None else cfg.log_every
     steplog = _StepLog(topo=topo, plan=plan, log=log, batch_size=cfg.batch_size)
-    adapter = Adapter(cfg, engine=engine, topo=topo, log=log, restart=_restart)
-    adapter.initial_plan = initial_plan
-    if restart_meta is not None:
-        adapter.controller.load_state(restart_meta.get("controller", {}))
-        adapter.controller.applied(start, 0.0)
+    adapter = None
+    if policy is not None:
+        adapter = Adapter(
+            policy=policy,
+            mode=cfg.adapt.mode,
+            engine=engine,
+            topo=topo,
+            log=log,
+            restart=functools.partial(_restart, cfg=cfg, initial_plan=initial_plan),
+            warm_bytes=warm_bytes(model, microbatch_size=mb, cuda=topo.is_cuda),
+        )
+        if restart_meta is not None:
+            adapter.load_state(restart_meta.get("controller", {}))
+            pause_ms = (time.time() - restart_meta["decided_time"]) * 1e3
+            moved = sum(t.nbytes or 0 for t in diff(Plan.from_dict(restart_meta["plan"]), plan))
+            policy.applied(step=start, pause_ms=pause_ms, moved_bytes=moved)
     evaluator = _evaluator(cfg, model, topo)
     runner = _scenario_runner(cfg, engine=engine, topo=topo, targets=initial_plan.ranks)
     sampler = _sampler(cfg, topo)
     bar = _progress(cfg, start) if writer and cfg.progress else None
     beat = Heartbeat(rank=topo.rank, world_size=topo.world_size).start()
-    adapter.beat = beat
+    if adapter is not None:
+        adapter.beat = beat
     losses: list[float] = []
     step = start
     # Middle stages never read a batch: they do not load one either. A rank's stage index is
@@ -385,8 +507,12 @@ def train(
                 for rec in runner.apply(step):
                     if log is not None:
                         log.event(rec.pop("event"), **rec)
+            # Every layer is timed on the last step of each window (cfg.timing).
+            sample = cfg.timing and ((step + 1) % every == 0 or step + 1 == cfg.steps)
             try:
-                res = engine.step(step, stream.batch(step) if stream is not None else None)
+                res = engine.step(
+                    step, stream.batch(step) if stream is not None else None, sample_layers=sample
+                )
             except NonFiniteLoss:
                 raise
             except Exception as exc:
@@ -397,9 +523,9 @@ def train(
                 on_step(engine, res)
             if (step + 1) % every == 0 or step + 1 == cfg.steps:
                 steplog.plan = engine.plan
-                records, tels = steplog.flush(sampler.window() if sampler else None)
-                if step + 1 < cfg.steps:
-                    adapter.window(step, records, tels)
+                got = steplog.flush(sampler.window() if sampler else None)
+                if adapter is not None and got is not None and step + 1 < cfg.steps:
+                    adapter.window(_window(got, engine.plan, telemetry=sampler is not None))
             if evaluator is not None and evaluator.due(step):
                 evaluator.run(engine, step=step, topo=topo, log=log)
             if bar is not None:
