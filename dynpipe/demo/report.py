@@ -134,7 +134,8 @@ def format_report(s: dict[str, Any]) -> str:
         )
         if slow
         else "",
-        f"adaptive over static during the interference: {speed:.2f}x faster"
+        f"adaptive over static during the interference: {speed:.2f}x "
+        + ("faster" if speed >= 1 else "(slower)")
         if speed
         else "adaptive over static during the interference: –",
         f"adaptive moves: {len(ad['repartitions'])} "
