@@ -39,9 +39,10 @@ stage = 1
 
 def _train(rank: int, world: int, log: str, adapt: str, scenario: str | None) -> None:
     from dynpipe.runtime.adapt.config import AdaptConfig
+    from dynpipe.runtime.config import TrainConfig
     from dynpipe.runtime.optim import OptimConfig
     from dynpipe.runtime.topology import Topology
-    from dynpipe.runtime.train import TrainConfig, train
+    from dynpipe.runtime.train import train
 
     cfg = TrainConfig(
         model="mlp",

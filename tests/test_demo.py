@@ -54,7 +54,7 @@ def _write_log(path, *, mode: str, step_ms: dict, moves: list[tuple[int, list[in
                 new = Plan.from_bounds(model, split).to_dict()
                 rec("event", event="repartition", step=at, new_plan=new, bytes=10, pause_ms=5)
         t += step_ms[phase] / 1e3
-        rec("step", step=step, step_ms=step_ms[phase], loss=1.0, samples_per_s=1.0)
+        rec("step", step=step, wall=t - 1000.0, step_ms=step_ms[phase], loss=1.0)
         if step in (29, 59):
             rec("eval", step=step + 1, loss=0.5, accuracy=0.75, samples=64, batches=1)
     final = Plan.from_bounds(model, moves[-1][1]) if moves else plan

@@ -195,9 +195,10 @@ def test_eval_batches_must_have_the_training_batch_size() -> None:
 
 
 def _train_with_eval(rank: int, world: int, log: str) -> list[dict]:
+    from dynpipe.runtime.config import TrainConfig
     from dynpipe.runtime.optim import OptimConfig
     from dynpipe.runtime.topology import Topology
-    from dynpipe.runtime.train import TrainConfig, train
+    from dynpipe.runtime.train import train
 
     cfg = TrainConfig(
         model="mlp",
@@ -216,7 +217,7 @@ def _train_with_eval(rank: int, world: int, log: str) -> list[dict]:
 
 
 def test_training_logs_eval_records_every_k_steps_and_at_the_end(tmp_path) -> None:
-    from dynpipe.runtime.runlog import read_log
+    from dynpipe.runtime.records import read_dicts as read_log
 
     log = tmp_path / "log.jsonl"
     run_ranks(_train_with_eval, 2, str(log))
@@ -236,7 +237,7 @@ def test_training_logs_eval_records_every_k_steps_and_at_the_end(tmp_path) -> No
 
 def test_eval_options_are_validated() -> None:
     from dynpipe.errors import UserError
-    from dynpipe.runtime.train import TrainConfig
+    from dynpipe.runtime.config import TrainConfig
 
     with pytest.raises(UserError, match="--eval-every must be >= 0"):
         TrainConfig(eval_every=-1)

@@ -33,7 +33,7 @@ def _run_summary(log: Path) -> dict[str, Any]:
     run = load_run(log)
     steps = run.steps[run.steps["step"] >= SETTLE]
     ends = run.events_of("end")
-    last_time = float(ends[-1]["time"]) if ends else float(run.steps["t_end"].iloc[-1])
+    last_time = ends[-1].time if ends else float(run.steps["t_end"].iloc[-1])
     final = run.evals.iloc[-1] if not run.evals.empty else None
     reps = run.events_of("repartition")
     return {
@@ -51,11 +51,11 @@ def _run_summary(log: Path) -> dict[str, Any]:
             "accuracy": float(final["accuracy"]),
             "loss": float(final["loss"]),
         },
-        "initial_split": _split(run.headers[0]["plan"]),
+        "initial_split": _split(run.headers[0].plan),
         "final_split": _split(ends[-1]["plan"]) if ends else None,
         "repartitions": [
             {
-                "step": int(e["step"]),
+                "step": int(e.step),
                 "split": _split(e["new_plan"]),
                 "bytes": int(e["bytes"]),
                 "pause_ms": float(e["pause_ms"]),

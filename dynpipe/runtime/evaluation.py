@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dynpipe.errors import UserError
+from dynpipe.runtime.records import Eval
 
 if TYPE_CHECKING:
     from dynpipe.data.base import BatchSource
@@ -82,5 +83,5 @@ class Evaluator:
             if stream is not None:
                 stream.close()
         if log is not None:
-            log.write("eval", step=step + 1, split="test", **res.to_dict())
+            log.record(Eval(step=step + 1, split="test", **res.to_dict()))
         return res

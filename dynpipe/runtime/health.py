@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+if TYPE_CHECKING:
+    from dynpipe.runtime.topology import Topology
 
 __all__ = ["Heartbeat", "StageFailure"]
 
@@ -23,18 +25,25 @@ class StageFailure(RuntimeError):
 
 
 class Heartbeat:
-    """Writes ``time.time()`` under this rank's key every ``interval_s`` in a side thread."""
+    """Writes ``time.time()`` under this rank's key every ``interval_s`` in a side thread,
+    in the topology's rendezvous store (this launch attempt's keys only)."""
 
-    def __init__(self, *, rank: int, world_size: int, interval_s: float = 1.0) -> None:
-        self.rank = rank
-        self.world_size = world_size
+    def __init__(self, *, topo: Topology, interval_s: float = 1.0) -> None:
+        self.topo = topo
+        self.rank = topo.rank
+        self.world_size = topo.world_size
         self.interval_s = interval_s
-        self._store = _default_store()
+        self._store = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> Heartbeat:
-        if self._store is None or self.world_size < 2:
+        """Connect to the store (the process group's rendezvous must exist) and start beating;
+        with one rank, or no store, there is no peer to watch and it does nothing."""
+        if self.world_size < 2:
+            return self
+        self._store = self.topo.connect_store()
+        if self._store is None:
             return self
         self._beat()
         self._thread = threading.Thread(target=self._run, name="dynpipe-heartbeat", daemon=True)
@@ -83,12 +92,3 @@ class Heartbeat:
             if dead or time.time() >= deadline:
                 return dead
             time.sleep(self.interval_s / 2)
-
-
-def _default_store():
-    if not dist.is_initialized():
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None

@@ -12,7 +12,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -24,22 +24,21 @@ from dynpipe.errors import UserError
 from dynpipe.models import LayeredModel, get_model
 from dynpipe.planner.diff import diff
 from dynpipe.planner.plan import Plan
-from dynpipe.runtime.adapt.config import AdaptConfig
 from dynpipe.runtime.adapt.loop import Adapter
 from dynpipe.runtime.adapt.make import make_policy, warm_bytes
 from dynpipe.runtime.adapt.policy import Policy
 from dynpipe.runtime.adapt.window import Window
 from dynpipe.runtime.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from dynpipe.runtime.config import TrainConfig
 from dynpipe.runtime.engine import EngineConfig, NonFiniteLoss, PipelineEngine, StepResult
 from dynpipe.runtime.health import Heartbeat, StageFailure
-from dynpipe.runtime.optim import OptimConfig
+from dynpipe.runtime.records import LayerTimes, StageTiming, Step, Telemetry
 from dynpipe.runtime.runlog import RunLog, code_revision, environment
 from dynpipe.runtime.topology import Topology
 
 __all__ = [
     "RESTART_EXIT",
     "RestartRequested",
-    "TrainConfig",
     "build_model_and_data",
     "default_log_path",
     "resolve_plan",
@@ -55,90 +54,6 @@ class RestartRequested(SystemExit):
 
     def __init__(self) -> None:
         super().__init__(RESTART_EXIT)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything a training run needs besides the topology.
-
-    model / model_args: zoo name (or ``package.module:factory``) and its keyword config.
-    data / data_path: a ``dynpipe.data`` source; real datasets read from ``data_path`` only.
-    data_workers: processes loading batches ahead on the first and last stage's ranks
-        (0: in the training process); None: on CUDA up to 4, within this host's cores per
-        rank; 0 on CPU, where workers would take cores from the stages.
-    device_batches: > 0 makes that many batches once, keeps them on the device and cycles
-        them (step s trains on batch s mod N): the GPUs measured without the loader, for
-        benchmarks. 0 (default): every step its own batch, through the loader.
-    plan: a plan file; without one, ``stages`` (default: world size) equal-layer stages.
-    log: JSONL run-log path (written by the last stage's rank).
-    log_every: steps between the gathers of per-stage timings (one small collective).
-    save_every / save_dir: checkpoint cadence and folder; resume: checkpoint to resume from.
-    adapt: repartitioning policy (``static`` never repartitions); its ``monitor_every``
-        replaces ``log_every`` when adapting, since one gather serves both.
-    scenario: interference scenario file; predictor: trained slowdown predictor (adaptive).
-    telemetry: sample device telemetry in a side thread and gather it with stage times.
-    eval_every: evaluate on the held-out split every N steps and after the last (0: never);
-        eval_batches: batches per evaluation (None: see ``runtime.evaluation``).
-    """
-
-    model: str = "mlp"
-    model_args: dict[str, Any] = field(default_factory=dict)
-    data: str = "synthetic"
-    data_path: str | None = None
-    data_workers: int | None = None
-    device_batches: int = 0
-    steps: int = 100
-    batch_size: int = 32
-    microbatches: int | None = None
-    schedule: str | None = None
-    stages: int | None = None
-    plan: str | None = None
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    bf16: bool = False
-    timing: bool = True
-    seed: int = 0
-    log: str | None = None
-    log_every: int = 10
-    save_every: int = 0
-    save_dir: str | None = None
-    resume: str | None = None
-    progress: bool = True
-    adapt: AdaptConfig = field(default_factory=lambda: AdaptConfig(mode="static"))
-    scenario: str | None = None
-    predictor: str | None = None
-    telemetry: bool = True
-    eval_every: int = 0
-    eval_batches: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.steps < 0:
-            raise UserError(f"--steps must be >= 0, got {self.steps}")
-        if self.batch_size < 1:
-            raise UserError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.data_workers is not None and self.data_workers < 0:
-            raise UserError(f"--data-workers must be >= 0, got {self.data_workers}")
-        if self.device_batches < 0:
-            raise UserError(
-                f"--device-batches must be >= 0 (0: load every step's batch), got "
-                f"{self.device_batches}"
-            )
-        if self.log_every < 1:
-            raise UserError(f"--log-every must be >= 1, got {self.log_every}")
-        if self.eval_every < 0 or (self.eval_batches is not None and self.eval_batches < 1):
-            raise UserError(
-                f"--eval-every must be >= 0 (0: no evaluation) and --eval-batches >= 1, got "
-                f"{self.eval_every} and {self.eval_batches}"
-            )
-        if self.adapt.mode == "restart" and not (self.save_dir or self.log):
-            raise UserError(
-                "--adapt restart needs --save-dir or --log: relaunched workers must "
-                "find the checkpoint in a folder every worker agrees on"
-            )
-        if self.save_every and not self.save_dir:
-            raise UserError("--save-every needs --save-dir DIR to write checkpoints into")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def build_model_and_data(cfg: TrainConfig) -> tuple[LayeredModel, Any]:
@@ -223,7 +138,7 @@ class _StepLog:
         """Gather and log the pending steps."""
         if not self.pending:
             return None
-        from dynpipe.profiler.schema import TELEMETRY_COLUMNS
+        from dynpipe.devices.columns import TELEMETRY_COLUMNS
 
         k, n = len(self.pending), self.plan.num_layers
         row = [
@@ -251,46 +166,49 @@ class _StepLog:
         ]
         layer_rows = [p[4 * k + nt : -1].tolist() for p in by_rank]
         free = [float(p[-1]) for p in by_rank]
-        records = []
+        steps = []
         for j, res in enumerate(self.pending):
             stages = []
             for s, st in enumerate(self.plan.stages):
                 f, b, w, _ = times[st.rank][j].tolist()
                 stages.append(
-                    {
-                        "stage": s,
-                        "rank": st.rank,
-                        "layers": [st.start, st.stop],
-                        "fwd_ms": round(f, 4),
-                        "bwd_ms": round(b, 4),
-                        "wait_ms": round(w, 4),
-                    }
+                    StageTiming(
+                        stage=s,
+                        rank=st.rank,
+                        layers=(st.start, st.stop),
+                        fwd_ms=round(f, 4),
+                        bwd_ms=round(b, 4),
+                        wait_ms=round(w, 4),
+                    )
                 )
-            rec = {
-                "step": res.step,
+            rec = Step(
+                step=res.step,
                 # When this step ended here: seconds since this process started training, and
                 # the epoch time (which a relaunched run shares with the launch before it).
-                "wall": round(res.end_time - self.t_start, 4),
-                "t_end": round(res.end_time, 4),
-                "step_ms": round(res.step_ms, 4),
-                "loss": res.loss,
-                "lr": res.lr,
-                "grad_norm": res.grad_norm,
-                "samples_per_s": round(self.batch_size / (res.step_ms / 1e3), 3),
-                "stages": stages,
-            }
-            records.append(rec)
+                wall=round(res.end_time - self.t_start, 4),
+                t_end=round(res.end_time, 4),
+                step_ms=round(res.step_ms, 4),
+                loss=res.loss,
+                lr=res.lr,
+                grad_norm=res.grad_norm,
+                samples_per_s=round(self.batch_size / (res.step_ms / 1e3), 3),
+                stages=tuple(stages),
+            )
+            steps.append(rec)
             if self.log is not None:
-                self.log.write("step", **rec)
+                self.log.record(rec)
         layers = self._layers(layer_rows, n)
         if self.log is not None and layers is not None:
-            self.log.write("layer_times", step=self.pending[-1].step, **layers)
+            self.log.record(LayerTimes(step=self.pending[-1].step, **layers))
         if self.log is not None and telemetry is not None:
-            self.log.write(
-                "telemetry",
-                step=self.pending[-1].step,
-                devices=[{k2: _finite(v) for k2, v in t.items()} for t in tels],
+            self.log.record(
+                Telemetry(
+                    step=self.pending[-1].step,
+                    devices=tuple({k2: _finite(v) for k2, v in t.items()} for t in tels),
+                )
             )
+        # The adaptation loop reads the window's steps as plain dicts.
+        records = [rec.to_dict() for rec in steps]
         self.pending = []
         return _Gathered(records=records, layers=layers, telemetry=tels, free_bytes=free)
 
@@ -404,8 +322,7 @@ def train(
     plan = resolve_plan(cfg, model, topo.world_size)
     initial_plan = plan
     resume, restart_meta = cfg.resume, None
-    relaunched = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if relaunched and (_restart_dir(cfg) / "dynpipe.json").is_file():
+    if topo.restart_attempt > 0 and (_restart_dir(cfg) / "dynpipe.json").is_file():
         # Restart baseline: this process is the relaunch; continue under the decided plan.
         resume = str(_restart_dir(cfg))
         restart_meta = json.loads((Path(find_checkpoint(resume)) / "dynpipe.json").read_text())
@@ -474,7 +391,7 @@ def train(
     runner = _scenario_runner(cfg, engine=engine, topo=topo, targets=initial_plan.ranks)
     sampler = _sampler(cfg, topo)
     bar = _progress(cfg, start) if writer and cfg.progress else None
-    beat = Heartbeat(rank=topo.rank, world_size=topo.world_size).start()
+    beat = Heartbeat(topo=topo).start()
     if adapter is not None:
         adapter.beat = beat
     losses: list[float] = []
@@ -595,7 +512,7 @@ def _scenario_runner(
 def _sampler(cfg: TrainConfig, topo: Topology):
     if not cfg.telemetry:
         return None
-    from dynpipe.profiler.telemetry import TelemetrySampler
+    from dynpipe.devices.telemetry import TelemetrySampler
 
     device = f"cuda:{topo.device.index}" if topo.is_cuda else "cpu"
     return TelemetrySampler(device).start()

@@ -164,20 +164,27 @@ class CostEstimates:
                 n[r] = max(1.0, float(self.n[held].min()))
         return self.noise() / np.sqrt(n)
 
-    def update(self, w: Window) -> None:
+    def update(self, w: Window, *, changed: bool = False) -> None:
         """Fold one trusted window into the running per-layer costs.
 
         A rank's reading is its stage's whole time per microbatch (its layers that stayed,
         plus the stage's overhead) over the running average of the same: interference that
         stalls a stage between its layers (a GPU time-sliced with another process hands the
         device back between kernels) shows in the overhead, not in any layer.
+        ``changed``: the caller saw conditions change (the steps jumped): every rank's
+        averages start afresh from this window, a new regime at once.
         """
         mf, mb, of, ob = self._measure(w)
         self._within(w)
         limit = self.threshold()
+        if changed:
+            self.regime += 1
+            self._suspect = [None] * len(self._suspect)
         for (a, b), r in zip(w.bounds, w.ranks, strict=True):
             held = slice(a, b)
             stay = (self.owner[held] == r) & np.isfinite(self.run_f[held])
+            if changed:
+                stay[:] = False
             new = float((mf[held] + mb[held])[stay].sum()) + of[r] + ob[r]
             old = float((self.run_f[held] + self.run_b[held])[stay].sum())
             old += self.over_f[r] + self.over_b[r]
@@ -185,7 +192,9 @@ class CostEstimates:
             history = list(self.steps[r])
             if stay.all() and ratio > 0:
                 self.steps[r] = [*history, float(np.log(ratio))][-_NOISE_KEEP:]
-            if self._suspect[r] is not None:
+            if changed:
+                pass
+            elif self._suspect[r] is not None:
                 stay = self._confirm(r, a, b, mf, mb, of[r] + ob[r], limit[r], stay)
             elif abs(ratio - 1.0) > limit[r]:
                 # The device seems to have changed speed: its averages start afresh at once

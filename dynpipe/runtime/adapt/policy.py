@@ -153,6 +153,7 @@ def predicted_step_ms(
 
 
 _MISSES = 16  # the model's misses remembered for its tracking error
+_SHORTFALLS = 3  # moves whose shortfall against their promise is remembered
 
 
 class Controller:
@@ -195,6 +196,7 @@ class Controller:
         # the model's recent misses (see ``tracking_error``).
         self._seen: tuple[Bounds, float, float] | None = None
         self._misses: list[float] = []
+        self._shortfalls: list[float] = []  # of the last moves (see ``required_gain``)
 
     def describe(self) -> str:
         how = (
@@ -213,7 +215,20 @@ class Controller:
         if self.settle > 0:
             self.settle -= 1
             return None
-        self.est.update(window)
+        # Steps that jump beyond their noise under an unchanged plan are a change of
+        # conditions whatever the timers say (launch-bound timers can hide one in noise).
+        prev = self._seen
+        changed = (
+            prev is not None
+            and prev[0] == window.bounds
+            and abs(np.log(window.median_step_ms / max(prev[2], 1e-9)))
+            > np.log1p(self._step_noise_limit(window))
+        )
+        self.est.update(window, changed=changed)
+        if changed:
+            # Promises broken under the old conditions say little about the model's view of
+            # new ones (its timers may well be sound there).
+            self._shortfalls = []
         slow = tuple(float(x) for x in self.est.load)
         here = window.median_step_ms
         regime = self.est.regime
@@ -222,11 +237,21 @@ class Controller:
         if self.last is not None and self.last.verdict is None and self.last.pause_ms is not None:
             self.last.judge(here, slow, regime=regime, tol=self.config.min_gain)
             judged = self.last.to_dict()
-        decision = self._decide(window, slow)
+            if self.last.model:
+                # How far the steps fell short of what the model promised (0 if they did
+                # better), whatever else changed: a broken promise counts against it.
+                kept = np.log(self.last.after_ms / max(self.last.before_ms, 1e-9))
+                promised = np.log(self.last.predicted_ms / max(self.last.model_before_ms, 1e-9))
+                self._shortfalls = [*self._shortfalls, max(0.0, float(kept - promised))]
+                self._shortfalls = self._shortfalls[-_SHORTFALLS:]
+        decision = self._decide(window, slow, self.last if judged is not None else None)
         decision.judged = judged
         return decision
 
-    def _decide(self, w: Window, slow: tuple[float, ...]) -> Decision:
+    def _decide(
+        self, w: Window, slow: tuple[float, ...], judged: MoveRecord | None = None
+    ) -> Decision:
+        """``judged``: the move this window just judged, if any."""
         cfg = self.config
         costs = self.cost_model(w)
         kw = {"schedule": w.schedule, "microbatches": w.microbatches}
@@ -236,13 +261,16 @@ class Controller:
         pause = self.pause_ms if self.pause_ms is not None else w.median_step_ms
         prev, self._seen = self._seen, (w.bounds, cur, w.median_step_ms)
 
-        def verdict(reason: str, proposed: float = cur, bounds: Bounds | None = None) -> Decision:
+        def verdict(
+            reason: str, proposed: float = cur, bounds: Bounds | None = None, model: bool = False
+        ) -> Decision:
             nbytes = (
                 0 if bounds is None else moved_bytes(self._state_bytes, w.bounds, bounds, w.ranks)
             )
             if bounds is not None:
-                # The next trusted window checks the model's promise against the steps.
-                self._seen = (bounds, proposed, w.median_step_ms)
+                # The next trusted window checks the model's promise against the steps: how
+                # its step time under the new plan compares with the old plan's now.
+                self._seen = (bounds, cur, w.median_step_ms)
                 self.pending = MoveRecord(
                     step=w.step + 1,
                     src=w.bounds,
@@ -253,6 +281,7 @@ class Controller:
                     predicted_ms=proposed,
                     slowdown=slow,
                     regime=regime,
+                    model=model,
                 )
             return Decision(
                 step=w.step + 1,
@@ -268,6 +297,24 @@ class Controller:
             )
 
         # A plan measured clearly faster under these conditions: go back to it.
+        # A move measured slower across a change of conditions says nothing about the move:
+        # the plan it left is measured again under the new conditions (an A/B of the two
+        # plans in one regime), so neither an onset nor timers that fake one can leave the
+        # run on a worse plan.
+        last = judged
+        if (
+            last is not None
+            and last.verdict == "conditions changed"
+            and last.after_ms is not None
+            and last.after_ms > last.before_ms * (1 + cfg.min_gain)
+            and last.dst == w.bounds
+            and self.memory.measured(last.src, regime) is None
+        ):
+            return verdict(
+                f"{_split(last.src)} measured again: the move from it measured slower "
+                "across a change of conditions",
+                bounds=last.src,
+            )
         best = self.memory.best(regime)
         if (
             best is not None
@@ -289,9 +336,13 @@ class Controller:
             return verdict("the model has not yet predicted a window of this plan")
         model, steps = cur / max(prev[1], 1e-9), w.median_step_ms / max(prev[2], 1e-9)
         miss = float(np.log(model / steps))
-        tolerance = self._tolerance(w)
+        tolerance = np.log1p(self._tolerance(w))
         self._misses = [*self._misses, miss][-_MISSES:]
-        if abs(miss) > np.log1p(tolerance):
+        # Blocked only where the estimates outran the steps (moved the other way, or further):
+        # where the steps moved further than the estimates (an onset's stall outside the
+        # timed layers), the model is conservative, and acting on it is safe.
+        lm, ls = float(np.log(model)), float(np.log(steps))
+        if abs(miss) > tolerance and (lm * ls < 0 or abs(lm) > abs(ls)):
             return verdict(
                 f"estimates moved {model - 1:+.0%} but steps {steps - 1:+.0%}: not acted on"
             )
@@ -316,7 +367,9 @@ class Controller:
                 f"no better than {here:.2f} now",
                 res.step_ms,
             )
-        return verdict(f"predicted {cur:.2f} -> {res.step_ms:.2f} ms/step", res.step_ms, bounds)
+        return verdict(
+            f"predicted {cur:.2f} -> {res.step_ms:.2f} ms/step", res.step_ms, bounds, model=True
+        )
 
     def tracking_error(self) -> float:
         """Relative standard deviation of the model's misses: how far, window to window,
@@ -326,6 +379,16 @@ class Controller:
             return 0.0
         x = np.asarray(self._misses)
         return float(np.expm1(1.4826 * np.median(np.abs(x - np.median(x)))))
+
+    def _step_noise_limit(self, w: Window) -> float:
+        """A change of the window's median step that is more than noise: ``jump``, or three
+        standard errors of the median (from the spread of the window's steps), or twice the
+        model's tracking error (steps that swing on their own), whichever is most."""
+        k = len(w.step_ms)
+        med = float(np.median(w.step_ms))
+        mad = float(np.median(np.abs(w.step_ms - med)))
+        steps = 3.0 * 1.25 * 1.4826 * mad / max(med, 1e-9) / np.sqrt(k)
+        return max(self.config.jump, steps, 2.0 * self.tracking_error())
 
     def _tolerance(self, w: Window) -> float:
         """How far model and steps may disagree in one window: ``jump``, three tracking
@@ -338,9 +401,12 @@ class Controller:
         return max(self.config.jump, 3.0 * self.tracking_error(), steps)
 
     def required_gain(self) -> float:
-        """The relative gain a model-proposed move needs: ``min_gain``, or twice the model's
-        measured tracking error, if that is more."""
-        return max(self.config.min_gain, 2.0 * self.tracking_error())
+        """The relative gain a model-proposed move needs: ``min_gain``, twice the model's
+        measured tracking error, or what the last moves fell short of their promise by on
+        average, whichever is most: where timers mislead the model (a launch-bound GPU), its
+        promises are measured to be empty and it stops moving layers."""
+        short = float(np.expm1(np.mean(self._shortfalls))) if self._shortfalls else 0.0
+        return max(self.config.min_gain, short)
 
     @property
     def _state_bytes(self) -> np.ndarray:
@@ -392,6 +458,7 @@ class Controller:
             "memory": self.memory.state(),
             "pause_ms": self.pause_ms,
             "misses": self._misses,
+            "shortfalls": self._shortfalls,
             "pending": None if self.pending is None else self.pending.to_dict(),
             "last": None if self.last is None else self.last.to_dict(),
         }
@@ -403,6 +470,7 @@ class Controller:
         self.memory.load_state(state.get("memory", []))
         self.pause_ms = state.get("pause_ms")
         self._misses = [float(x) for x in state.get("misses", [])]
+        self._shortfalls = [float(x) for x in state.get("shortfalls", [])]
         self.pending = MoveRecord.from_dict(state["pending"]) if state.get("pending") else None
         self.last = MoveRecord.from_dict(state["last"]) if state.get("last") else None
 

@@ -36,16 +36,24 @@ class PlanMemory:
         self.entries.append((_key(bounds), int(regime), float(step_ms)))
         self.entries = self.entries[-self.keep :]
 
-    def measured(self, bounds: Bounds, regime: int) -> float | None:
-        """Median step time of ``bounds`` over its windows in ``regime``."""
+    def _pick(self, regime: int | None, last: int | None) -> list[tuple[Bounds, int, float]]:
+        entries = self.entries[-last:] if last else self.entries
+        return [e for e in entries if regime is None or e[1] == regime]
+
+    def measured(
+        self, bounds: Bounds, regime: int | None, *, last: int | None = None
+    ) -> float | None:
+        """Median step time of ``bounds`` over its windows in ``regime`` (None: any), among
+        the ``last`` windows recorded (None: all)."""
         key = _key(bounds)
-        ms = [t for b, g, t in self.entries if b == key and g == regime]
+        ms = [t for b, _, t in self._pick(regime, last) if b == key]
         return float(np.median(ms)) if ms else None
 
-    def best(self, regime: int) -> tuple[Bounds, float] | None:
-        """The plan measured fastest in ``regime``, and its step time."""
-        plans = {b for b, g, _ in self.entries if g == regime}
-        scored = [(b, self.measured(b, regime)) for b in plans]
+    def best(self, regime: int | None, *, last: int | None = None) -> tuple[Bounds, float] | None:
+        """The plan measured fastest in ``regime`` (None: any) among the ``last`` windows
+        recorded, and its step time."""
+        plans = {b for b, _, _ in self._pick(regime, last)}
+        scored = [(b, self.measured(b, regime, last=last)) for b in plans]
         scored = [(b, t) for b, t in scored if t is not None]
         return min(scored, key=lambda x: x[1]) if scored else None
 
@@ -67,7 +75,8 @@ class MoveRecord:
     step: the first step under the new plan. before_ms: median step of the window that
     decided it; predicted_ms: the speed model's step time under the new plan (on the same
     scale as its prediction for the old one, ``model_before_ms``). slowdown: per-device
-    slowdowns when decided; regime: the conditions' regime then. verdict: ``faster`` /
+    slowdowns when decided; regime: the conditions' regime then; model: proposed by the speed
+    model (False: chosen by measured step times alone). verdict: ``faster`` /
     ``no better`` / ``slower`` when the window after it ran in the same regime, else
     ``conditions changed`` (an onset or an end between the two windows says nothing about
     the move).
@@ -82,6 +91,7 @@ class MoveRecord:
     predicted_ms: float
     slowdown: tuple[float, ...]
     regime: int = 0
+    model: bool = True
     pause_ms: float | None = None
     moved_bytes: int | None = None
     after_ms: float | None = None

@@ -1,0 +1,124 @@
+"""The configuration of a training run: plain data, validated on construction.
+
+Kept apart from the training loop so the command line can take its flags and defaults from
+these dataclasses (``dynpipe.cliargs``) without importing torch's pipelining machinery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynpipe.errors import UserError
+from dynpipe.planner.plan import SCHEDULES
+from dynpipe.runtime.adapt.config import AdaptConfig
+from dynpipe.runtime.optim import OptimConfig
+
+__all__ = ["TrainConfig"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs besides the topology.
+
+    ``dynpipe train`` makes a flag of every field (``dynpipe.cliargs``): the entries below
+    are its help ("unset" is None, the flag not given).
+
+    model: zoo name or package.module:factory.
+    model_args: the model's keyword config (``--model-arg KEY=VALUE``).
+    data: the data source: synthetic, digits, cifar10, imagefolder, text or pystdlib (this
+        Python's standard library sources as bytes, for gpt/bert).
+    data_path: local dataset path (real datasets are read from here only, never downloaded).
+    data_workers: processes loading batches ahead on the first and last stage's ranks
+        (0: in the training process; unset: on CUDA up to 4, within this host's cores per
+        rank, and 0 on CPU, where workers would take cores from the stages).
+    device_batches: > 0 makes that many batches once, keeps them on the device and cycles
+        them (step s trains on batch s mod N): the GPUs measured without the loader, for
+        benchmarks. 0: every step its own batch, through the loader.
+    steps: training steps to run.
+    batch_size: samples per step, split into ``microbatches``.
+    microbatches: microbatches per step (unset: the plan's, else 4).
+    schedule: pipeline schedule (unset: the plan's, else 1f1b).
+    stages: without a plan, this many equal-layer stages (unset: the world size).
+    plan: plan JSON (from ``dynpipe plan``).
+    optim: optimizer and learning-rate schedule.
+    bf16: bfloat16 autocast on GPU.
+    timing: the per-microbatch stage timers.
+    seed: seed of the model's weights and the data.
+    log: JSONL run-log path, written by the last stage's rank (unset:
+        runs/<model>-<time>/log.jsonl).
+    log_every: steps between the gathers of per-stage timings (one small collective).
+    save_every: checkpoint every N steps (0: never).
+    save_dir: folder checkpoints are written into.
+    resume: checkpoint folder to resume from.
+    progress: the progress bar.
+    adapt: repartitioning policy (``static`` never repartitions); its ``monitor_every``
+        replaces ``log_every`` when adapting, since one gather serves both.
+    scenario: interference scenario TOML (``recipes/scenarios/``).
+    predictor: trained slowdown predictor (.joblib), for ``--adapt adaptive``.
+    telemetry: device telemetry sampled in a side thread and gathered with stage times.
+    eval_every: evaluate on the held-out split every N steps and after the last (0: never),
+        logging ``eval`` records: loss, top-1 accuracy, perplexity for gpt/bert.
+    eval_batches: batches (of ``batch_size``) per evaluation (unset: the held-out split
+        once, at most 50; 10 for synthetic data).
+    """
+
+    model: str = "mlp"
+    model_args: dict[str, Any] = field(default_factory=dict)
+    data: str = "synthetic"
+    data_path: str | None = None
+    data_workers: int | None = field(default=None, metadata={"metavar": "N"})
+    device_batches: int = field(default=0, metadata={"metavar": "N"})
+    steps: int = 100
+    batch_size: int = 32
+    microbatches: int | None = None
+    schedule: str | None = field(default=None, metadata={"choices": SCHEDULES})
+    stages: int | None = None
+    plan: str | None = None
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    bf16: bool = False
+    timing: bool = True
+    seed: int = 0
+    log: str | None = None
+    log_every: int = 10
+    save_every: int = 0
+    save_dir: str | None = None
+    resume: str | None = None
+    progress: bool = True
+    adapt: AdaptConfig = field(default_factory=lambda: AdaptConfig(mode="static"))
+    scenario: str | None = None
+    predictor: str | None = None
+    telemetry: bool = True
+    eval_every: int = field(default=0, metadata={"metavar": "N"})
+    eval_batches: int | None = field(default=None, metadata={"metavar": "N"})
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise UserError(f"--steps must be >= 0, got {self.steps}")
+        if self.batch_size < 1:
+            raise UserError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.data_workers is not None and self.data_workers < 0:
+            raise UserError(f"--data-workers must be >= 0, got {self.data_workers}")
+        if self.device_batches < 0:
+            raise UserError(
+                f"--device-batches must be >= 0 (0: load every step's batch), got "
+                f"{self.device_batches}"
+            )
+        if self.log_every < 1:
+            raise UserError(f"--log-every must be >= 1, got {self.log_every}")
+        if self.eval_every < 0 or (self.eval_batches is not None and self.eval_batches < 1):
+            raise UserError(
+                f"--eval-every must be >= 0 (0: no evaluation) and --eval-batches >= 1, got "
+                f"{self.eval_every} and {self.eval_batches}"
+            )
+        if self.adapt.mode == "restart" and not (self.save_dir or self.log):
+            raise UserError(
+                "--adapt restart needs --save-dir or --log: relaunched workers must "
+                "find the checkpoint in a folder every worker agrees on"
+            )
+        if self.save_every and not self.save_dir:
+            raise UserError("--save-every needs --save-dir DIR to write checkpoints into")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
