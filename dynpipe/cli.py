@@ -18,7 +18,7 @@ __all__ = ["build_parser", "main"]
 
 # Order is the order shown in --help.
 _SUBCOMMANDS = (
-    "dynpipe.analysis.demo_cli",
+    "dynpipe.demo.cli",
     "dynpipe.runtime.cli",
     "dynpipe.models.cli",
     "dynpipe.planner.cli",

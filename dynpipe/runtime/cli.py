@@ -28,6 +28,7 @@ _GROUPS = (
     ("optimisation", ("steps", "batch_size", "seed")),
     ("adaptation", ("scenario", "predictor", "telemetry")),
     ("logs and checkpoints", ("log", "log_every", "save_every", "save_dir", "resume", "progress")),
+    ("evaluation", ("eval_every", "eval_batches")),
 )
 # Set by hand (``--model-arg``), or config dataclasses of their own.
 _NOT_FLAGS = ("model_args", "optim", "adapt")

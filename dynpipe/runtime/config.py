@@ -27,7 +27,8 @@ class TrainConfig:
 
     model: zoo name or package.module:factory.
     model_args: the model's keyword config (``--model-arg KEY=VALUE``).
-    data: the data source: synthetic, digits, cifar10, imagefolder or text.
+    data: the data source: synthetic, digits, cifar10, imagefolder, text or pystdlib (this
+        Python's standard library sources as bytes, for gpt/bert).
     data_path: local dataset path (real datasets are read from here only, never downloaded).
     data_workers: processes loading batches ahead on the first and last stage's ranks
         (0: in the training process; unset: on CUDA up to 4, within this host's cores per
@@ -57,6 +58,10 @@ class TrainConfig:
     scenario: interference scenario TOML (``recipes/scenarios/``).
     predictor: trained slowdown predictor (.joblib), for ``--adapt adaptive``.
     telemetry: device telemetry sampled in a side thread and gathered with stage times.
+    eval_every: evaluate on the held-out split every N steps and after the last (0: never),
+        logging ``eval`` records: loss, top-1 accuracy, perplexity for gpt/bert.
+    eval_batches: batches (of ``batch_size``) per evaluation (unset: the held-out split
+        once, at most 50; 10 for synthetic data).
     """
 
     model: str = "mlp"
@@ -85,6 +90,8 @@ class TrainConfig:
     scenario: str | None = None
     predictor: str | None = None
     telemetry: bool = True
+    eval_every: int = field(default=0, metadata={"metavar": "N"})
+    eval_batches: int | None = field(default=None, metadata={"metavar": "N"})
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -100,6 +107,11 @@ class TrainConfig:
             )
         if self.log_every < 1:
             raise UserError(f"--log-every must be >= 1, got {self.log_every}")
+        if self.eval_every < 0 or (self.eval_batches is not None and self.eval_batches < 1):
+            raise UserError(
+                f"--eval-every must be >= 0 (0: no evaluation) and --eval-batches >= 1, got "
+                f"{self.eval_every} and {self.eval_batches}"
+            )
         if self.adapt.mode == "restart" and not (self.save_dir or self.log):
             raise UserError(
                 "--adapt restart needs --save-dir or --log: relaunched workers must "

@@ -5,6 +5,7 @@ A run log is JSONL, one record per line, each with ``type`` and wall-clock ``tim
 - ``header``: one per process launch (config, plan, world size, versions, devices);
 - ``step``: one per training step, with every stage's forward / backward / wait time;
 - ``telemetry``: one per gather window, every rank's device telemetry means;
+- ``eval``: one per evaluation on the held-out split (``--eval-every``);
 - ``event``: something that happened at a step, named by one of ``EVENTS``.
 
 Writers build these records (``RunLog.record``, ``RunLog.event``); every reader (the
@@ -39,6 +40,7 @@ __all__ = [
     "EVENTS",
     "RECORD_TYPES",
     "SCHEMA_VERSION",
+    "Eval",
     "Event",
     "EventSpec",
     "Header",
@@ -213,6 +215,28 @@ class LayerTimes(Record):
     bwd_ms: tuple[float | None, ...] = ()
     stage_fwd_ms: tuple[float | None, ...] = ()
     stage_bwd_ms: tuple[float | None, ...] = ()
+
+
+@record_type("eval")
+@dataclass(frozen=True, kw_only=True)
+class Eval(Record):
+    """One forward-only pass over the held-out split, after ``step`` training steps (written
+    just after it, so ``time`` is when it ended).
+
+    loss: mean per counted target (per sample; per token for gpt/bert); accuracy: top-1 over
+    the counted targets (None for float targets); perplexity: ``exp(loss)`` for token models
+    (else None); batches / samples / targets: what was evaluated; eval_ms: its wall time.
+    """
+
+    step: int
+    split: str = "test"
+    loss: float | None = None
+    accuracy: float | None = None
+    perplexity: float | None = None
+    batches: int = 0
+    samples: int = 0
+    targets: int = 0
+    eval_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -403,6 +427,10 @@ class LogRecords:
     @property
     def layer_times(self) -> list[LayerTimes]:
         return self.of_type(LayerTimes)
+
+    @property
+    def evals(self) -> list[Eval]:
+        return self.of_type(Eval)
 
     def events(self, *names: str) -> list[Event]:
         """Every event, or those named (each name must be in ``EVENTS``)."""

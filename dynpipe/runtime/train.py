@@ -387,6 +387,7 @@ def train(
             pause_ms = (time.time() - restart_meta["decided_time"]) * 1e3
             moved = sum(t.nbytes or 0 for t in diff(Plan.from_dict(restart_meta["plan"]), plan))
             policy.applied(step=start, pause_ms=pause_ms, moved_bytes=moved)
+    evaluator = _evaluator(cfg, model, topo)
     runner = _scenario_runner(cfg, engine=engine, topo=topo, targets=initial_plan.ranks)
     sampler = _sampler(cfg, topo)
     bar = _progress(cfg, start) if writer and cfg.progress else None
@@ -442,6 +443,8 @@ def train(
                 got = steplog.flush(sampler.window() if sampler else None)
                 if adapter is not None and got is not None and step + 1 < cfg.steps:
                     adapter.window(_window(got, engine.plan, telemetry=sampler is not None))
+            if evaluator is not None and evaluator.due(step):
+                evaluator.run(engine, step=step, topo=topo, log=log)
             if bar is not None:
                 bar.update(1)
                 split = "|".join(str(len(st)) for st in engine.plan.stages)
@@ -471,6 +474,25 @@ def train(
         "plan": engine.plan,
         "log": str(log.path) if log else None,
     }
+
+
+def _evaluator(cfg: TrainConfig, model: LayeredModel, topo: Topology):
+    if not cfg.eval_every:
+        return None
+    from dynpipe.data import get_data
+    from dynpipe.runtime.evaluation import Evaluator, eval_batch_count
+
+    held_out = get_data(cfg.data, model=model, path=cfg.data_path, seed=cfg.seed, split="test")
+    count = eval_batch_count(held_out, batch_size=cfg.batch_size, batches=cfg.eval_batches)
+    workers = cfg.data_workers if cfg.data_workers is not None else _auto_workers(topo)
+    return Evaluator(
+        source=held_out,
+        every=cfg.eval_every,
+        steps=cfg.steps,
+        batch_size=cfg.batch_size,
+        batches=count,
+        workers=workers,
+    )
 
 
 def _scenario_runner(
