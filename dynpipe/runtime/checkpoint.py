@@ -1,19 +1,43 @@
-"""Checkpoints with ``torch.distributed.checkpoint``, keyed by stable layer names.
+"""Checkpoints with ``torch.distributed.checkpoint``, keyed by stable layer names, published
+atomically into fresh folders.
 
 Every rank writes its own layers (``model.<layer>.<param>``) and their optimizer state
-(``optim.<layer>.<param>/<key>``) into one checkpoint folder; nothing in a key depends on the
-plan. A checkpoint written under one plan therefore loads under any other plan, any stage
-count, or into a single process: each reader asks only for the keys of the layers it holds.
+(``optim.<layer>.<param>/<key>``); nothing in a key depends on the plan, so a checkpoint
+written under one plan loads under any other plan, any stage count, or into one process.
 
-The folder is complete only once ``dynpipe.json`` (step, plan, config) exists; it is
-written last, atomically, so an interrupted save is never resumed from.
+A save never touches a published checkpoint. It writes into a hidden ``.tmp-ckpt-*``
+folder, renames it to ``ckpt-<step>-<save id>`` once every rank's files are on disk, and only
+then writes the marker ``dynpipe.json`` (through a temporary name and a rename). The marker
+holds the save id, a sequence number (newer saves have larger ones), the step, the size and
+SHA-256 of every file of the save, and the run's metadata (plan, config, adaptation state).
+A folder without a readable marker is never loaded; a file whose size or digest differs from
+the marker is refused before anything is read from it, so state from two saves can never mix.
+
+Saves run in the background: ``Checkpointer.save`` copies the state (``dcp.async_save``
+stages it to CPU memory) and returns; the files are written, hashed and published by a
+thread on a gloo group of its own, so they never interleave with the training's messages.
+
+DCP stores its index (``.metadata``) as a Python pickle. ``load_checkpoint`` checks that
+file's digest against the marker, then unpickles it with an allow-list of DCP's own metadata
+classes, so a crafted ``.metadata`` is refused instead of running code.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
+import pickle
+import re
+import shutil
+import threading
+import time
+import uuid
 import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,55 +47,269 @@ import torch.distributed.checkpoint as dcp
 
 from dynpipe.errors import UserError
 
-__all__ = ["META_FILE", "find_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "META_FILE",
+    "CheckpointCorrupt",
+    "CheckpointError",
+    "CheckpointInfo",
+    "Checkpointer",
+    "find_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "newest_checkpoint",
+    "read_marker",
+    "save_checkpoint",
+    "verify_sizes",
+]
 
 META_FILE = "dynpipe.json"
+FORMAT = "dynpipe-checkpoint"
+FORMAT_VERSION = 2
+_NAME = re.compile(r"^ckpt-(\d{8})-([0-9a-f]{12})$")
+_TMP_PREFIX = ".tmp-ckpt-"
+_HASH_CHUNK = 1 << 22
+# Saving or loading in one process (no process group) is a supported use; DCP warns about it
+# from the background thread too, where a local catch_warnings would not reach.
+warnings.filterwarnings(
+    "ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized"
+)
 
 
-def save_checkpoint(
-    path: str | Path,
-    *,
-    model_state: dict[str, torch.Tensor],
-    optim_state: dict[str, torch.Tensor],
-    meta: dict[str, Any],
-    rank: int = 0,
-) -> Path:
-    """Collective when a process group exists: every rank calls it with its own state."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    sd = {
-        "model": {k: v.detach() for k, v in model_state.items()},
-        "optim": {k: v.detach() for k, v in optim_state.items()},
-        "rng": {f"rank{rank}": torch.get_rng_state()},
-    }
-    with warnings.catch_warnings():
-        # Rewriting a folder (the restart baseline reuses one) is intended.
-        warnings.filterwarnings("ignore", message=".*Detected an existing checkpoint.*")
-        dcp.save(sd, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-    if dist.is_initialized():
-        dist.barrier()
-    if rank == 0:
-        tmp = path / (META_FILE + ".tmp")
-        tmp.write_text(json.dumps(meta, indent=1, default=str) + "\n")
-        os.replace(tmp, path / META_FILE)
-    if dist.is_initialized():
-        dist.barrier()
-    return path
+class CheckpointError(RuntimeError):
+    """A save failed (disk full, a peer died while writing): the message says which."""
+
+
+class CheckpointCorrupt(UserError):
+    """A checkpoint that cannot be trusted: unreadable marker, missing or altered files."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A published checkpoint: its folder and what its marker says."""
+
+    path: Path
+    step: int
+    seq: int
+    save_id: str
+    run_id: str | None
+    marker: dict[str, Any]
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.marker["meta"]
+
+    def __repr__(self) -> str:
+        return f"CheckpointInfo({self.path.name}, step {self.step}, seq {self.seq})"
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+def read_marker(path: str | Path) -> CheckpointInfo:
+    """The marker of checkpoint folder ``path``; ``CheckpointCorrupt`` if it is not one."""
+    p = Path(path)
+    f = p / META_FILE
+    if not f.is_file():
+        if (p / ".metadata").is_file() or any(p.glob("*.distcp")):
+            raise CheckpointCorrupt(
+                f"{p} has checkpoint files but no {META_FILE}: its save never finished (or it "
+                "was written by a dynpipe before 0.2 without file digests); resume from a "
+                "complete checkpoint, e.g. the folder given to --save-dir"
+            )
+        raise CheckpointCorrupt(
+            f"no checkpoint at {p} (a checkpoint folder holds {META_FILE}); pass the folder "
+            "given to --save-dir or one of its ckpt-* subfolders"
+        )
+    try:
+        marker = json.loads(f.read_bytes().decode())
+        if not isinstance(marker, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointCorrupt(
+            f"{f} is not a readable checkpoint marker ({type(exc).__name__}: "
+            f"{str(exc)[:80]}); resume from another checkpoint of that folder"
+        ) from None
+    if marker.get("format") != FORMAT or marker.get("format_version") != FORMAT_VERSION:
+        raise CheckpointCorrupt(
+            f"{f} is not a dynpipe checkpoint marker of format {FORMAT_VERSION} (got "
+            f"{marker.get('format')!r} {marker.get('format_version')!r}); it was written by "
+            "another program or an older dynpipe and cannot be verified"
+        )
+    try:
+        info = CheckpointInfo(
+            path=p,
+            step=int(marker["step"]),
+            seq=int(marker["seq"]),
+            save_id=str(marker["save_id"]),
+            run_id=marker.get("run_id"),
+            marker=marker,
+        )
+        files = marker["files"]
+        if not isinstance(files, dict) or ".metadata" not in files or "meta" not in marker:
+            raise KeyError("files")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointCorrupt(
+            f"{f} lacks field {exc}; the marker was altered: resume from another checkpoint"
+        ) from None
+    m = _NAME.match(p.name)
+    if m and m.group(2) != info.save_id:
+        raise CheckpointCorrupt(
+            f"{p} is named for save {m.group(2)} but its marker is for save {info.save_id}: "
+            "files of two saves are mixed; resume from another checkpoint"
+        )
+    return info
+
+
+def list_checkpoints(directory: str | Path) -> tuple[list[CheckpointInfo], list[tuple[Path, str]]]:
+    """Published checkpoints in ``directory``, oldest first, and the folders skipped (why)."""
+    d = Path(directory)
+    done: list[CheckpointInfo] = []
+    skipped: list[tuple[Path, str]] = []
+    if not d.is_dir():
+        return done, skipped
+    for c in sorted(d.iterdir()):
+        if not c.is_dir() or not _NAME.match(c.name):
+            continue
+        try:
+            done.append(read_marker(c))
+        except CheckpointCorrupt as exc:
+            skipped.append((c, str(exc)))
+    done.sort(key=lambda i: (i.seq, i.step))
+    return done, skipped
+
+
+def newest_checkpoint(directory: str | Path, *, run_id: str | None = None) -> CheckpointInfo | None:
+    """The most recently published checkpoint in ``directory`` (of ``run_id`` if given)."""
+    done, _ = list_checkpoints(directory)
+    if run_id is not None:
+        done = [i for i in done if i.run_id == run_id]
+    return done[-1] if done else None
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """``path`` itself if it is a complete checkpoint, else its newest complete ``step_*``."""
+    """``path`` itself if it is a checkpoint, else the newest published one inside it."""
     p = Path(path)
-    if (p / META_FILE).is_file():
-        return p
-    if p.is_dir():
-        done = sorted(c for c in p.glob("step_*") if (c / META_FILE).is_file())
-        if done:
-            return done[-1]
-    raise UserError(
-        f"no complete checkpoint at {p} (a checkpoint folder holds {META_FILE}); pass the "
-        "folder given to --save-dir or one of its step_* subfolders"
+    if (p / META_FILE).is_file() or not p.is_dir():
+        return read_marker(p).path
+    newest = newest_checkpoint(p)
+    if newest is None:
+        _, skipped = list_checkpoints(p)
+        why = (
+            f" ({len(skipped)} unfinished or unreadable: {skipped[-1][0].name})" if skipped else ""
+        )
+        raise CheckpointCorrupt(
+            f"no complete checkpoint in {p}{why}; pass the folder given to --save-dir, one of "
+            "its ckpt-* subfolders, or --resume auto to start fresh when there is none"
+        )
+    return newest.path
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _verify_files(info: CheckpointInfo, names: Iterable[str], *, digest: bool = True) -> None:
+    files = info.marker["files"]
+    for name in sorted(set(names)):
+        want = files.get(name)
+        f = info.path / name
+        if want is None:
+            raise CheckpointCorrupt(
+                f"{f} is not listed in {info.path.name}/{META_FILE}; the folder mixes files of "
+                "other saves: resume from another checkpoint"
+            )
+        if not f.is_file():
+            raise CheckpointCorrupt(
+                f"{f} is missing (the checkpoint is incomplete); resume from another checkpoint"
+            )
+        size = f.stat().st_size
+        if size != int(want["size"]):
+            raise CheckpointCorrupt(
+                f"{f} has {size} bytes but {want['size']} were saved (truncated or altered); "
+                "resume from another checkpoint"
+            )
+        if digest and _sha256(f) != want["sha256"]:
+            raise CheckpointCorrupt(
+                f"{f} does not match the SHA-256 recorded when it was saved (altered or "
+                "corrupt); resume from another checkpoint"
+            )
+
+
+def verify_sizes(info: CheckpointInfo) -> None:
+    """Cheap check before any worker starts: every file present with its saved size, and
+    the pickled index ``.metadata`` intact."""
+    _verify_files(info, info.marker["files"], digest=False)
+    _verify_files(info, [".metadata"])
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` allowing only DCP's metadata classes and torch's
+    dtype/size/layout values: a pickle that names anything else (``os.system``) fails."""
+
+    _MODULES = (
+        "torch.distributed.checkpoint.metadata",
+        "torch.distributed.checkpoint.filesystem",
+        "torch.distributed.checkpoint.planner",
     )
+
+    def find_class(self, module: str, name: str) -> Any:
+        import importlib
+        import pathlib
+
+        if module in self._MODULES:
+            obj = getattr(importlib.import_module(module), name, None)
+            if isinstance(obj, type) and obj.__module__ == module:
+                return obj
+        elif module == "torch":
+            obj = getattr(torch, name, None)
+            if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout)):
+                return obj
+            if isinstance(obj, torch.memory_format):
+                return obj
+        elif module == "torch.serialization" and name == "_get_layout":
+            from torch.serialization import _get_layout
+
+            return _get_layout
+        elif module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "Path"):
+            return getattr(pathlib, name)
+        elif module == "collections" and name == "OrderedDict":
+            import collections
+
+            return collections.OrderedDict
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint index")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """``FileSystemReader`` whose ``read_metadata`` uses the allow-listed unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        path = Path(self.path) / ".metadata"
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+            raise CheckpointCorrupt(
+                f"{path} is not a plain DCP index ({str(exc)[:100]}); refusing to load it "
+                "(a crafted index could run code)"
+            ) from None
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _agree_error(error: str | None) -> str | None:
+    """Every rank's verification verdict: the first error any rank found, or None."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return error
+    verdicts: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, error)
+    return next((v for v in verdicts if v), None)
 
 
 def load_checkpoint(
@@ -84,37 +322,338 @@ def load_checkpoint(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Load into ``model_state`` in place; return this rank's optimizer state and the meta.
 
-    ``held_params`` names this stage's parameters; their optimizer entries are discovered
-    from the checkpoint's metadata (whatever optimizer state was saved for them).
+    Collective when a process group exists. ``held_params`` names this stage's parameters;
+    their optimizer entries are discovered from the checkpoint's index. Before anything is
+    read, every rank checks the digests of the files it needs; if any rank finds a problem,
+    every rank raises ``CheckpointCorrupt`` with that rank's message.
     """
-    ckpt = find_checkpoint(path)
-    meta = json.loads((ckpt / META_FILE).read_text())
-    reader = dcp.FileSystemReader(str(ckpt))
-    stored = reader.read_metadata().state_dict_metadata
+    error: str | None = None
+    optim: dict[str, torch.Tensor] = {}
+    sd: dict[str, Any] = {}
+    info: CheckpointInfo | None = None
+    reader: _SafeReader | None = None
+    try:
+        info = read_marker(find_checkpoint(path))
+        _verify_files(info, [".metadata"])
+        reader = _SafeReader(str(info.path))
+        index = reader.read_metadata()
+        stored = index.state_dict_metadata
+        _check_model_keys(info.path, model_state, stored)
+        for key, md in stored.items():
+            if not key.startswith("optim."):
+                continue
+            name = key[len("optim.") :]
+            if name.rpartition("/")[0] in held_params:
+                optim[name] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        sd = {"model": model_state, "optim": optim}
+        rng_key = f"rng.rank{rank}"
+        if rng_key in stored:
+            sd["rng"] = {f"rank{rank}": torch.empty(tuple(stored[rng_key].size), dtype=torch.uint8)}
+        wanted = {f"model.{k}" for k in model_state} | {f"optim.{k}" for k in optim}
+        if "rng" in sd:
+            wanted.add(rng_key)
+        needed = {si.relative_path for idx, si in index.storage_data.items() if idx.fqn in wanted}
+        _verify_files(info, needed)
+    except UserError as exc:
+        error = str(exc)
+    error = _agree_error(error)
+    if error is not None:
+        raise CheckpointCorrupt(error)
+    assert info is not None and reader is not None
+    dcp.load(sd, storage_reader=reader, no_dist=not dist.is_initialized())
+    if "rng" in sd:
+        torch.set_rng_state(sd["rng"][f"rank{rank}"])
+    return {
+        k: v.to(device) if k.rpartition("/")[2] != "step" else v for k, v in optim.items()
+    }, info.meta
+
+
+def _check_model_keys(ckpt: Path, model_state: dict[str, torch.Tensor], stored: dict) -> None:
     missing = [k for k in model_state if f"model.{k}" not in stored]
     if missing:
         raise UserError(
             f"checkpoint {ckpt} lacks {len(missing)} tensors this stage needs (e.g. "
             f"{missing[0]}); it was written for a different model or model config"
         )
-    optim: dict[str, torch.Tensor] = {}
-    for key, md in stored.items():
-        if not key.startswith("optim."):
-            continue
-        name = key[len("optim.") :]
-        pname = name.rpartition("/")[0]
-        if pname in held_params:
-            optim[name] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    rng_key = f"rng.rank{rank}"
-    sd: dict[str, Any] = {"model": model_state, "optim": optim}
-    if rng_key in stored:
-        sd["rng"] = {f"rank{rank}": torch.empty(tuple(stored[rng_key].size), dtype=torch.uint8)}
-    with warnings.catch_warnings():
-        # Loading into one process is a supported use, not something to warn about.
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
-        dcp.load(sd, checkpoint_id=str(ckpt), no_dist=not dist.is_initialized())
-    if "rng" in sd:
-        torch.set_rng_state(sd["rng"][f"rank{rank}"])
-    return {
-        k: v.to(device) if k.rpartition("/")[2] != "step" else v for k, v in optim.items()
-    }, meta
+    for k, t in model_state.items():
+        md = stored[f"model.{k}"]
+        size = tuple(getattr(md, "size", ()))
+        if size != tuple(t.shape):
+            raise UserError(
+                f"checkpoint {ckpt} holds {k} with shape {list(size)} but this model's is "
+                f"{list(t.shape)}; resume with the model config the checkpoint was written with"
+            )
+
+
+# -- writing ----------------------------------------------------------------------------------
+
+
+def _distributed(group: Any) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+@dataclass
+class SaveRecord:
+    """A finished save, for the run log: where, which step, and what it cost."""
+
+    path: Path
+    step: int
+    save_id: str
+    stall_ms: float  # the training thread was blocked this long
+    write_ms: float  # from the call to publication (overlaps training when async)
+    bytes: int
+    marker_sha256: str
+
+
+class Checkpointer:
+    """Saves of one run into fresh folders of ``directory``, at most one in flight.
+
+    Collective: every rank constructs it at the same point (it creates a gloo group for the
+    saves when a process group exists) and calls ``save`` at the same steps.
+
+    ``keep``: published checkpoints kept in ``directory`` (older ones are deleted after each
+    publication; the newest ``keep`` always stay). ``run_id``: recorded in every marker so a
+    relaunch finds the checkpoints of its own run. ``async_save``: write in the background
+    (the default); ``False`` writes before ``save`` returns.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        rank: int = 0,
+        keep: int = 3,
+        run_id: str | None = None,
+        timeout_s: float = 120.0,
+        async_save: bool = True,
+    ) -> None:
+        if keep < 1:
+            raise UserError(f"--keep-checkpoints must be >= 1, got {keep}")
+        self.directory = Path(directory)
+        self.rank = rank
+        self.keep = keep
+        self.run_id = run_id
+        self.async_save = async_save
+        self.group = None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # The saves' own gloo group: its collectives run in a background thread and must
+            # never interleave with the training's P2P messages on the default group.
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._done: list[SaveRecord] = []
+        self._pending: dict[str, Any] | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def save(
+        self,
+        *,
+        step: int,
+        model_state: dict[str, torch.Tensor],
+        optim_state: dict[str, torch.Tensor],
+        meta: dict[str, Any],
+        block: bool = False,
+    ) -> Path:
+        """Start saving this rank's state for ``step``; returns the folder it will publish.
+
+        The state is copied before this returns, so training may change it at once.
+        """
+        t0 = time.perf_counter()
+        self._join()
+        sid = self._agree_save_id()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = self.directory / f"{_TMP_PREFIX}{step:08d}-{sid}"
+        final = self.directory / f"ckpt-{step:08d}-{sid}"
+        sd = {
+            "model": {k: v.detach() for k, v in model_state.items()},
+            "optim": {k: v.detach() for k, v in optim_state.items()},
+            "rng": {f"rank{self.rank}": torch.get_rng_state()},
+        }
+        no_dist = not _distributed(self.group)
+        future = index = None
+        if self.async_save and not block:
+            future = dcp.async_save(
+                sd, checkpoint_id=str(tmp), process_group=self.group, no_dist=no_dist
+            )
+        else:
+            index = dcp.save(sd, checkpoint_id=str(tmp), process_group=self.group, no_dist=no_dist)
+        stall_ms = (time.perf_counter() - t0) * 1e3
+        job = {
+            "future": future,
+            "tmp": tmp,
+            "final": final,
+            "step": step,
+            "sid": sid,
+            "meta": meta,
+            "t0": t0,
+            "stall_ms": stall_ms,
+            "index": index,
+        }
+        if future is None:
+            self._finish(job)
+        else:
+            self._thread = threading.Thread(
+                target=self._run, args=(job,), name="dynpipe-checkpoint", daemon=True
+            )
+            self._thread.start()
+        if block:
+            self._join()
+        return final
+
+    def wait(self) -> list[SaveRecord]:
+        """Finish the save in flight (re-raising its error); the saves published since the
+        last ``wait`` or ``drain``."""
+        self._join()
+        return self.drain()
+
+    def drain(self) -> list[SaveRecord]:
+        """The saves published since the last ``wait`` or ``drain`` (never blocks)."""
+        if self._thread is not None and not self._thread.is_alive():
+            self._join()
+        out, self._done = self._done, []
+        return out
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise CheckpointError(f"rank {self.rank}: saving a checkpoint failed: {err}") from err
+
+    def _run(self, job: dict[str, Any]) -> None:
+        try:
+            self._finish(job)
+        except BaseException as exc:  # surfaced to the training thread by wait()
+            self._error = exc
+
+    def _agree_save_id(self) -> str:
+        sid = [uuid.uuid4().hex[:12]]
+        if _distributed(self.group):
+            dist.broadcast_object_list(sid, src=0, group=self.group)
+        return sid[0]
+
+    def _finish(self, job: dict[str, Any]) -> None:
+        """Hash this rank's share of the files, then rank 0 publishes the folder."""
+        if job["future"] is not None:
+            fut = job["future"]
+            index = fut.result() if hasattr(fut, "result") else fut.upload_completion.result()
+        else:
+            index = job["index"]
+        names = sorted({si.relative_path for si in index.storage_data.values()} | {".metadata"})
+        world = dist.get_world_size(self.group) if _distributed(self.group) else 1
+        me = dist.get_rank(self.group) if _distributed(self.group) else 0
+        mine = {
+            n: {"size": (job["tmp"] / n).stat().st_size, "sha256": _sha256(job["tmp"] / n)}
+            for i, n in enumerate(names)
+            if i % world == me
+        }
+        parts: list[dict | None] = [mine]
+        if world > 1:
+            parts = [None] * world if me == 0 else None  # type: ignore[assignment]
+            dist.gather_object(
+                mine, parts, dst=dist.get_global_rank(self.group, 0), group=self.group
+            )
+        record = None
+        if me == 0:
+            files: dict[str, Any] = {}
+            for p in parts or []:
+                files.update(p or {})
+            record = self._publish(job, files)
+        if world > 1:
+            dist.barrier(group=self.group)
+        if record is None:
+            # Published by rank 0 before the barrier: the run log's writer may be any rank.
+            text = (job["final"] / META_FILE).read_bytes()
+            record = SaveRecord(
+                path=job["final"],
+                step=job["step"],
+                save_id=job["sid"],
+                stall_ms=job["stall_ms"],
+                write_ms=(time.perf_counter() - job["t0"]) * 1e3,
+                bytes=sum(int(f["size"]) for f in json.loads(text)["files"].values()),
+                marker_sha256=hashlib.sha256(text).hexdigest(),
+            )
+        self._done.append(record)
+
+    def _publish(self, job: dict[str, Any], files: dict[str, Any]) -> SaveRecord:
+        done, _ = list_checkpoints(self.directory)
+        seq = 1 + max((i.seq for i in done), default=0)
+        marker = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "save_id": job["sid"],
+            "seq": seq,
+            "step": job["step"],
+            "run_id": self.run_id,
+            "published": time.time(),
+            "files": files,
+            "meta": job["meta"],
+        }
+        os.replace(job["tmp"], job["final"])
+        text = (json.dumps(marker, indent=1, default=str) + "\n").encode()
+        tmp_marker = job["final"] / (META_FILE + ".tmp")
+        with tmp_marker.open("wb") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp_marker, job["final"] / META_FILE)
+        _fsync_dir(job["final"])
+        _fsync_dir(self.directory)
+        self._prune(keep_path=job["final"])
+        return SaveRecord(
+            path=job["final"],
+            step=job["step"],
+            save_id=job["sid"],
+            stall_ms=job["stall_ms"],
+            write_ms=(time.perf_counter() - job["t0"]) * 1e3,
+            bytes=sum(int(f["size"]) for f in files.values()),
+            marker_sha256=hashlib.sha256(text).hexdigest(),
+        )
+
+    def _prune(self, *, keep_path: Path) -> None:
+        """Drop published checkpoints beyond the newest ``keep``, and leftovers of saves that
+        never finished (one job writes into a save folder at a time)."""
+        done, skipped = list_checkpoints(self.directory)
+        for info in done[: max(0, len(done) - self.keep)]:
+            if info.path != keep_path:
+                shutil.rmtree(info.path, ignore_errors=True)
+        for path, _ in skipped:
+            if not (path / META_FILE).exists():
+                shutil.rmtree(path, ignore_errors=True)
+        for tmp in self.directory.glob(f"{_TMP_PREFIX}*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    directory: str | Path,
+    *,
+    model_state: dict[str, torch.Tensor],
+    optim_state: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    rank: int = 0,
+    keep: int = 3,
+) -> Path:
+    """Write and publish one checkpoint into ``directory`` before returning (collective when
+    a process group exists); returns its folder."""
+    ckpt = Checkpointer(directory, rank=rank, keep=keep, async_save=False)
+    step = int(meta.get("step", 0))
+    return ckpt.save(
+        step=step, model_state=model_state, optim_state=optim_state, meta=meta, block=True
+    )

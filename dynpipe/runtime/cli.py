@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
-__all__ = ["config_from_args", "register"]
+__all__ = ["config_from_args", "preflight", "register"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -118,7 +119,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         "plus the predictor; restart: same decisions applied by checkpoint+relaunch",
     )
     g.add_argument("--scenario", default=None, help="interference scenario TOML")
-    g.add_argument("--predictor", default=None, help="trained slowdown predictor (.joblib)")
+    g.add_argument(
+        "--predictor",
+        default=None,
+        help="trained slowdown predictor (.json from `dynpipe predictor fit`; "
+        "--adapt adaptive or restart)",
+    )
     g.add_argument("--monitor-every", type=int, default=5, help="steps per monitoring window")
     g.add_argument(
         "--min-gain",
@@ -147,8 +153,34 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         "--log-every", type=int, default=10, help="steps between gathers of per-stage timings"
     )
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0 = off)")
-    g.add_argument("--save-dir", default=None)
-    g.add_argument("--resume", default=None, help="checkpoint folder to resume from")
+    g.add_argument(
+        "--save-dir",
+        default=None,
+        help="checkpoint folder: every save a fresh ckpt-<step>-<id> subfolder, published "
+        "atomically",
+    )
+    g.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=3,
+        metavar="N",
+        help="published checkpoints kept in --save-dir (default 3; older ones are deleted)",
+    )
+    g.add_argument(
+        "--resume",
+        default=None,
+        help="checkpoint folder (or a --save-dir: its newest) to resume from under this "
+        "command's plan; 'auto': the newest in --save-dir under its own plan and adaptation "
+        "state, or a fresh start when there is none",
+    )
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="relaunch the workers up to N times when one dies, each time resuming from the "
+        "run's newest checkpoint (needs --save-every and --save-dir; implies --resume auto)",
+    )
     g.add_argument("--no-progress", dest="progress", action="store_false")
 
 
@@ -189,7 +221,9 @@ def config_from_args(args: argparse.Namespace):
         log_every=args.log_every,
         save_every=args.save_every,
         save_dir=args.save_dir,
+        keep_checkpoints=args.keep_checkpoints,
         resume=args.resume,
+        max_restarts=args.max_restarts,
         progress=args.progress,
         adapt=AdaptConfig(
             mode=args.adapt,
@@ -207,14 +241,52 @@ def config_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _worker(cfg, args)
+        from dynpipe.runtime.train import RESTART_EXIT
+
+        rc = _worker(cfg, args)
+        if rc not in (0, RESTART_EXIT):
+            # A failed or stopped worker exits now: a background checkpoint write blocked on a
+            # dead peer must not hold the process (and the agent's relaunch) until it times out.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
+        return rc
     return _launcher(cfg, args)
+
+
+def preflight(cfg, model, plan, *, check_resume: bool = True) -> None:
+    """Check every input a run reads besides the model and plan before any process group
+    exists: the predictor and its feature schema, the scenario, the checkpoint to resume."""
+    if cfg.predictor:
+        from dynpipe.predictor import load_predictor
+        from dynpipe.profiler.schema import TELEMETRY_COLUMNS
+
+        pred = load_predictor(cfg.predictor)
+        pred.schema.check_telemetry(
+            TELEMETRY_COLUMNS, what=f"the telemetry dynpipe train samples (for {cfg.predictor})"
+        )
+    if cfg.scenario:
+        from dynpipe.runtime.scenario import load_scenario
+
+        load_scenario(cfg.scenario, num_stages=plan.num_stages)
+    if check_resume and cfg.resume and cfg.resume != "auto":
+        from dynpipe.errors import UserError
+        from dynpipe.runtime.checkpoint import find_checkpoint, read_marker, verify_sizes
+
+        info = read_marker(find_checkpoint(cfg.resume))
+        verify_sizes(info)
+        if info.meta.get("model_fingerprint") not in (None, model.fingerprint()):
+            raise UserError(
+                f"checkpoint {info.path} is for a different layer list of "
+                f"{info.meta.get('model')} (fingerprint mismatch); resume with the model config "
+                "it was written with"
+            )
 
 
 def _launcher(cfg, args: argparse.Namespace) -> int:
     """Validate everything that needs no process group, then start the workers."""
     from dynpipe.errors import UserError
-    from dynpipe.runtime.train import build_model_and_data, resolve_plan
+    from dynpipe.runtime.train import build_model_and_data, checkpoint_dir, resolve_plan
 
     model, _ = build_model_and_data(cfg)
     if args.nproc is not None and args.nproc < 1:
@@ -227,14 +299,21 @@ def _launcher(cfg, args: argparse.Namespace) -> int:
             nproc = Plan.load(cfg.plan).num_stages
         else:
             nproc = cfg.stages or 1
-    resolve_plan(cfg, model, nproc)  # a mismatch is reported here, before any worker starts
+    plan = resolve_plan(cfg, model, nproc)  # a mismatch is reported here, before any worker
+    preflight(cfg, model, plan)
     if args.device.startswith("cuda"):
         import torch
 
-        if torch.cuda.device_count() < nproc:
+        n = torch.cuda.device_count()
+        if n == 0:
             raise UserError(
-                f"{nproc} workers need {nproc} GPUs but {torch.cuda.device_count()} are visible; "
-                f"use --nproc {torch.cuda.device_count()} with a matching plan, or --device cpu"
+                "--device cuda was asked for but no CUDA device is visible here; use --device "
+                "cpu (or --device auto, which picks the GPUs when there are some)"
+            )
+        if n < nproc:
+            raise UserError(
+                f"{nproc} workers need {nproc} GPUs but {n} are visible; use --nproc {n} with "
+                "a matching plan, or --device cpu"
             )
     from dynpipe.runtime.launch import launch_local
 
@@ -246,16 +325,23 @@ def _launcher(cfg, args: argparse.Namespace) -> int:
         from dynpipe.runtime.train import default_log_path
 
         words += ["--log", default_log_path(cfg)]
+        cfg = dataclasses.replace(cfg, log=words[-1])
     # The restart baseline relaunches the workers after each decision: let the agent do so.
-    restarts = max(1, cfg.steps) if cfg.adapt.mode == "restart" else 0
-    return launch_local(words, nproc=nproc, max_restarts=restarts)
+    restarts = cfg.max_restarts + (max(1, cfg.steps) if cfg.adapt.mode == "restart" else 0)
+    return launch_local(
+        words, nproc=nproc, max_restarts=restarts, checkpoint_dir=checkpoint_dir(cfg)
+    )
 
 
 def _worker(cfg, args: argparse.Namespace) -> int:
     from dynpipe.errors import UserError
+    from dynpipe.runtime.signals import Stopped, StopRequest, bind_to_parent
     from dynpipe.runtime.topology import Topology, destroy, init_distributed
     from dynpipe.runtime.train import build_model_and_data, resolve_plan, train
 
+    stop = StopRequest().install()
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        bind_to_parent()  # the agent that started us dies: so do we
     topo = Topology.from_env(device=args.device, timeout_s=args.timeout)
     quiet = topo.rank != topo.world_size - 1
     if args.pin_cores and hasattr(os, "sched_setaffinity"):
@@ -266,22 +352,31 @@ def _worker(cfg, args: argparse.Namespace) -> int:
         torch.set_num_threads(1)
     try:
         model, _ = build_model_and_data(cfg)
-        resolve_plan(cfg, model, topo.world_size)  # before any collective
+        plan = resolve_plan(cfg, model, topo.world_size)  # before any collective
+        preflight(cfg, model, plan, check_resume=False)
         init_distributed(topo)
-        train(cfg, topo=topo)
+        train(cfg, topo=topo, stop=stop)
         return 0
+    except Stopped as exc:  # stopped for a signal: the launcher says so, in one line
+        return int(exc.code)
     except SystemExit as exc:  # RestartRequested: checkpoint written, relaunch wanted
         return int(exc.code or 0)
     except UserError as exc:
+        if stop.requested:
+            return 128 + (stop.signum or 15)
         # Every rank sees the same bad input; one of them says so.
         if not quiet:
             print(f"dynpipe train: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
+        if stop.requested:
+            # A peer that stopped first closed its connections: a consequence of the stop.
+            return 128 + (stop.signum or 15)
+        from dynpipe.runtime.checkpoint import CheckpointError
         from dynpipe.runtime.health import StageFailure
         from dynpipe.runtime.migrate import MigrationError
 
-        if not isinstance(exc, (StageFailure, MigrationError)):
+        if not isinstance(exc, (StageFailure, MigrationError, CheckpointError)):
             import traceback
 
             traceback.print_exc()  # not a known failure mode: the stack is what helps

@@ -7,7 +7,7 @@ or a test harness creates it); everything it needs arrives by argument.
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -23,12 +23,21 @@ from dynpipe.errors import UserError
 from dynpipe.models import LayeredModel, get_model
 from dynpipe.planner.plan import Plan
 from dynpipe.runtime.adapter import Adapter
-from dynpipe.runtime.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from dynpipe.runtime.checkpoint import (
+    CheckpointCorrupt,
+    Checkpointer,
+    SaveRecord,
+    find_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    read_marker,
+)
 from dynpipe.runtime.controller import AdaptConfig
 from dynpipe.runtime.engine import EngineConfig, NonFiniteLoss, PipelineEngine, StepResult
-from dynpipe.runtime.health import Heartbeat, StageFailure
+from dynpipe.runtime.health import Heartbeat, StageFailure, read_progress
 from dynpipe.runtime.optim import OptimConfig
-from dynpipe.runtime.runlog import RunLog, environment
+from dynpipe.runtime.runlog import RunLog, environment, read_log
+from dynpipe.runtime.signals import Stopped, StopRequest
 from dynpipe.runtime.topology import Topology
 
 __all__ = [
@@ -36,6 +45,7 @@ __all__ = [
     "RestartRequested",
     "TrainConfig",
     "build_model_and_data",
+    "checkpoint_dir",
     "default_log_path",
     "resolve_plan",
     "train",
@@ -67,7 +77,14 @@ class TrainConfig:
     plan: a plan file; without one, ``stages`` (default: world size) equal-layer stages.
     log: JSONL run-log path (written by the last stage's rank).
     log_every: steps between the gathers of per-stage timings (one small collective).
-    save_every / save_dir: checkpoint cadence and folder; resume: checkpoint to resume from.
+    save_every / save_dir: checkpoint cadence and folder; every save is a fresh folder
+        there, published atomically (see ``dynpipe.runtime.checkpoint``).
+    keep_checkpoints: published checkpoints kept in ``save_dir`` (older ones are deleted).
+    resume: checkpoint folder (or a save folder: its newest checkpoint) to resume from, under
+        this config's plan; ``"auto"``: the newest checkpoint in ``save_dir`` under the plan
+        and adaptation state it was saved with, or a fresh start when there is none.
+    max_restarts: relaunches of the workers after one dies (torchrun's agent); every
+        relaunch resumes from the run's newest checkpoint. Implies ``resume="auto"``.
     adapt: repartitioning policy (``static`` never repartitions); its ``monitor_every``
         replaces ``log_every`` when adapting, since one gather serves both.
     scenario: interference scenario file; predictor: trained slowdown predictor (adaptive).
@@ -94,7 +111,9 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 0
     save_dir: str | None = None
+    keep_checkpoints: int = 3
     resume: str | None = None
+    max_restarts: int = 0
     progress: bool = True
     adapt: AdaptConfig = field(default_factory=lambda: AdaptConfig(mode="static"))
     scenario: str | None = None
@@ -115,6 +134,27 @@ class TrainConfig:
             )
         if self.log_every < 1:
             raise UserError(f"--log-every must be >= 1, got {self.log_every}")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise UserError(
+                f"--microbatches must be >= 1, got {self.microbatches}; leave it out for the "
+                "plan's (or 4)"
+            )
+        if self.keep_checkpoints < 1:
+            raise UserError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.max_restarts < 0:
+            raise UserError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.max_restarts and not (self.save_dir and self.save_every):
+            raise UserError(
+                f"--max-restarts {self.max_restarts} needs --save-every K --save-dir DIR: a "
+                "relaunch resumes from the newest checkpoint, and without one it would start over"
+            )
+        if self.resume == "auto" and not self.save_dir:
+            raise UserError("--resume auto needs --save-dir DIR, the folder it resumes from")
+        if self.predictor and self.adapt.mode not in ("adaptive", "restart"):
+            raise UserError(
+                f"--predictor is read only by --adapt adaptive or restart, not --adapt "
+                f"{self.adapt.mode}; drop --predictor or use --adapt adaptive"
+            )
         if self.adapt.mode == "restart" and not (self.save_dir or self.log):
             raise UserError(
                 "--adapt restart needs --save-dir or --log: relaunched workers must "
@@ -253,22 +293,12 @@ def _auto_workers(topo: Topology) -> int:
     return max(1, min(4, per_rank - 1))
 
 
-def _restart(adapter: Adapter, new_plan: Plan, step: int, decide_ms: float) -> NoReturn:
+def _restart(
+    adapter: Adapter, new_plan: Plan, step: int, decide_ms: float, *, ckpt: Checkpointer
+) -> NoReturn:
     """The restart baseline: checkpoint under the old plan, then exit to be relaunched."""
-    meta_extra = {
-        "restart_plan": new_plan.to_dict(),
-        "controller": adapter.controller.state(),
-        "initial_plan": adapter.initial_plan.to_dict(),
-        "decided_time": time.time(),
-    }
-    _save(
-        adapter.engine,
-        adapter.cfg,
-        topo=adapter.topo,
-        step=step,
-        path=_restart_dir(adapter.cfg),
-        extra=meta_extra,
-    )
+    extra = {"restart_plan": new_plan.to_dict(), "decided_time": time.time()}
+    _save(ckpt, adapter, step=step, reason="restart", extra=extra, block=True)
     if adapter.log is not None:
         adapter.log.event(
             "restart", step=step, new_plan=new_plan.to_dict(), decide_ms=round(decide_ms, 3)
@@ -278,8 +308,98 @@ def _restart(adapter: Adapter, new_plan: Plan, step: int, decide_ms: float) -> N
 
 
 def _restart_dir(cfg: TrainConfig) -> Path:
-    base = Path(cfg.save_dir) if cfg.save_dir else Path(cfg.log or default_log_path(cfg)).parent
-    return base / "restart"
+    """Where the restart baseline's checkpoints go: ``--save-dir``, else beside the log."""
+    if cfg.save_dir:
+        return Path(cfg.save_dir)
+    return Path(cfg.log or default_log_path(cfg)).parent / "restart"
+
+
+def checkpoint_dir(cfg: TrainConfig) -> Path | None:
+    """The folder a run's checkpoints go to (None: it writes none)."""
+    return _restart_dir(cfg) if (cfg.save_dir or cfg.adapt.mode == "restart") else None
+
+
+def _checkpointer(cfg: TrainConfig, topo: Topology) -> Checkpointer | None:
+    root = checkpoint_dir(cfg)
+    if root is None:
+        return None
+    return Checkpointer(
+        root,
+        rank=topo.rank,
+        keep=cfg.keep_checkpoints,
+        run_id=os.environ.get("TORCHELASTIC_RUN_ID"),
+        timeout_s=topo.timeout_s,
+    )
+
+
+def _relaunch_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _resume_candidates(cfg: TrainConfig) -> list[tuple[Path, bool]]:
+    """Checkpoints to resume from, in order of preference, each with whether the run
+    continues under the plan and adaptation state saved in it (automatic resumes do)."""
+    out: list[tuple[Path, bool]] = []
+    root = checkpoint_dir(cfg)
+    if _relaunch_count() > 0 and root is not None:
+        # A relaunch continues its own run: the newest checkpoint this run published.
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        done, _ = list_checkpoints(root)
+        out += [(i.path, True) for i in reversed(done) if i.run_id == run_id]
+    mode = cfg.resume or ("auto" if cfg.max_restarts else None)
+    if mode == "auto" and root is not None:
+        done, _ = list_checkpoints(root)
+        out += [(i.path, True) for i in reversed(done)]
+    elif mode and mode != "auto":
+        out.append((find_checkpoint(mode), False))
+    seen: set[Path] = set()
+    return [(p, a) for p, a in out if not (p in seen or seen.add(p))]
+
+
+def _checkpoint_plan(meta: dict[str, Any], model: LayeredModel, world_size: int) -> Plan | None:
+    """The plan a checkpoint's run was under (the restart baseline's: the one it decided)."""
+    try:
+        plan = Plan.from_dict(meta.get("restart_plan") or meta["plan"])
+        plan.validate(model, world_size)
+        return plan
+    except (UserError, KeyError, TypeError):
+        return None  # saved for another world size: the command line's plan then
+
+
+def _open(
+    cfg: TrainConfig, model: LayeredModel, plan: Plan, topo: Topology
+) -> tuple[PipelineEngine, int, dict[str, Any] | None, list[tuple[str, str]]]:
+    """The engine, the first step to run, the automatic resume's checkpoint meta (None on a
+    fresh start or a ``--resume PATH``), and the checkpoints skipped as unusable."""
+
+    def build(p: Plan) -> PipelineEngine:
+        return PipelineEngine(
+            model,
+            p,
+            topo=topo,
+            config=EngineConfig(
+                batch_size=cfg.batch_size, optim=cfg.optim, bf16=cfg.bf16, timing=cfg.timing
+            ),
+        )
+
+    engine: PipelineEngine | None = None
+    skipped: list[tuple[str, str]] = []
+    candidates = _resume_candidates(cfg)
+    for i, (path, automatic) in enumerate(candidates):
+        try:
+            meta = read_marker(path).meta
+            want = (_checkpoint_plan(meta, model, topo.world_size) if automatic else None) or plan
+            if engine is None or engine.plan != want:
+                engine = build(want)
+            start = _resume(engine, path, topo=topo)
+            return engine, start, (meta if automatic else None), skipped
+        except CheckpointCorrupt as exc:
+            if not automatic or i + 1 == len(candidates):
+                raise
+            skipped.append((str(path), str(exc)))  # an older checkpoint may still be good
+    if engine is None or engine.plan != plan:
+        engine = build(plan)
+    return engine, 0, None, skipped
 
 
 def train(
@@ -287,37 +407,30 @@ def train(
     *,
     topo: Topology,
     on_step: Callable[[PipelineEngine, StepResult], None] | None = None,
+    stop: StopRequest | None = None,
 ) -> dict[str, Any]:
-    """Run ``cfg.steps`` steps on this rank; returns a summary (losses, final step)."""
+    """Run ``cfg.steps`` steps on this rank; returns a summary (losses, final step).
+
+    ``stop``: signals seen by this worker; when one arrives, every rank stops at the same
+    step, after a final checkpoint if the run has a checkpoint folder (``Stopped`` is raised).
+    """
     torch.manual_seed(cfg.seed)
     model, data = build_model_and_data(cfg)
     plan = resolve_plan(cfg, model, topo.world_size)
-    initial_plan = plan
-    resume, restart_meta = cfg.resume, None
-    relaunched = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if relaunched and (_restart_dir(cfg) / "dynpipe.json").is_file():
-        # Restart baseline: this process is the relaunch; continue under the decided plan.
-        resume = str(_restart_dir(cfg))
-        restart_meta = json.loads((Path(find_checkpoint(resume)) / "dynpipe.json").read_text())
-        plan = Plan.from_dict(restart_meta["restart_plan"])
-        initial_plan = Plan.from_dict(
-            restart_meta.get("initial_plan", restart_meta["restart_plan"])
-        )
-    engine = PipelineEngine(
-        model,
-        plan,
-        topo=topo,
-        config=EngineConfig(
-            batch_size=cfg.batch_size, optim=cfg.optim, bf16=cfg.bf16, timing=cfg.timing
-        ),
+    ckpt = _checkpointer(cfg, topo)
+    engine, start, meta, skipped = _open(cfg, model, plan, topo)
+    plan = engine.plan
+    initial_plan = (
+        Plan.from_dict(meta["initial_plan"]) if meta and meta.get("initial_plan") else plan
     )
-    start = 0
-    if resume:
-        start = _resume(engine, resume, topo=topo)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     writer = plan.stages[-1].rank == topo.rank
+    progress_key = f"dynpipe/progress/{run_id}" if run_id else None
     log = None
     if writer:
-        log = RunLog(cfg.log or default_log_path(cfg), append=bool(resume))
+        log_path = cfg.log or default_log_path(cfg)
+        lost = _steps_lost(progress_key, log_path, start) if _relaunch_count() else None
+        log = RunLog(log_path, append=bool(cfg.resume or _relaunch_count() or start))
         log.header(
             config=cfg.to_dict(),
             plan=plan.to_dict(),
@@ -326,24 +439,37 @@ def train(
             env=environment(topo.device),
             start_step=start,
         )
-        if restart_meta is not None:
+        for path, why in skipped:
+            log.event("checkpoint_skipped", path=path, reason=why)
+        planned = meta is not None and "restart_plan" in meta and not (lost and lost["steps_lost"])
+        if planned:
             log.event(
                 "resumed",
                 step=start,
-                pause_ms=round((time.time() - restart_meta["decided_time"]) * 1e3, 3),
+                pause_ms=round((time.time() - meta["decided_time"]) * 1e3, 3),
             )
+        elif lost is not None:
+            log.event("recovered", attempt=_relaunch_count(), step=start, **lost)
     adapting = cfg.adapt.mode != "static"
     every = cfg.adapt.monitor_every if adapting else cfg.log_every
     steplog = _StepLog(topo=topo, plan=plan, log=log, batch_size=cfg.batch_size)
-    adapter = Adapter(cfg, engine=engine, topo=topo, log=log, restart=_restart)
+    restart_hook = functools.partial(_restart, ckpt=ckpt) if ckpt is not None else None
+    adapter = Adapter(cfg, engine=engine, topo=topo, log=log, restart=restart_hook)
     adapter.initial_plan = initial_plan
-    if restart_meta is not None:
-        adapter.controller.load_state(restart_meta.get("controller", {}))
-        adapter.controller.applied(start, 0.0)
+    if adapting and meta is not None and meta.get("adapt_state") is not None:
+        adapter.controller.load_state(meta["adapt_state"])
+        if "restart_plan" in meta:
+            adapter.controller.applied(start, 0.0)
     runner = _scenario_runner(cfg, engine=engine, topo=topo, targets=initial_plan.ranks)
     sampler = _sampler(cfg, topo)
     bar = _progress(cfg, start) if writer and cfg.progress else None
-    beat = Heartbeat(rank=topo.rank, world_size=topo.world_size).start()
+    beat = Heartbeat(
+        rank=topo.rank,
+        world_size=topo.world_size,
+        progress_key=progress_key if writer else None,
+        on_store_lost=stop.store_lost if stop is not None else None,
+        store_lost_after_s=topo.timeout_s,
+    ).start()
     adapter.beat = beat
     losses: list[float] = []
     step = start
@@ -370,7 +496,10 @@ def train(
         if runner is not None:
             runner.prepare()
             runner.resume_at(start)
+        saved = start  # the step of the last checkpoint started (the resumed one at first)
         for step in range(start, cfg.steps):
+            if stop is not None and stop.at_boundary(step, agree=ckpt is not None):
+                _stop(stop, ckpt, adapter, step=step, saved=saved)
             if runner is not None:
                 for rec in runner.apply(step):
                     if log is not None:
@@ -394,10 +523,16 @@ def train(
                 bar.update(1)
                 split = "|".join(str(len(st)) for st in engine.plan.stages)
                 bar.set_postfix(loss=f"{res.loss:.4f}", ms=f"{res.step_ms:.0f}", split=split)
+            beat.progress(step + 1)
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
-                _save(engine, cfg, topo=topo, step=step + 1)
-                if log is not None:
-                    log.event("checkpoint", step=step + 1, path=str(_ckpt_dir(cfg, step + 1)))
+                _save(ckpt, adapter, step=step + 1, reason="periodic")
+                saved = step + 1
+            if ckpt is not None:
+                _log_saves(log, ckpt.drain())
+        if stop is not None and stop.requested:
+            _stop(stop, ckpt, adapter, step=cfg.steps, saved=saved)
+        if ckpt is not None:
+            _log_saves(log, ckpt.wait())
         if log is not None:
             log.event("end", step=cfg.steps, plan=engine.plan.to_dict())
     finally:
@@ -462,39 +597,101 @@ def _failure(
     )
 
 
-def _ckpt_dir(cfg: TrainConfig, step: int) -> Path:
-    return Path(cfg.save_dir or "checkpoints") / f"step_{step:08d}"
-
-
 def _save(
-    engine: PipelineEngine,
-    cfg: TrainConfig,
+    ckpt: Checkpointer | None,
+    adapter: Adapter,
     *,
-    topo: Topology,
     step: int,
-    path: Path | None = None,
+    reason: str,
     extra: dict[str, Any] | None = None,
+    block: bool = False,
 ) -> Path:
+    """Checkpoint this rank's state after ``step`` steps (collective), with what a resume
+    needs to continue as this run would have: the plan, the initial plan (scenario targets)
+    and the adaptation state."""
+    if ckpt is None:
+        raise UserError("--save-every needs --save-dir DIR to write checkpoints into")
+    engine, cfg, topo = adapter.engine, adapter.cfg, adapter.topo
     meta = {
         **(extra or {}),
         "step": step,
+        "reason": reason,
         "plan": engine.plan.to_dict(),
+        "initial_plan": adapter.initial_plan.to_dict(),
+        "adapt_state": adapter.controller.state() if cfg.adapt.mode != "static" else None,
         "config": cfg.to_dict(),
         "model": engine.model.name,
         "model_fingerprint": engine.model.fingerprint(),
         "data_position": step,
         "world_size": topo.world_size,
     }
-    return save_checkpoint(
-        path or _ckpt_dir(cfg, step),
+    return ckpt.save(
+        step=step,
         model_state=engine.model_state(),
         optim_state=engine.optim_state(),
         meta=meta,
-        rank=topo.rank,
+        block=block,
     )
 
 
-def _resume(engine: PipelineEngine, path: str, *, topo: Topology) -> int:
+def _log_saves(log: RunLog | None, records: list[SaveRecord]) -> None:
+    for r in records:
+        if log is not None:
+            log.event(
+                "checkpoint",
+                step=r.step,
+                path=str(r.path),
+                save_id=r.save_id,
+                bytes=r.bytes,
+                stall_ms=round(r.stall_ms, 3),
+                write_ms=round(r.write_ms, 3),
+                marker_sha256=r.marker_sha256,
+            )
+
+
+def _stop(
+    stop: StopRequest, ckpt: Checkpointer | None, adapter: Adapter, *, step: int, saved: int
+) -> NoReturn:
+    """Stop for a signal before ``step``: final checkpoint (unless one of this step is
+    already under way), then ``Stopped`` on every rank."""
+    path = None
+    if ckpt is not None and stop.consistent:
+        if saved != step:
+            _save(ckpt, adapter, step=step, reason=f"stop:{stop.name}", block=True)
+        records = ckpt.wait()
+        _log_saves(adapter.log, records)
+        path = str(records[-1].path) if records else None
+    if adapter.log is not None:
+        adapter.log.event("stopped", step=step, signal=stop.name, checkpoint=path)
+    raise Stopped(stop.signum or 15)
+
+
+def _steps_lost(progress_key: str | None, log_path: str, start: int) -> dict[str, Any]:
+    """How far the run had got before this relaunch, and so how many steps it redoes: from
+    the progress the previous attempt published in the launcher's store, else its run log."""
+    got = read_progress(progress_key) if progress_key else None
+    if got is not None:
+        done, when = got
+        return {
+            "steps_lost": max(0, done - start),
+            "reached_step": done,
+            "lost_from": "store",
+            "down_s": round(time.time() - when, 3),
+        }
+    done = start
+    if Path(log_path).is_file():
+        steps = [r["step"] for r in read_log(log_path) if r.get("type") == "step"]
+        done = max(steps, default=start - 1) + 1
+    return {"steps_lost": max(0, done - start), "reached_step": done, "lost_from": "log"}
+
+
+def _resume(engine: PipelineEngine, path: str | Path, *, topo: Topology) -> int:
+    meta = read_marker(path).meta
+    if meta.get("model_fingerprint") not in (None, engine.model.fingerprint()):
+        raise UserError(
+            f"checkpoint {path} is for a different layer list of {meta.get('model')} "
+            "(fingerprint mismatch); resume with the model config it was written with"
+        )
     opt, meta = load_checkpoint(
         path,
         model_state=engine.model_state(),
@@ -502,11 +699,6 @@ def _resume(engine: PipelineEngine, path: str, *, topo: Topology) -> int:
         rank=topo.rank,
         device=topo.device,
     )
-    if meta.get("model_fingerprint") not in (None, engine.model.fingerprint()):
-        raise UserError(
-            f"checkpoint {path} is for a different layer list of {meta.get('model')} "
-            "(fingerprint mismatch); resume with the model config it was written with"
-        )
     from dynpipe.runtime.optim import import_state
 
     import_state(engine.optimizer, engine.named_params, opt)
