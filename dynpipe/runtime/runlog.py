@@ -87,9 +87,10 @@ def _jsonable(obj: Any) -> Any:
 
 
 def read_log(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a run log (skips a torn last line left by a killed writer)."""
+    """All records of a run log (skips a torn last line left by a killed writer, and lines
+    that are not text: a binary file has no records, and says so where it is read)."""
     out = []
-    with Path(path).open() as fh:
+    with Path(path).open(errors="replace") as fh:
         for line in fh:
             line = line.strip()
             if not line:
