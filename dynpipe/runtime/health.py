@@ -14,6 +14,7 @@ can log how many steps it lost, and it notices when that store itself has gone a
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ import torch.distributed as dist
 __all__ = ["Heartbeat", "StageFailure", "read_progress", "root_store"]
 
 _PREFIX = "dynpipe/hb/"
+_FAILED = "dynpipe/failed/"
 
 
 class StageFailure(RuntimeError):
@@ -117,34 +119,45 @@ class Heartbeat:
         """Ranks whose heartbeat stopped, with the age of their last beat in seconds.
 
         ``since``: when the failure was seen (default now). A peer is alive once it beats
-        after that, dead once its last beat is older than 2.5 intervals; this waits for a
-        verdict on every peer, at most ``wait_s`` (default 4 intervals: a peer that died
-        just after beating is stale 2.5 intervals later).
+        after that or reports a failure of its own, dead once its last beat is older than
+        2.5 intervals; this waits for a verdict on every peer, at most ``wait_s`` (default 4
+        intervals: a peer that died just after beating is stale 2.5 intervals later). What
+        was read stays known if the store goes away meanwhile (its host may be a failing
+        rank that exits first).
         """
         if self._store is None:
             return []
         since = time.time() if since is None else since
         deadline = time.time() + (4 * self.interval_s if wait_s is None else wait_s)
         stale_s = 2.5 * self.interval_s
+        with contextlib.suppress(Exception):
+            self._store.set(f"{_FAILED}{self.rank}", repr(since))
+        beats: dict[int, float] = {}
+        failing: set[int] = set()
         while True:
             dead, undecided = [], 0
-            now = time.time()
             for r in range(self.world_size):
-                if r == self.rank:
+                if r == self.rank or r in failing:
                     continue
-                last = self._last_beat(r)
+                last = self._read(f"{_PREFIX}{r}")
+                if last is not None:
+                    beats[r] = max(last, beats.get(r, last))
+                if self._read(f"{_FAILED}{r}") is not None:
+                    failing.add(r)  # alive, and failing because of someone else
+                    continue
+                last = beats.get(r)
                 if last is None or last > since:
                     continue  # never beat (not started yet) or alive after the failure
-                if now - last > stale_s:
-                    dead.append((r, now - last))
+                age = time.time() - last
+                if age > stale_s:
+                    dead.append((r, age))
                 else:
                     undecided += 1
             if not undecided or time.time() >= deadline:
                 return dead
             time.sleep(min(self.interval_s / 4, max(0.0, deadline - time.time())))
 
-    def _last_beat(self, r: int) -> float | None:
-        key = f"{_PREFIX}{r}"
+    def _read(self, key: str) -> float | None:
         try:
             # check() never blocks; get() on a missing key would wait for it.
             if not self._store.check([key]):
