@@ -30,6 +30,7 @@ class _Terminated(BaseException):
 def _on_sigterm(signum: int, frame: object) -> None:
     raise _Terminated(signum)
 
+
 # Order is the order shown in --help.
 _SUBCOMMANDS = (
     "dynpipe.analysis.demo_cli",

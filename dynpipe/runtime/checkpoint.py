@@ -53,13 +53,13 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "Checkpointer",
+    "check_checkpoint",
     "find_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
     "newest_checkpoint",
     "read_marker",
     "save_checkpoint",
-    "verify_sizes",
 ]
 
 META_FILE = "dynpipe.json"
@@ -239,11 +239,20 @@ def _verify_files(info: CheckpointInfo, names: Iterable[str], *, digest: bool = 
             )
 
 
-def verify_sizes(info: CheckpointInfo) -> None:
-    """Cheap check before any worker starts: every file present with its saved size, and
-    the pickled index ``.metadata`` intact."""
+def check_checkpoint(
+    path: str | Path, *, model_shapes: dict[str, tuple[int, ...]] | None = None
+) -> CheckpointInfo:
+    """What can be checked before any worker starts, cheaply: a readable marker, every file
+    present with its saved size, the index ``.metadata`` intact and safe to read, and (given
+    ``model_shapes``) every model tensor stored with the shape the model has. The digests
+    of the data files are checked by each rank as it loads."""
+    info = read_marker(find_checkpoint(path))
     _verify_files(info, info.marker["files"], digest=False)
     _verify_files(info, [".metadata"])
+    if model_shapes is not None:
+        stored = _SafeReader(str(info.path)).read_metadata().state_dict_metadata
+        _check_model_keys(info.path, model_shapes, stored)
+    return info
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -338,7 +347,7 @@ def load_checkpoint(
         reader = _SafeReader(str(info.path))
         index = reader.read_metadata()
         stored = index.state_dict_metadata
-        _check_model_keys(info.path, model_state, stored)
+        _check_model_keys(info.path, {k: tuple(v.shape) for k, v in model_state.items()}, stored)
         for key, md in stored.items():
             if not key.startswith("optim."):
                 continue
@@ -368,20 +377,19 @@ def load_checkpoint(
     }, info.meta
 
 
-def _check_model_keys(ckpt: Path, model_state: dict[str, torch.Tensor], stored: dict) -> None:
-    missing = [k for k in model_state if f"model.{k}" not in stored]
+def _check_model_keys(ckpt: Path, shapes: dict[str, tuple[int, ...]], stored: dict) -> None:
+    missing = [k for k in shapes if f"model.{k}" not in stored]
     if missing:
         raise UserError(
             f"checkpoint {ckpt} lacks {len(missing)} tensors this stage needs (e.g. "
             f"{missing[0]}); it was written for a different model or model config"
         )
-    for k, t in model_state.items():
-        md = stored[f"model.{k}"]
-        size = tuple(getattr(md, "size", ()))
-        if size != tuple(t.shape):
+    for k, shape in shapes.items():
+        size = tuple(getattr(stored[f"model.{k}"], "size", ()))
+        if size != tuple(shape):
             raise UserError(
                 f"checkpoint {ckpt} holds {k} with shape {list(size)} but this model's is "
-                f"{list(t.shape)}; resume with the model config the checkpoint was written with"
+                f"{list(shape)}; resume with the model config the checkpoint was written with"
             )
 
 

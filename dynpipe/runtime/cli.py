@@ -271,10 +271,15 @@ def preflight(cfg, model, plan, *, check_resume: bool = True) -> None:
         load_scenario(cfg.scenario, num_stages=plan.num_stages)
     if check_resume and cfg.resume and cfg.resume != "auto":
         from dynpipe.errors import UserError
-        from dynpipe.runtime.checkpoint import find_checkpoint, read_marker, verify_sizes
+        from dynpipe.runtime.checkpoint import check_checkpoint
 
-        info = read_marker(find_checkpoint(cfg.resume))
-        verify_sizes(info)
+        layers = model.build_range(0, len(model), device="meta")  # shapes only, no memory
+        shapes = {
+            f"{name}.{k}": tuple(v.shape)
+            for name, layer in layers.items()
+            for k, v in layer.state_dict().items()
+        }
+        info = check_checkpoint(cfg.resume, model_shapes=shapes)
         if info.meta.get("model_fingerprint") not in (None, model.fingerprint()):
             raise UserError(
                 f"checkpoint {info.path} is for a different layer list of "
