@@ -70,9 +70,8 @@ _TMP_PREFIX = ".tmp-ckpt-"
 _HASH_CHUNK = 1 << 22
 # Saving or loading in one process (no process group) is a supported use; DCP warns about it
 # from the background thread too, where a local catch_warnings would not reach.
-warnings.filterwarnings(
-    "ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized"
-)
+_ONE_PROCESS = r"torch\.distributed is disabled, unavailable or uninitialized"
+warnings.filterwarnings("ignore", message=_ONE_PROCESS)
 
 
 class CheckpointError(RuntimeError):
@@ -189,7 +188,12 @@ def newest_checkpoint(directory: str | Path, *, run_id: str | None = None) -> Ch
 def find_checkpoint(path: str | Path) -> Path:
     """``path`` itself if it is a checkpoint, else the newest published one inside it."""
     p = Path(path)
-    if (p / META_FILE).is_file() or not p.is_dir():
+    if (
+        (p / META_FILE).is_file()
+        or not p.is_dir()
+        or _NAME.match(p.name)
+        or (p / ".metadata").is_file()
+    ):
         return read_marker(p).path
     newest = newest_checkpoint(p)
     if newest is None:
@@ -369,7 +373,9 @@ def load_checkpoint(
     if error is not None:
         raise CheckpointCorrupt(error)
     assert info is not None and reader is not None
-    dcp.load(sd, storage_reader=reader, no_dist=not dist.is_initialized())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_ONE_PROCESS)
+        dcp.load(sd, storage_reader=reader, no_dist=not dist.is_initialized())
     if "rng" in sd:
         torch.set_rng_state(sd["rng"][f"rank{rank}"])
     return {
@@ -482,12 +488,16 @@ class Checkpointer:
         }
         no_dist = not _distributed(self.group)
         future = index = None
-        if self.async_save and not block:
-            future = dcp.async_save(
-                sd, checkpoint_id=str(tmp), process_group=self.group, no_dist=no_dist
-            )
-        else:
-            index = dcp.save(sd, checkpoint_id=str(tmp), process_group=self.group, no_dist=no_dist)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_ONE_PROCESS)
+            if self.async_save and not block:
+                future = dcp.async_save(
+                    sd, checkpoint_id=str(tmp), process_group=self.group, no_dist=no_dist
+                )
+            else:
+                index = dcp.save(
+                    sd, checkpoint_id=str(tmp), process_group=self.group, no_dist=no_dist
+                )
         stall_ms = (time.perf_counter() - t0) * 1e3
         job = {
             "future": future,

@@ -103,9 +103,9 @@ class StopRequest:
         )
         os._exit(1)
 
-    def at_boundary(self, step: int, *, agree: bool) -> bool:
-        """Stop before running ``step``? ``agree``: every rank must stop at the same step
-        (a final checkpoint follows); the first to ask proposes the next boundary."""
+    def at_boundary(self, step: int, *, agree: bool = True) -> bool:
+        """Stop before running ``step``? ``agree``: every rank stops at the same step (for
+        the final checkpoint and the last log records); the first to ask proposes it."""
         if self.signum is None:
             return False
         if self.stop_at is None:

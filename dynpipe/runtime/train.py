@@ -498,7 +498,9 @@ def train(
             runner.resume_at(start)
         saved = start  # the step of the last checkpoint started (the resumed one at first)
         for step in range(start, cfg.steps):
-            if stop is not None and stop.at_boundary(step, agree=ckpt is not None):
+            if stop is not None and stop.at_boundary(step, agree=True):
+                if stop.consistent:
+                    steplog.flush()  # every rank stops here: the steps so far reach the log
                 _stop(stop, ckpt, adapter, step=step, saved=saved)
             if runner is not None:
                 for rec in runner.apply(step):
