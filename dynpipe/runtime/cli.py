@@ -374,12 +374,14 @@ def _worker(cfg, args: argparse.Namespace) -> int:
             print(f"dynpipe train: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        if stop.requested:
-            # A peer that stopped first closed its connections: a consequence of the stop.
-            return 128 + (stop.signum or 15)
         from dynpipe.runtime.checkpoint import CheckpointError
         from dynpipe.runtime.health import StageFailure
         from dynpipe.runtime.migrate import MigrationError
+
+        if stop.requested and not isinstance(exc, (StageFailure, MigrationError)):
+            # A peer that stopped first closed its connections: a consequence of the stop.
+            # (A failed step is reported: the agent also signals the survivors of a crash.)
+            return 128 + (stop.signum or 15)
 
         if not isinstance(exc, (StageFailure, MigrationError, CheckpointError)):
             import traceback

@@ -80,10 +80,15 @@ def launch_local(
         if 2 in codes and set(codes) <= {2, -15}:
             return 2
         tried = f" after {max_restarts} relaunches" if max_restarts else ""
+        if failure.exitcode < 0:
+            # Killed from outside (the OOM killer, a scheduler, a user): it printed nothing.
+            how = f"was killed by {signal.Signals(-failure.exitcode).name}"
+            hint = "" if max_restarts else "; --max-restarts N relaunches the workers"
+        else:
+            how, hint = f"exited with code {failure.exitcode}", "; its error is printed above"
         print(
             f"dynpipe train: {len(exc.failures)} of {nproc} workers failed{tried}; first: rank "
-            f"{rank} with exit code {failure.exitcode} (exit codes {codes}); its error is "
-            "printed above",
+            f"{rank} {how} (exit codes {codes}){hint}",
             file=sys.stderr,
         )
         return 2 if failure.exitcode == 2 else 1
