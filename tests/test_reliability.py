@@ -230,3 +230,49 @@ def test_the_readme_multinode_form_runs_under_torchrun(tmp_path) -> None:
     proc = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert sorted(_losses(log)) == list(range(5))
+
+
+def _train(rank: int, world: int, cfg: dict, env: dict[str, str]) -> dict:
+    os.environ.update(env)
+    from dynpipe.runtime.controller import AdaptConfig
+    from dynpipe.runtime.topology import Topology
+    from dynpipe.runtime.train import TrainConfig, train
+
+    adapt = AdaptConfig(mode="measured", monitor_every=4, calibrate_windows=1)
+    out = train(TrainConfig(**cfg, adapt=adapt), topo=Topology.from_env(device="cpu"))
+    return {"start": out["start"], "plan": out["plan"].to_dict(), "losses": out["losses"]}
+
+
+def test_a_relaunch_resumes_under_the_plan_and_adaptation_state_it_saved(tmp_path) -> None:
+    from distutil import run_ranks
+
+    from dynpipe.models import get_model
+    from dynpipe.planner import Plan
+
+    model = get_model("mlp", depth=8, width=32)
+    Plan.from_bounds(model, [3, 7]).save(tmp_path / "3-7.json")
+    base = {
+        "model": "mlp",
+        "model_args": {"depth": 8, "width": 32},
+        "batch_size": 32,
+        "save_every": 10,
+        "save_dir": str(tmp_path / "ck"),
+        "log": str(tmp_path / "log.jsonl"),
+        "progress": False,
+        "telemetry": False,
+    }
+    env = {"TORCHELASTIC_RUN_ID": "job-1", "TORCHELASTIC_RESTART_COUNT": "0"}
+    first = run_ranks(_train, 2, {**base, "steps": 20, "plan": str(tmp_path / "3-7.json")}, env)
+    saved = newest_checkpoint(tmp_path / "ck")
+    assert saved.step == 20 and saved.run_id == "job-1"
+    assert saved.meta["adapt_state"]["clean_fwd"] is not None  # calibrated before the save
+    # The relaunch names no plan: it continues under the one the checkpoint was saved with.
+    env = {**env, "TORCHELASTIC_RESTART_COUNT": "1"}
+    again = run_ranks(_train, 2, {**base, "steps": 30}, env)
+    assert again[1]["value"]["start"] == 20
+    assert again[1]["value"]["plan"]["stages"] == first[1]["value"]["plan"]["stages"]
+    assert again[1]["value"]["plan"]["stages"] == saved.meta["plan"]["stages"]
+    even = Plan.even(model, 2, schedule="1f1b", microbatches=4).to_dict()["stages"]
+    assert saved.meta["plan"]["stages"] != even  # the command line's plan would be this one
+    (rec,) = _events(tmp_path / "log.jsonl", "recovered")
+    assert rec["step"] == 20 and rec["steps_lost"] == 0 and rec["lost_from"] == "log"
