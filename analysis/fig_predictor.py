@@ -29,7 +29,9 @@ HERE = Path(__file__).resolve().parent
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--report", type=Path, nargs="*", default=None, help="report folders")
-    p.add_argument("--predictor", type=Path, default=None, help="a saved predictor (.json or .json.gz)")
+    p.add_argument(
+        "--predictor", type=Path, default=None, help="a saved predictor (.json or .json.gz)"
+    )
     p.add_argument("--profiles", type=Path, nargs="*", default=[], help="profile datasets")
     p.add_argument("--out", type=Path, default=HERE / "figures", help="folder for figures")
     args = p.parse_args(argv)
