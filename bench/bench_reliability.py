@@ -39,7 +39,8 @@ sys.path.insert(0, str(ROOT))
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from dynpipe.runtime.checkpoint import Checkpointer, list_checkpoints  # noqa: E402
+from dynpipe.runtime.checkpoint import list_checkpoints  # noqa: E402
+from dynpipe.runtime.checkpointer import Checkpointer  # noqa: E402
 from dynpipe.runtime.runlog import read_log  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

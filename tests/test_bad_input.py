@@ -117,7 +117,7 @@ def test_predictor_schema_checked_before_step_0(tmp_path, capsys) -> None:
 def _checkpoint(root: Path, *, width: int = 16) -> Path:
     """A real checkpoint of mlp(depth=4, width) at step 3, written in this process."""
     from dynpipe.models import get_model
-    from dynpipe.runtime.checkpoint import save_checkpoint
+    from dynpipe.runtime.checkpointer import save_checkpoint
 
     model = get_model("mlp", depth=4, width=width)
     layers = model.build_range(0, len(model))

@@ -16,12 +16,12 @@ from distutil import run_ranks
 from dynpipe.runtime.checkpoint import (
     META_FILE,
     CheckpointCorrupt,
-    Checkpointer,
     list_checkpoints,
     load_checkpoint,
     newest_checkpoint,
     read_marker,
 )
+from dynpipe.runtime.checkpointer import Checkpointer
 
 
 def _state(value: float) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -164,7 +164,8 @@ def test_a_crafted_index_runs_no_code_even_with_a_matching_marker(tmp_path) -> N
 def _die_while_saving(rank: int, world: int, root: str) -> str:
     """Both ranks publish step 2; while saving step 4, rank 1 dies after writing its data
     but before the folder is published."""
-    from dynpipe.runtime import checkpoint as ck
+    from dynpipe.runtime import checkpointer as ck
+    from dynpipe.runtime.checkpoint import CheckpointError
 
     ckpt = ck.Checkpointer(root, rank=rank, run_id="r", timeout_s=20)
     model, optim = _state(2.0 + rank)
@@ -173,11 +174,11 @@ def _die_while_saving(rank: int, world: int, root: str) -> str:
     ckpt.save(step=2, model_state=model, optim_state=optim, meta={"step": 2})
     ckpt.wait()
     if rank == 1:
-        ck._sha256 = lambda path: os._exit(9)  # killed between writing and publishing
+        ck.file_sha256 = lambda path: os._exit(9)  # killed between writing and publishing
     ckpt.save(step=4, model_state=model, optim_state=optim, meta={"step": 4})
     try:
         ckpt.wait()
-    except ck.CheckpointError as exc:
+    except CheckpointError as exc:
         return str(exc)
     return "published"
 

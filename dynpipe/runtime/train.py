@@ -25,13 +25,12 @@ from dynpipe.planner.plan import Plan
 from dynpipe.runtime.adapter import Adapter
 from dynpipe.runtime.checkpoint import (
     CheckpointCorrupt,
-    Checkpointer,
-    SaveRecord,
     find_checkpoint,
     list_checkpoints,
     load_checkpoint,
     read_marker,
 )
+from dynpipe.runtime.checkpointer import Checkpointer, SaveRecord
 from dynpipe.runtime.controller import AdaptConfig
 from dynpipe.runtime.engine import EngineConfig, NonFiniteLoss, PipelineEngine, StepResult
 from dynpipe.runtime.health import Heartbeat, StageFailure, read_progress
