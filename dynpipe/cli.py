@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -80,12 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"dynpipe {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"dynpipe {args.command}: interrupted", file=sys.stderr)
-        return 130
-    except _Terminated as exc:
-        print(f"dynpipe {args.command}: terminated", file=sys.stderr)
-        return 128 + exc.signum
+    except (KeyboardInterrupt, _Terminated) as exc:
+        signum = exc.signum if isinstance(exc, _Terminated) else signal.SIGINT
+        # A training worker stopped before it could handle signals itself says nothing: its
+        # launcher reports the stop in one line for the whole job.
+        if not (args.command == "train" and "RANK" in os.environ):
+            what = "terminated" if signum == signal.SIGTERM else "interrupted"
+            print(f"dynpipe {args.command}: {what}", file=sys.stderr)
+        return 128 + int(signum)
 
 
 if __name__ == "__main__":
