@@ -1,15 +1,18 @@
-"""Replay the adaptation loop over a recorded run: what would the controller decide?
+"""Replay the adaptation policy over a recorded run: what would it decide, window by window?
 
-Feeds a run log's step records and telemetry, window by window, to a real ``Adapter`` (the
-same monitor, calibration and controller the runtime uses) with the configuration of the
-log or the one given here, and prints each window's decision. Moves are not carried out:
-the replay stops at the first repartition it would make, since the log's later timings
-belong to the plan the recorded run held, not to the replayed one.
+Feeds a run log's windows (step records, the sampled per-layer timings, telemetry) to the
+policy the runtime uses (``make_policy``; through the same ``Window`` type the training loop
+builds), with the log's configuration or the overrides given here, and prints each window's
+decision. Moves are not carried out: the replay stops at the first move the policy would
+make whose plan the recorded run did not also move to, since the log's later timings belong
+to the plan the recorded run held.
 
 The honest use is on ``static`` runs: every move proposed in a clean phase is a false one,
-and the step of the first move after an onset is how fast the controller reacts.
+and the step of the first move after an onset is how fast the policy reacts. Logs recorded
+before per-layer timing existed replay with stage times spread over layers by the policy's
+current estimates (``CostEstimates``' fallback).
 
-    python bench/replay_controller.py analysis/logs/gpu-h200-2gpu/vgg16-gemm-static.jsonl \
+    python bench/replay_controller.py analysis/logs/oracle-*/static.jsonl \
         [--mode measured|adaptive] [--predictor P] [--min-gain 0.05] ...
 """
 
@@ -19,36 +22,23 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from types import SimpleNamespace
-
-import torch
 
 from dynpipe.planner.plan import Plan
-from dynpipe.runtime.adapter import Adapter
-from dynpipe.runtime.controller import AdaptConfig
+from dynpipe.runtime.adapt.config import AdaptConfig
+from dynpipe.runtime.adapt.make import make_policy
+from dynpipe.runtime.adapt.window import Window
 from dynpipe.runtime.runlog import read_log
 from dynpipe.runtime.train import TrainConfig, build_model_and_data
 
 
-class _Moved(Exception):
-    """Raised by the replay's ``_apply``: the run would repartition here."""
-
-    def __init__(self, step: int, plan: Plan) -> None:
-        super().__init__(step)
-        self.step, self.plan = step, plan
-
-
-class _ReplayAdapter(Adapter):
-    def _apply(self, new_plan: Plan, *, step: int, before_ms: float, decide_ms: float) -> None:
-        raise _Moved(step + 1, new_plan)
-
-
-def replay(path: Path, overrides: dict, predictor: str | None) -> list[dict]:
-    """Decisions, one dict per window, until the first move (its entry has ``moved``)."""
+def replay(
+    path: Path, overrides: dict, predictor: str | None, *, follow: bool = True
+) -> list[dict]:
+    """One dict per window: the decision, or the first move the recorded run did not make."""
     recs = read_log(path)
     header = next(r for r in recs if r["type"] == "header")
     conf = header["config"]
-    adapt = AdaptConfig(**{**conf["adapt"], **overrides})
+    adapt = AdaptConfig.from_dict({**conf["adapt"], **overrides})
     cfg = TrainConfig(
         model=conf["model"],
         model_args=conf["model_args"],
@@ -56,49 +46,69 @@ def replay(path: Path, overrides: dict, predictor: str | None) -> list[dict]:
         batch_size=conf["batch_size"],
         microbatches=conf["microbatches"],
         adapt=adapt,
-        predictor=predictor,
         progress=False,
     )
     model, _ = build_model_and_data(cfg)
     plan = Plan.from_dict(header["plan"])
-    engine = SimpleNamespace(plan=plan, model=model)
-    topo = SimpleNamespace(
-        world_size=1, rank=0, device=torch.device("cpu"), is_cuda=False, timeout_s=30.0
+    policy = make_policy(
+        adapt,
+        model=model,
+        microbatch_size=cfg.batch_size // plan.microbatches,
+        num_ranks=header.get("world_size", plan.num_stages),
+        predictor=predictor,
     )
-    adapter = _ReplayAdapter(cfg, engine=engine, topo=topo, log=None)  # type: ignore[arg-type]
+    if policy is None:
+        raise SystemExit(f"{path}: mode {adapt.mode!r} has no policy to replay")
     steps = [r for r in recs if r["type"] == "step"]
+    layers = {r["step"]: r for r in recs if r["type"] == "layer_times"}
     tels = {r["step"]: r["devices"] for r in recs if r["type"] == "telemetry"}
     events = {r["step"]: r["event"] for r in recs if r["type"] == "event" and "step" in r}
+    moves = {r["step"]: r for r in recs if r.get("event") == "repartition"}
     every = adapt.monitor_every
-    out = []
-    for i in range(0, len(steps), every):
+    out: list[dict] = []
+    for i in range(0, len(steps) - every + 1, every):
         window = steps[i : i + every]
-        if len(window) < every:
-            break
         last = window[-1]["step"]
-        # Static runs gather telemetry every log_every steps: take the record that covers
-        # this window (the first at or after its end).
+        st = window[-1]["stages"]
+        bounds = [s["layers"] for s in st]
+        if any([s["layers"] for s in r["stages"]] != bounds for r in window):
+            break  # the recorded windows no longer line up with this replay's
         covering = min((t for t in tels if t >= last), default=None)
-        devices = tels[covering] if covering is not None else []
-        tel = [{k: (float("nan") if v is None else v) for k, v in d.items()} for d in devices]
+        w = Window.from_records(
+            window,
+            bounds=bounds,
+            ranks=[s["rank"] for s in st],
+            microbatches=plan.microbatches,
+            schedule=plan.schedule,
+            layers=layers.get(last),
+            telemetry=tels[covering] if covering is not None and predictor else None,
+        )
+        d = policy.observe(w)
         marks = [events[s] for s in range(window[0]["step"], last + 1) if s in events]
-        try:
-            d = adapter.window(last, window, tel)
-        except _Moved as m:
-            out.append({"step": m.step, "moved": m.plan.bounds, "events": marks})
-            break
-        if d is not None:
-            out.append(
-                {
-                    "step": d.step,
-                    "slowdown": d.slowdown,
-                    "gain": round(1 - d.proposed_ms / max(d.current_ms, 1e-9), 4),
-                    "reason": d.reason,
-                    "events": marks,
-                }
-            )
-        elif marks:
-            out.append({"step": last + 1, "events": marks})
+        if d is None:
+            if marks:
+                out.append({"step": last + 1, "events": marks})
+            continue
+        entry = {
+            "step": d.step,
+            "slowdown": d.slowdown,
+            "gain": round(1 - d.proposed_ms / max(d.current_ms, 1e-9), 4),
+            "reason": d.reason,
+            "events": marks,
+        }
+        if d.repartition:
+            rec = moves.get(d.step)
+            same = rec is not None and [
+                [s["start"], s["stop"]] for s in rec["new_plan"]["stages"]
+            ] == [list(b) for b in d.bounds]
+            entry["moved"] = [list(b) for b in d.bounds]
+            entry["as_recorded"] = same
+            out.append(entry)
+            if not (same and follow):
+                break
+            policy.applied(step=d.step, pause_ms=rec["pause_ms"], moved_bytes=rec["bytes"])
+            continue
+        out.append(entry)
     return out
 
 

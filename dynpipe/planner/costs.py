@@ -67,6 +67,9 @@ class CostModel:
     bandwidth: ``[D - 1]`` bytes/s of the link between device ``d`` and ``d + 1``.
     latency_ms: ``[D - 1]`` per-transfer latency of those links.
     microbatch_size: samples per microbatch the times were measured or estimated for.
+    stage_fwd_ms, stage_bwd_ms: ``[D]`` what a stage on device ``d`` costs per microbatch
+        beyond its layers, whichever it holds (framework work around them: input casts, the
+        loss); zeros unless measured.
     """
 
     model: str
@@ -83,6 +86,8 @@ class CostModel:
     microbatch_size: int = 1
     fingerprint: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    stage_fwd_ms: np.ndarray | None = None
+    stage_bwd_ms: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         fwd = np.asarray(self.fwd_ms, dtype=np.float64)
@@ -106,6 +111,9 @@ class CostModel:
         set_(self, "bwd_ms", _arr(bwd, (d, n), "bwd_ms"))
         for name in ("param_bytes", "out_bytes", "act_bytes", "opt_mult", "buffer_bytes"):
             set_(self, name, _arr(getattr(self, name), (n,), name))
+        for name in ("stage_fwd_ms", "stage_bwd_ms"):
+            v = getattr(self, name)
+            set_(self, name, _arr(0.0 if v is None else v, (d,), name))
         links = max(d - 1, 0)
         set_(self, "bandwidth", _arr(self.bandwidth, (links,), "bandwidth"))
         set_(self, "latency_ms", _arr(self.latency_ms, (links,), "latency_ms"))
@@ -160,6 +168,8 @@ class CostModel:
             self,
             fwd_ms=np.repeat(self.fwd_ms, num_devices, axis=0),
             bwd_ms=np.repeat(self.bwd_ms, num_devices, axis=0),
+            stage_fwd_ms=np.repeat(self.stage_fwd_ms, num_devices),
+            stage_bwd_ms=np.repeat(self.stage_bwd_ms, num_devices),
             bandwidth=np.full(num_devices - 1, bw),
             latency_ms=np.full(num_devices - 1, lat),
         )

@@ -185,8 +185,10 @@ class Problem:
         """Stage times, link times, memory and migration of candidates ``cuts[C, S + 1]``."""
         s = np.arange(self.S)
         a, b = cuts[:, :-1], cuts[:, 1:]
-        fwd = self.Pf[s, b] - self.Pf[s, a]
-        bwd = self.Pb[s, b] - self.Pb[s, a]
+        # A stage's fixed overhead only adds to its layers' costs, so every bound the search
+        # prunes with (built from layer costs alone) stays a lower bound: still exact.
+        fwd = self.Pf[s, b] - self.Pf[s, a] + self.costs.stage_fwd_ms[None, :]
+        bwd = self.Pb[s, b] - self.Pb[s, a] + self.costs.stage_bwd_ms[None, :]
         comm = self.C[s[:-1], b[:, :-1]] if self.S > 1 else np.zeros((len(cuts), 0))
         fits = np.all(self.Q[s, b] - self.Q[s, a] <= self.lim, axis=1)
         return {

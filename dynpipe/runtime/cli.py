@@ -113,10 +113,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("adaptation")
     g.add_argument(
         "--adapt",
-        choices=("static", "measured", "adaptive", "restart"),
+        choices=("static", "measured", "adaptive", "restart", "sweep"),
         default="static",
-        help="static: never repartition; measured: from stage times; adaptive: "
-        "plus the predictor; restart: same decisions applied by checkpoint+relaunch",
+        help="static: never repartition; measured: from per-layer times measured on each "
+        "device; adaptive: plus the predictor for layers a device does not hold; restart: "
+        "adaptive's decisions applied by checkpoint+relaunch; sweep: every split in turn "
+        "(benchmarks)",
     )
     g.add_argument("--scenario", default=None, help="interference scenario TOML")
     g.add_argument(
@@ -132,12 +134,23 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         default=0.05,
         help="smallest relative step-time gain worth a repartition",
     )
-    g.add_argument("--cooldown", type=int, default=10, help="steps between repartitions")
     g.add_argument(
         "--horizon",
         type=int,
         default=100,
         help="steps over which a gain must pay back the migration pause",
+    )
+    g.add_argument(
+        "--sweep-windows",
+        type=int,
+        default=3,
+        help="--adapt sweep: windows each split is held (the first settles)",
+    )
+    g.add_argument(
+        "--sweep-plans",
+        type=int,
+        default=12,
+        help="--adapt sweep with more than 2 stages: splits visited per pass",
     )
     g.add_argument(
         "--no-telemetry",
@@ -186,7 +199,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     from dynpipe.models.cli import parse_overrides
-    from dynpipe.runtime.controller import AdaptConfig
+    from dynpipe.runtime.adapt.config import AdaptConfig
     from dynpipe.runtime.optim import OptimConfig
     from dynpipe.runtime.train import TrainConfig
 
@@ -229,8 +242,9 @@ def config_from_args(args: argparse.Namespace):
             mode=args.adapt,
             monitor_every=args.monitor_every,
             min_gain=args.min_gain,
-            cooldown_steps=args.cooldown,
             horizon_steps=args.horizon,
+            sweep_windows=args.sweep_windows,
+            sweep_plans=args.sweep_plans,
         ),
         scenario=args.scenario,
         predictor=args.predictor,

@@ -59,7 +59,10 @@ class EngineConfig:
 
 @dataclass
 class StepResult:
-    """What one training step produced on this rank (loss is the global mean loss)."""
+    """What one training step produced on this rank (loss is the global mean loss).
+
+    ``end_time``: wall-clock time (``time.time()``) at which the step finished here.
+    """
 
     step: int
     loss: float
@@ -67,6 +70,7 @@ class StepResult:
     grad_norm: float | None
     step_ms: float
     timing: StepTiming
+    end_time: float = 0.0
 
 
 def param_slots(model: LayeredModel) -> dict[str, int]:
@@ -149,6 +153,7 @@ class PipelineEngine:
             layers,
             autocast_dtype=torch.bfloat16 if bf16 else None,
             out_dtype=torch.float32 if is_last else wire,
+            probe=self.timer.layers,
         )
         self.named_params = {
             f"{lname}.{pname}": p
@@ -196,14 +201,22 @@ class PipelineEngine:
         return self.stage_index == self.plan.num_stages - 1
 
     # ---- training ----------------------------------------------------------------------
-    def step(self, step: int, batch: tuple[torch.Tensor, torch.Tensor] | None) -> StepResult:
+    def step(
+        self,
+        step: int,
+        batch: tuple[torch.Tensor, torch.Tensor] | None,
+        *,
+        sample_layers: bool = False,
+    ) -> StepResult:
         """One optimizer step over ``batch`` (the whole batch; split into microbatches here).
 
         Only the first stage reads the inputs and only the last the targets; a middle stage
-        may pass ``None`` (it receives activations instead).
+        may pass ``None`` (it receives activations instead). ``sample_layers``: also time
+        every layer this stage holds (``StepResult.timing.layers``).
         """
         dev = self.topo.device
         x, y = batch if batch is not None else (None, None)
+        self.timer.sample_layers(sample_layers)
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
@@ -258,7 +271,13 @@ class PipelineEngine:
         grad_norm = float(total) if total is not None else None
         timing = self.timer.collect((t_sched - t0) * 1e3)
         return StepResult(
-            step=step, loss=loss, lr=lr, grad_norm=grad_norm, step_ms=(t1 - t0) * 1e3, timing=timing
+            step=step,
+            loss=loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            step_ms=(t1 - t0) * 1e3,
+            timing=timing,
+            end_time=time.time(),
         )
 
     # ---- state by name -----------------------------------------------------------------

@@ -15,7 +15,37 @@ from typing import Any
 
 import torch
 
-__all__ = ["RunLog", "environment", "read_log"]
+__all__ = ["RunLog", "code_revision", "environment", "read_log"]
+
+
+def code_revision() -> str | None:
+    """The code a run ran: ``DYNPIPE_REVISION`` if set (a copy of the tree without its git
+    history), else the git commit of the package's checkout (``+dirty`` with uncommitted
+    changes), else None."""
+    import os
+    import subprocess
+
+    if os.environ.get("DYNPIPE_REVISION"):
+        return os.environ["DYNPIPE_REVISION"]
+    root = Path(__file__).resolve().parents[2]
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        if rev.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def environment(device: torch.device) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from dynpipe.models.base import LayeredModel
 from dynpipe.planner.plan import Plan
-from dynpipe.runtime.timing import StageTimer
+from dynpipe.runtime.timing import LayerProbe, StageTimer
 
 __all__ = ["StageModule", "TimedPipelineStage", "boundary_examples"]
 
@@ -29,9 +29,12 @@ class StageModule(nn.Module):
         *,
         autocast_dtype: torch.dtype | None = None,
         out_dtype: torch.dtype | None = None,
+        probe: LayerProbe | None = None,
     ) -> None:
         super().__init__()
         self.layers = layers
+        # Per-layer timing on sampled steps (and emulated interference); not a submodule.
+        self._probe = probe
         self.autocast_dtype = autocast_dtype
         # Float activations leave the stage in one fixed dtype: the receiving stage's buffers
         # are allocated from static shapes, so the dtype on the wire must not depend on which
@@ -45,8 +48,11 @@ class StageModule(nn.Module):
             else contextlib.nullcontext()
         )
         with ctx:
-            for layer in self.layers.values():
-                x = layer(x)
+            if self._probe is not None and self._probe.active:
+                x = self._probe.run(self.layers.values(), x)
+            else:
+                for layer in self.layers.values():
+                    x = layer(x)
         if self.out_dtype is not None and x.is_floating_point() and x.dtype != self.out_dtype:
             x = x.to(self.out_dtype)
         return x
@@ -64,16 +70,24 @@ class TimedPipelineStage(PipelineStage):
         self.timer = timer
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any):
+        self.timer.layers.chunk = _chunk(args, kwargs, "fwd_chunk_id")
         self.timer.start()
         out = super().forward_one_chunk(*args, **kwargs)
         self.timer.stop("fwd")
         return out
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any):
+        chunk = _chunk(args, kwargs, "bwd_chunk_id")
         self.timer.start()
+        self.timer.layers.begin_backward(chunk)
         out = super().backward_one_chunk(*args, **kwargs)
+        self.timer.layers.end_backward(chunk)
         self.timer.stop("bwd")
         return out
+
+
+def _chunk(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> int:
+    return int(args[0]) if args else int(kwargs[name])
 
 
 def boundary_examples(

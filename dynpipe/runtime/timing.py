@@ -1,18 +1,47 @@
-"""Per-microbatch compute timers for a stage: always on, cheap, no syncs in the hot path.
+"""Compute timers for a stage: per microbatch always, per layer on sampled steps.
 
-On CUDA each interval is a pair of events resolved once per step (after the step's own
-synchronisation), on CPU a ``perf_counter`` pair. Time the stage spends in its schedule that
-is not forward or backward compute is its wait: P2P receives and pipeline bubbles.
+``StageTimer`` times every microbatch's forward and backward of the stage (a pair of CUDA
+events resolved once per step, after the step's own synchronisation, or a ``perf_counter``
+pair on CPU). Time the stage spends in its schedule that is not forward or backward compute
+is its wait: P2P receives and pipeline bubbles.
+
+``LayerProbe`` times every layer the stage holds, forward and backward, on the steps the
+training loop asks it to sample. Stage totals cannot say how a stage's time splits among its
+layers (full-resolution convolutions take far longer per FLOP than later ones; a vocabulary
+projection less than its FLOPs suggest), so the controller plans from these per-layer
+measurements instead of FLOP shares. Forward: a mark between consecutive layers. Backward: a
+hook on every boundary tensor's gradient; the gradient of layer ``j``'s output arrives when
+its backward starts, the gradient of its input when its backward ends. The hooks return
+nothing, so they never change what is computed.
+
+Emulated interference (tests, CPU demos without a real interferer) stretches every layer's
+forward and backward to ``dilation`` times its length, so the per-layer timings see it where a
+real interferer would put it: in the layers, not in the stage's overhead.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+from torch import nn
 
-__all__ = ["StageTimer", "StepTiming"]
+__all__ = ["LayerProbe", "LayerTiming", "StageTimer", "StepTiming"]
+
+
+@dataclass
+class LayerTiming:
+    """Per-layer compute of one sampled step on one stage, per microbatch (median over the
+    step's microbatches), in ms; ``stage_fwd_ms``/``stage_bwd_ms`` are the stage timer's
+    medians over the same microbatches (what the stage spent beyond its layers is overhead)."""
+
+    fwd_ms: list[float]
+    bwd_ms: list[float]
+    stage_fwd_ms: float = float("nan")
+    stage_bwd_ms: float = float("nan")
 
 
 @dataclass
@@ -22,6 +51,7 @@ class StepTiming:
     fwd_ms: list[float] = field(default_factory=list)
     bwd_ms: list[float] = field(default_factory=list)
     schedule_ms: float = 0.0
+    layers: LayerTiming | None = None
 
     @property
     def fwd_total(self) -> float:
@@ -36,36 +66,157 @@ class StepTiming:
         return max(0.0, self.schedule_ms - self.fwd_total - self.bwd_total)
 
 
+def _marker(cuda: bool):
+    if cuda:
+
+        def mark():
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+
+        return mark
+    return time.perf_counter
+
+
+def _elapsed_ms(cuda: bool, a, b) -> float:
+    return a.elapsed_time(b) if cuda else (b - a) * 1e3
+
+
+class LayerProbe:
+    """Marks layer boundaries of one stage in forward and backward, per microbatch.
+
+    The pipeline stage tells it which microbatch runs (``chunk``) and when a backward begins
+    and ends; ``run`` executes the layers. Idle (no sampling, no dilation) it costs nothing:
+    the stage runs its layers directly.
+    """
+
+    def __init__(self, *, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._mark = _marker(self.cuda)
+        self.sampling = False
+        self.dilation = 1.0
+        self.chunk = 0
+        # Per microbatch: forward marks [n + 1]; backward marks by boundary index; the
+        # backward's begin and end marks.
+        self._fwd: dict[int, list] = {}
+        self._bwd: dict[int, dict[int, object]] = {}
+        self._bwd_edges: dict[int, tuple[object, object]] = {}
+        self._n = 0
+        self._t_last = 0.0  # host time of the last backward mark (dilation)
+
+    @property
+    def active(self) -> bool:
+        return self.sampling or self.dilation > 1.0
+
+    def _stretch(self, since: float) -> float:
+        """Emulated interference: sleep (dilation - 1) x the time since ``since``."""
+        now = time.perf_counter()
+        if self.dilation > 1.0:
+            # A sleep overshoots by ~0.1 ms, as long as a small layer's whole forward: sleep
+            # for all but the last millisecond, then spin to the deadline.
+            deadline = now + (now - since) * (self.dilation - 1.0)
+            if deadline - now > 2e-3:
+                time.sleep(deadline - now - 1e-3)
+            while time.perf_counter() < deadline:
+                pass
+            now = time.perf_counter()
+        return now
+
+    def run(self, layers: Iterable[nn.Module], x: torch.Tensor) -> torch.Tensor:
+        layers = list(layers)
+        self._n = len(layers)
+        chunk, rec = self.chunk, self.sampling
+        fmarks = [self._mark()] if rec else None
+        bmarks: dict[int, object] = {}
+        if rec:
+            self._fwd[chunk], self._bwd[chunk] = fmarks, bmarks  # type: ignore[assignment]
+        self._hook(x, 0, bmarks, rec)
+        t = time.perf_counter()
+        for j, layer in enumerate(layers):
+            x = layer(x)
+            t = self._stretch(t)
+            if fmarks is not None:
+                fmarks.append(self._mark())
+            self._hook(x, j + 1, bmarks, rec)
+        return x
+
+    def _hook(self, x: object, boundary: int, bmarks: dict[int, object], rec: bool) -> None:
+        if not (isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()):
+            return
+
+        def on_grad(_grad: torch.Tensor) -> None:
+            self._t_last = self._stretch(self._t_last)
+            if rec:
+                bmarks[boundary] = self._mark()
+
+        x.register_hook(on_grad)
+
+    def begin_backward(self, chunk: int) -> None:
+        self._t_last = time.perf_counter()
+        if self.sampling:
+            self._bwd_edges[chunk] = (self._mark(), None)
+
+    def end_backward(self, chunk: int) -> None:
+        # The first layer's backward ends with the stage's (its input may need no gradient).
+        self._t_last = self._stretch(self._t_last)
+        if self.sampling and chunk in self._bwd_edges:
+            self._bwd_edges[chunk] = (self._bwd_edges[chunk][0], self._mark())
+
+    def collect(self) -> tuple[list[float], list[float]] | None:
+        """Per-layer (fwd, bwd) medians over the sampled microbatches, then reset."""
+        fwd, bwd, edges, n = self._fwd, self._bwd, self._bwd_edges, self._n
+        self._fwd, self._bwd, self._bwd_edges = {}, {}, {}
+        if not fwd:
+            return None
+        ms = lambda a, b: _elapsed_ms(self.cuda, a, b)  # noqa: E731
+        f_rows, b_rows = [], []
+        for chunk, marks in fwd.items():
+            f_rows.append([ms(marks[j], marks[j + 1]) for j in range(n)])
+            begin, end = edges.get(chunk, (None, None))
+            if begin is None or end is None:
+                continue
+            # Boundary n's gradient arrives when the backward starts (the loss, or the next
+            # stage's gradient, is handed in); boundary 0's when it ends, if the input needs
+            # a gradient at all.
+            bm = {n: begin, 0: end, **{k: v for k, v in bwd[chunk].items() if 0 < k < n}}
+            if len(bm) == n + 1:
+                b_rows.append([ms(bm[j + 1], bm[j]) for j in range(n)])
+        f = np.median(np.array(f_rows), axis=0).tolist()
+        b = np.median(np.array(b_rows), axis=0).tolist() if b_rows else [float("nan")] * n
+        return f, b
+
+
 class StageTimer:
-    """Records forward/backward intervals of one stage during one schedule step."""
+    """Records forward/backward intervals of one stage during one schedule step, and owns
+    the stage's ``LayerProbe``."""
 
     def __init__(self, *, device: torch.device, enabled: bool = True) -> None:
         self.enabled = enabled
         self.cuda = device.type == "cuda"
-        # Emulated interference (tests, demos without a real interferer): every compute
-        # interval is stretched to ``dilation`` times its length. CPU only.
-        self.dilation = 1.0
+        self._mark = _marker(self.cuda)
+        self.layers = LayerProbe(device=device)
         self._fwd: list = []
         self._bwd: list = []
         self._open: object | None = None
-        self._t_dilate = 0.0
 
-    def _mark(self):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
+    @property
+    def dilation(self) -> float:
+        """Emulated interference factor on this stage's layers (1: none). CPU only."""
+        return self.layers.dilation
+
+    @dilation.setter
+    def dilation(self, factor: float) -> None:
+        self.layers.dilation = factor
+
+    def sample_layers(self, on: bool) -> None:
+        """Time every layer during the next step (only when the timers are enabled)."""
+        self.layers.sampling = on and self.enabled
 
     def start(self) -> None:
-        if self.dilation > 1.0:
-            self._t_dilate = time.perf_counter()
         if self.enabled:
             self._open = self._mark()
 
     def stop(self, phase: str) -> None:
-        if self.dilation > 1.0 and not self.cuda:
-            time.sleep((time.perf_counter() - self._t_dilate) * (self.dilation - 1.0))
         if not self.enabled or self._open is None:
             return
         pair = (self._open, self._mark())
@@ -76,10 +227,17 @@ class StageTimer:
         """Resolve this step's intervals (call after the step has synchronised) and reset."""
 
         def ms(pairs: list) -> list[float]:
-            if self.cuda:
-                return [a.elapsed_time(b) for a, b in pairs]
-            return [(b - a) * 1e3 for a, b in pairs]
+            return [_elapsed_ms(self.cuda, a, b) for a, b in pairs]
 
         out = StepTiming(fwd_ms=ms(self._fwd), bwd_ms=ms(self._bwd), schedule_ms=schedule_ms)
+        per_layer = self.layers.collect()
+        if per_layer is not None:
+            out.layers = LayerTiming(
+                fwd_ms=per_layer[0],
+                bwd_ms=per_layer[1],
+                stage_fwd_ms=float(np.median(out.fwd_ms)) if out.fwd_ms else float("nan"),
+                stage_bwd_ms=float(np.median(out.bwd_ms)) if out.bwd_ms else float("nan"),
+            )
+        self.layers.sampling = False
         self._fwd, self._bwd = [], []
         return out

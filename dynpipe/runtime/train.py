@@ -21,8 +21,13 @@ import torch.distributed as dist
 from dynpipe.data.loader import BatchStream, CyclicBatches
 from dynpipe.errors import UserError
 from dynpipe.models import LayeredModel, get_model
+from dynpipe.planner.diff import diff
 from dynpipe.planner.plan import Plan
-from dynpipe.runtime.adapter import Adapter
+from dynpipe.runtime.adapt.config import AdaptConfig
+from dynpipe.runtime.adapt.loop import Adapter
+from dynpipe.runtime.adapt.make import make_policy, warm_bytes
+from dynpipe.runtime.adapt.policy import Policy
+from dynpipe.runtime.adapt.window import Window
 from dynpipe.runtime.checkpoint import (
     CheckpointCorrupt,
     find_checkpoint,
@@ -31,11 +36,10 @@ from dynpipe.runtime.checkpoint import (
     read_marker,
 )
 from dynpipe.runtime.checkpointer import Checkpointer, SaveRecord
-from dynpipe.runtime.controller import AdaptConfig
 from dynpipe.runtime.engine import EngineConfig, NonFiniteLoss, PipelineEngine, StepResult
 from dynpipe.runtime.health import Heartbeat, StageFailure, read_progress
 from dynpipe.runtime.optim import OptimConfig
-from dynpipe.runtime.runlog import RunLog, environment, read_log
+from dynpipe.runtime.runlog import RunLog, code_revision, environment, read_log
 from dynpipe.runtime.signals import Stopped, StopRequest
 from dynpipe.runtime.topology import Topology
 
@@ -202,10 +206,21 @@ def resolve_plan(cfg: TrainConfig, model: LayeredModel, world_size: int) -> Plan
     return plan
 
 
+@dataclass
+class _Gathered:
+    """One window as every rank sees it after the gather: step records, the sampled step's
+    per-layer timings, per-rank telemetry and free device memory."""
+
+    records: list[dict]
+    layers: dict[str, Any] | None
+    telemetry: list[dict[str, float]]
+    free_bytes: list[float]
+
+
 class _StepLog:
     """Buffers this rank's per-step timings; every window one all-gather hands every rank
-    every stage's numbers and every device's telemetry (the monitor reads them, the writer
-    logs them)."""
+    every stage's numbers, every layer's sampled timings and every device's telemetry (the
+    adaptation loop reads them, the writer logs them)."""
 
     def __init__(self, *, topo: Topology, plan: Plan, log: RunLog | None, batch_size: int):
         self.topo = topo
@@ -218,13 +233,28 @@ class _StepLog:
     def add(self, res: StepResult) -> None:
         self.pending.append(res)
 
-    def flush(self, telemetry: dict[str, float] | None = None) -> tuple[list[dict], list[dict]]:
-        """Gather and log the pending steps; returns step records and per-rank telemetry."""
+    def _layer_row(self) -> list[float]:
+        """``[2L + 2]``: this rank's per-layer fwd/bwd ms (NaN for layers it does not hold)
+        from the window's last sampled step, then that step's stage medians."""
+        n = self.plan.num_layers
+        row = [float("nan")] * (2 * n + 2)
+        sampled = [r.timing.layers for r in self.pending if r.timing.layers is not None]
+        stage = self.plan.stage_of_rank(self.topo.rank)
+        if not sampled or stage is None:
+            return row
+        lt, st = sampled[-1], self.plan.stages[stage]
+        row[st.start : st.stop] = lt.fwd_ms
+        row[n + st.start : n + st.stop] = lt.bwd_ms
+        row[2 * n], row[2 * n + 1] = lt.stage_fwd_ms, lt.stage_bwd_ms
+        return row
+
+    def flush(self, telemetry: dict[str, float] | None = None) -> _Gathered | None:
+        """Gather and log the pending steps."""
         if not self.pending:
-            return [], []
+            return None
         from dynpipe.profiler.schema import TELEMETRY_COLUMNS
 
-        k = len(self.pending)
+        k, n = len(self.pending), self.plan.num_layers
         row = [
             v
             for r in self.pending
@@ -232,6 +262,8 @@ class _StepLog:
         ]
         tel = telemetry or {}
         row += [float(tel.get(c, float("nan"))) for c in TELEMETRY_COLUMNS]
+        row += self._layer_row()
+        row.append(_free_bytes(self.topo))
         mine = torch.tensor(row, dtype=torch.float64)
         if self.topo.world_size > 1:
             dev = self.topo.device
@@ -240,8 +272,14 @@ class _StepLog:
             by_rank = [p.cpu() for p in parts]
         else:
             by_rank = [mine]
+        nt = len(TELEMETRY_COLUMNS)
         times = [p[: 4 * k].view(k, 4) for p in by_rank]
-        tels = [dict(zip(TELEMETRY_COLUMNS, p[4 * k :].tolist(), strict=True)) for p in by_rank]
+        tels = [
+            dict(zip(TELEMETRY_COLUMNS, p[4 * k : 4 * k + nt].tolist(), strict=True))
+            for p in by_rank
+        ]
+        layer_rows = [p[4 * k + nt : -1].tolist() for p in by_rank]
+        free = [float(p[-1]) for p in by_rank]
         records = []
         for j, res in enumerate(self.pending):
             stages = []
@@ -259,7 +297,10 @@ class _StepLog:
                 )
             rec = {
                 "step": res.step,
-                "wall": round(time.time() - self.t_start, 4),
+                # When this step ended here: seconds since this process started training, and
+                # the epoch time (which a relaunched run shares with the launch before it).
+                "wall": round(res.end_time - self.t_start, 4),
+                "t_end": round(res.end_time, 4),
                 "step_ms": round(res.step_ms, 4),
                 "loss": res.loss,
                 "lr": res.lr,
@@ -270,6 +311,9 @@ class _StepLog:
             records.append(rec)
             if self.log is not None:
                 self.log.write("step", **rec)
+        layers = self._layers(layer_rows, n)
+        if self.log is not None and layers is not None:
+            self.log.write("layer_times", step=self.pending[-1].step, **layers)
         if self.log is not None and telemetry is not None:
             self.log.write(
                 "telemetry",
@@ -277,7 +321,50 @@ class _StepLog:
                 devices=[{k2: _finite(v) for k2, v in t.items()} for t in tels],
             )
         self.pending = []
-        return records, tels
+        return _Gathered(records=records, layers=layers, telemetry=tels, free_bytes=free)
+
+    def _layers(self, rows: list[list[float]], n: int) -> dict[str, Any] | None:
+        """Every layer's sampled time from the rank that holds it (None if none sampled)."""
+        fwd, bwd = [float("nan")] * n, [float("nan")] * n
+        sf, sb = [], []
+        for st in self.plan.stages:
+            row = rows[st.rank]
+            fwd[st.start : st.stop] = row[st.start : st.stop]
+            bwd[st.start : st.stop] = row[n + st.start : n + st.stop]
+            sf.append(row[2 * n])
+            sb.append(row[2 * n + 1])
+        if all(v != v for v in fwd):
+            return None
+        r4 = lambda xs: [_finite(v) for v in xs]  # noqa: E731
+        return {
+            "fwd_ms": r4(fwd),
+            "bwd_ms": r4(bwd),
+            "stage_fwd_ms": r4(sf),
+            "stage_bwd_ms": r4(sb),
+        }
+
+
+def _free_bytes(topo: Topology) -> float:
+    """Device memory this rank's stage could still take: the device's free memory plus what
+    this process's allocator holds unused (NaN on CPU, where no limit is planned)."""
+    if not topo.is_cuda:
+        return float("nan")
+    free, _total = torch.cuda.mem_get_info(topo.device)
+    cached = torch.cuda.memory_reserved(topo.device) - torch.cuda.memory_allocated(topo.device)
+    return float(free + cached)
+
+
+def _window(got: _Gathered, plan: Plan, *, telemetry: bool) -> Window:
+    return Window.from_records(
+        got.records,
+        bounds=plan.bounds,
+        ranks=plan.ranks,
+        microbatches=plan.microbatches,
+        schedule=plan.schedule,
+        layers=got.layers,
+        telemetry=got.telemetry if telemetry else None,
+        memory_bytes=got.free_bytes,
+    )
 
 
 def _finite(v: float) -> float | None:
@@ -293,11 +380,29 @@ def _auto_workers(topo: Topology) -> int:
 
 
 def _restart(
-    adapter: Adapter, new_plan: Plan, step: int, decide_ms: float, *, ckpt: Checkpointer
+    adapter: Adapter,
+    new_plan: Plan,
+    step: int,
+    decide_ms: float,
+    *,
+    cfg: TrainConfig,
+    initial_plan: Plan,
+    ckpt: Checkpointer,
 ) -> NoReturn:
     """The restart baseline: checkpoint under the old plan, then exit to be relaunched."""
     extra = {"restart_plan": new_plan.to_dict(), "decided_time": time.time()}
-    _save(ckpt, adapter, step=step, reason="restart", extra=extra, block=True)
+    _save(
+        ckpt,
+        adapter.engine,
+        cfg,
+        topo=adapter.topo,
+        step=step,
+        reason="restart",
+        initial_plan=initial_plan,
+        adapter=adapter,
+        extra=extra,
+        block=True,
+    )
     if adapter.log is not None:
         adapter.log.event(
             "restart", step=step, new_plan=new_plan.to_dict(), decide_ms=round(decide_ms, 3)
@@ -406,10 +511,13 @@ def train(
     *,
     topo: Topology,
     on_step: Callable[[PipelineEngine, StepResult], None] | None = None,
+    policy: Policy | None = None,
     stop: StopRequest | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg.steps`` steps on this rank; returns a summary (losses, final step).
 
+    ``policy``: the adaptation policy (default: the one ``cfg.adapt`` names; tests and
+    benchmarks inject their own). Every rank must be given an equivalent one.
     ``stop``: signals seen by this worker; when one arrives, every rank stops at the same
     step, after a final checkpoint if the run has a checkpoint folder (``Stopped`` is raised).
     """
@@ -436,6 +544,7 @@ def train(
             world_size=topo.world_size,
             backend=topo.backend,
             env=environment(topo.device),
+            revision=code_revision(),
             start_step=start,
         )
         for path, why in skipped:
@@ -449,16 +558,37 @@ def train(
             )
         elif lost is not None:
             log.event("recovered", attempt=_relaunch_count(), step=start, **lost)
-    adapting = cfg.adapt.mode != "static"
-    every = cfg.adapt.monitor_every if adapting else cfg.log_every
+    mb = cfg.batch_size // plan.microbatches
+    if policy is None:
+        policy = make_policy(
+            cfg.adapt,
+            model=model,
+            microbatch_size=mb,
+            num_ranks=topo.world_size,
+            predictor=cfg.predictor,
+        )
+    every = cfg.adapt.monitor_every if policy is not None else cfg.log_every
     steplog = _StepLog(topo=topo, plan=plan, log=log, batch_size=cfg.batch_size)
-    restart_hook = functools.partial(_restart, ckpt=ckpt) if ckpt is not None else None
-    adapter = Adapter(cfg, engine=engine, topo=topo, log=log, restart=restart_hook)
-    adapter.initial_plan = initial_plan
-    if adapting and meta is not None and meta.get("adapt_state") is not None:
-        adapter.controller.load_state(meta["adapt_state"])
-        if "restart_plan" in meta:
-            adapter.controller.applied(start, 0.0)
+    adapter = None
+    if policy is not None:
+        adapter = Adapter(
+            policy=policy,
+            mode=cfg.adapt.mode,
+            engine=engine,
+            topo=topo,
+            log=log,
+            restart=functools.partial(_restart, cfg=cfg, initial_plan=initial_plan, ckpt=ckpt),
+            warm_bytes=warm_bytes(model, microbatch_size=mb, cuda=topo.is_cuda),
+        )
+        if meta is not None and meta.get("adapt_state") is not None:
+            adapter.load_state(meta["adapt_state"])
+            if "restart_plan" in meta:
+                pause_ms = (time.time() - meta["decided_time"]) * 1e3
+                moved = sum(t.nbytes or 0 for t in diff(Plan.from_dict(meta["plan"]), plan))
+                policy.applied(step=start, pause_ms=pause_ms, moved_bytes=moved)
+    save = functools.partial(
+        _save, ckpt, engine, cfg, topo=topo, initial_plan=initial_plan, adapter=adapter
+    )
     runner = _scenario_runner(cfg, engine=engine, topo=topo, targets=initial_plan.ranks)
     sampler = _sampler(cfg, topo)
     bar = _progress(cfg, start) if writer and cfg.progress else None
@@ -469,7 +599,8 @@ def train(
         on_store_lost=stop.store_lost if stop is not None else None,
         store_lost_after_s=topo.timeout_s,
     ).start()
-    adapter.beat = beat
+    if adapter is not None:
+        adapter.beat = beat
     losses: list[float] = []
     step = start
     # Middle stages never read a batch: they do not load one either. A rank's stage index is
@@ -500,13 +631,17 @@ def train(
             if stop is not None and stop.at_boundary(step, agree=True):
                 if stop.consistent:
                     steplog.flush()  # every rank stops here: the steps so far reach the log
-                _stop(stop, ckpt, adapter, step=step, saved=saved)
+                _stop(stop, ckpt, save, log, step=step, saved=saved)
             if runner is not None:
                 for rec in runner.apply(step):
                     if log is not None:
                         log.event(rec.pop("event"), **rec)
+            # Every layer is timed on the last step of each window (cfg.timing).
+            sample = cfg.timing and ((step + 1) % every == 0 or step + 1 == cfg.steps)
             try:
-                res = engine.step(step, stream.batch(step) if stream is not None else None)
+                res = engine.step(
+                    step, stream.batch(step) if stream is not None else None, sample_layers=sample
+                )
             except NonFiniteLoss:
                 raise
             except Exception as exc:
@@ -517,21 +652,21 @@ def train(
                 on_step(engine, res)
             if (step + 1) % every == 0 or step + 1 == cfg.steps:
                 steplog.plan = engine.plan
-                records, tels = steplog.flush(sampler.window() if sampler else None)
-                if step + 1 < cfg.steps:
-                    adapter.window(step, records, tels)
+                got = steplog.flush(sampler.window() if sampler else None)
+                if adapter is not None and got is not None and step + 1 < cfg.steps:
+                    adapter.window(_window(got, engine.plan, telemetry=sampler is not None))
             if bar is not None:
                 bar.update(1)
                 split = "|".join(str(len(st)) for st in engine.plan.stages)
                 bar.set_postfix(loss=f"{res.loss:.4f}", ms=f"{res.step_ms:.0f}", split=split)
             beat.progress(step + 1)
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
-                _save(ckpt, adapter, step=step + 1, reason="periodic")
+                save(step=step + 1, reason="periodic")
                 saved = step + 1
             if ckpt is not None:
                 _log_saves(log, ckpt.drain())
         if stop is not None and stop.requested:
-            _stop(stop, ckpt, adapter, step=cfg.steps, saved=saved)
+            _stop(stop, ckpt, save, log, step=cfg.steps, saved=saved)
         if ckpt is not None:
             _log_saves(log, ckpt.wait())
         if log is not None:
@@ -600,10 +735,14 @@ def _failure(
 
 def _save(
     ckpt: Checkpointer | None,
-    adapter: Adapter,
+    engine: PipelineEngine,
+    cfg: TrainConfig,
     *,
+    topo: Topology,
     step: int,
     reason: str,
+    initial_plan: Plan,
+    adapter: Adapter | None,
     extra: dict[str, Any] | None = None,
     block: bool = False,
 ) -> Path:
@@ -612,14 +751,13 @@ def _save(
     and the adaptation state."""
     if ckpt is None:
         raise UserError("--save-every needs --save-dir DIR to write checkpoints into")
-    engine, cfg, topo = adapter.engine, adapter.cfg, adapter.topo
     meta = {
         **(extra or {}),
         "step": step,
         "reason": reason,
         "plan": engine.plan.to_dict(),
-        "initial_plan": adapter.initial_plan.to_dict(),
-        "adapt_state": adapter.controller.state() if cfg.adapt.mode != "static" else None,
+        "initial_plan": initial_plan.to_dict(),
+        "adapt_state": adapter.state() if adapter is not None else None,
         "config": cfg.to_dict(),
         "model": engine.model.name,
         "model_fingerprint": engine.model.fingerprint(),
@@ -651,19 +789,25 @@ def _log_saves(log: RunLog | None, records: list[SaveRecord]) -> None:
 
 
 def _stop(
-    stop: StopRequest, ckpt: Checkpointer | None, adapter: Adapter, *, step: int, saved: int
+    stop: StopRequest,
+    ckpt: Checkpointer | None,
+    save: Callable[..., Path],
+    log: RunLog | None,
+    *,
+    step: int,
+    saved: int,
 ) -> NoReturn:
     """Stop for a signal before ``step``: final checkpoint (unless one of this step is
     already under way), then ``Stopped`` on every rank."""
     path = None
     if ckpt is not None and stop.consistent:
         if saved != step:
-            _save(ckpt, adapter, step=step, reason=f"stop:{stop.name}", block=True)
+            save(step=step, reason=f"stop:{stop.name}", block=True)
         records = ckpt.wait()
-        _log_saves(adapter.log, records)
+        _log_saves(log, records)
         path = str(records[-1].path) if records else None
-    if adapter.log is not None:
-        adapter.log.event("stopped", step=step, signal=stop.name, checkpoint=path)
+    if log is not None:
+        log.event("stopped", step=step, signal=stop.name, checkpoint=path)
     raise Stopped(stop.signum or 15)
 
 

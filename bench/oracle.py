@@ -1,0 +1,267 @@
+"""Oracle benchmark: every system against the best of every static split, same interferer.
+
+For one configuration and interference scenario it runs, one after the other on the same
+GPUs:
+
+1. ``sweep``: one launch that holds every split in turn (``--adapt sweep``; two stages:
+   every split; more: the ``sweep_plans`` best under the measured per-layer costs), first
+   with the devices clean, then again with the interferer running (it starts when the first
+   pass ends). Each split is held ``sweep_windows`` windows; the first settles (a split new
+   to a device tunes its kernels), the rest are measured. The oracle of a phase is the
+   split with the lowest median step time in the matching pass; the clean pass also serves
+   the phase after the interference.
+2. ``static`` (the initial plan throughout), ``measured``, ``adaptive`` and ``restart``, each
+   with the interferer starting at ``onset`` and stopping at ``end``.
+
+``report`` reads the raw logs and writes, per phase (clean, interference, after), the
+oracle's split and step time and every system's phase mean step time (from wall-clock step
+ends, so adaptation, pauses and relaunches count, from the phase's first step on) and its
+ratio to the oracle:
+
+    python bench/oracle.py run --config vgg16-b128 --interferer gemm --stage 1 -o DIR
+    python bench/oracle.py report DIR -o bench/results/oracle-vgg16-b128-gemm-s1.json
+
+Phase boundaries skip ``warmup`` steps at the start (process start, cuDNN autotuning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Sizes at which the GPUs, not kernel launches or the host, bound the step (see README).
+CONFIGS: dict[str, list[str]] = {
+    "vgg16-b128": ["--model", "vgg16", "--model-arg", "image_size=224", "--model-arg",
+                   "num_classes=1000", "--batch-size", "128", "--microbatches", "8"],
+    "vgg16-b256": ["--model", "vgg16", "--model-arg", "image_size=224", "--model-arg",
+                   "num_classes=1000", "--batch-size", "256", "--microbatches", "8"],
+    "resnet50-b256": ["--model", "resnet50", "--model-arg", "image_size=224", "--model-arg",
+                      "num_classes=1000", "--batch-size", "256", "--microbatches", "8"],
+    "gpt-w2048": ["--model", "gpt", "--model-arg", "depth=12", "--model-arg", "width=2048",
+                  "--model-arg", "heads=16", "--model-arg", "seq_len=1024",
+                  "--batch-size", "32", "--microbatches", "8"],
+    "bert-w1024": ["--model", "bert", "--model-arg", "depth=12", "--model-arg", "width=1024",
+                   "--model-arg", "heads=16", "--model-arg", "seq_len=512",
+                   "--batch-size", "64", "--microbatches", "8"],
+    "mlp-cpu": ["--model", "mlp", "--model-arg", "depth=8", "--model-arg", "width=384",
+                "--model-arg", "in_features=384", "--batch-size", "64", "--microbatches", "4"],
+}  # fmt: skip
+SYSTEMS = ("static", "measured", "adaptive", "restart")
+
+
+def _scenario(path: Path, events: list[tuple[int, str, str, int]]) -> Path:
+    """events: (step, action, kind, stage)."""
+    lines = ['name = "oracle benchmark"']
+    for step, action, kind, stage in events:
+        lines.append("[[events]]")
+        lines.append(f'step = {step}\naction = "{action}"\nstage = {stage}')
+        if action == "start":
+            lines.append(f'kind = "{kind}"\nintensity = 1.0\ncount = 1')
+            if kind == "emulate":
+                lines.append("factor = 3.0")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _train(args: list[str], log: Path, timeout_s: float) -> int:
+    cmd = [sys.executable, "-m", "dynpipe", "train", *args, "--log", str(log), "--no-progress"]
+    t0 = time.time()
+    with open(log.with_suffix(".out"), "w") as out:
+        try:
+            rc = subprocess.run(
+                cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    print(f"  {log.stem}: exit {rc} in {time.time() - t0:.0f}s", flush=True)
+    return rc
+
+
+def run(a: argparse.Namespace) -> int:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = CONFIGS[a.config]
+    n_layers = _num_layers(cfg)
+    stages = [int(s) for s in a.stage.split(",")]
+    kinds = a.interferer.split(",")
+    common = [*cfg, "--nproc", str(a.nproc), "--device", a.device, "--optimizer", "adamw",
+              "--lr", "1e-4", "--monitor-every", str(a.monitor_every), "--timeout", "300",
+              "--sweep-windows", str(a.sweep_windows), "--sweep-plans", str(a.sweep_plans)]  # fmt: skip
+    if a.device == "cpu":
+        common += ["--pin-cores"]
+    if a.device == "cuda":
+        common += ["--bf16", "--device-batches", "4"]
+    meta = {"config": a.config, "args": cfg, "interferer": kinds, "stages": stages,
+            "nproc": a.nproc, "onset": a.onset, "end": a.end, "steps": a.steps,
+            "warmup": a.warmup, "monitor_every": a.monitor_every,
+            "sweep_windows": a.sweep_windows}  # fmt: skip
+    # The sweep: every split of the clean pass, then the interferer on for the second pass.
+    plans = n_layers - 1 if a.nproc == 2 else a.sweep_plans
+    per_pass = plans * a.sweep_windows * a.monitor_every
+    onset = per_pass
+    meta["sweep_onset"] = onset
+    (out / "oracle.json").write_text(json.dumps(meta, indent=1) + "\n")
+    sw_events = [(onset, "start", k, s) for k, s in zip(kinds, stages, strict=True)]
+    sweep_scn = _scenario(out / "sweep.toml", sw_events)
+    if "sweep" in a.systems:
+        _train(
+            [*common, "--adapt", "sweep", "--scenario", str(sweep_scn), "--steps",
+             str(onset + per_pass)],
+            out / "sweep.jsonl",
+            a.timeout,
+        )  # fmt: skip
+    ev = [(a.onset, "start", k, s) for k, s in zip(kinds, stages, strict=True)]
+    ev += [(a.end, "stop", k, s) for k, s in zip(kinds, stages, strict=True)]
+    scn = _scenario(out / "scenario.toml", ev)
+    for system in a.systems:
+        if system == "sweep":
+            continue
+        extra = ["--adapt", system, "--scenario", str(scn), "--steps", str(a.steps)]
+        if system in ("adaptive", "restart") and a.predictor:
+            extra += ["--predictor", a.predictor]
+        if system == "restart":
+            extra += ["--save-dir", str(Path(a.ckpt or out) / f"ckpt-{a.config}")]
+        _train([*common, *extra], out / f"{system}.jsonl", a.timeout)
+    return 0
+
+
+def _num_layers(cfg: list[str]) -> int:
+    from dynpipe.runtime.cli import config_from_args, register
+
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers()
+    register(sub)
+    args = p.parse_args(["train", *cfg])
+    from dynpipe.runtime.train import build_model_and_data
+
+    model, _ = build_model_and_data(config_from_args(args))
+    return len(model)
+
+
+# ---- report ---------------------------------------------------------------------------
+def _read(path: Path) -> tuple[list[dict], list[dict]]:
+    from dynpipe.runtime.runlog import read_log
+
+    recs = read_log(path)
+    steps = {r["step"]: r for r in recs if r["type"] == "step"}  # a relaunch rewrites none
+    events = [r for r in recs if r["type"] == "event"]
+    return [steps[k] for k in sorted(steps)], events
+
+
+def _split(rec: dict) -> str:
+    return "|".join(str(s["layers"][1] - s["layers"][0]) for s in rec["stages"])
+
+
+def _sweep(path: Path, onset: int, warmup: int, every: int) -> dict[str, dict[str, float]]:
+    """Mean wall-clock time per step of every split held in each pass (its settle window
+    dropped), measured as the systems are: from one step's end to the next, so the
+    per-window gather counts for the oracle as it does for them."""
+    steps, events = _read(path)
+    moved = {e["step"] for e in events if e["event"] == "repartition"}
+    out: dict[str, dict[str, list[float]]] = {"clean": {}, "interference": {}}
+    since, prev = 0, None
+    for r in steps:
+        s = r["step"]
+        since = 0 if s in moved else since + 1
+        dt = (r["t_end"] - prev["t_end"]) * 1e3 if prev and prev["step"] == s - 1 else None
+        prev = r
+        if s < warmup or since < every or dt is None:
+            continue
+        phase = "clean" if s < onset else "interference"
+        out[phase].setdefault(_split(r), []).append(dt)
+    return {ph: {k: float(np.mean(v)) for k, v in d.items()} for ph, d in out.items()}
+
+
+def _phase_ms(steps: list[dict], a: int, b: int) -> float | None:
+    """Mean wall-clock time per step over steps [a, b): from the end of step a-1 to the end
+    of step b-1, so everything between steps (pauses, relaunches) counts."""
+    by = {r["step"]: r for r in steps}
+    if a - 1 not in by or b - 1 not in by or "t_end" not in by[b - 1]:
+        return None
+    return (by[b - 1]["t_end"] - by[a - 1]["t_end"]) * 1e3 / (b - a)
+
+
+def report(a: argparse.Namespace) -> int:
+    d = Path(a.dir)
+    meta = json.loads((d / "oracle.json").read_text())
+    every, warm = meta["monitor_every"], meta["warmup"]
+    sweep = _sweep(d / "sweep.jsonl", meta["sweep_onset"], warm, every)
+    phases = {"clean": (warm, meta["onset"]), "interference": (meta["onset"], meta["end"]),
+              "after": (meta["end"], meta["steps"])}  # fmt: skip
+    device = None
+    out: dict[str, Any] = {"config": meta, "phases": {}}
+    logs = {s: d / f"{s}.jsonl" for s in SYSTEMS if (d / f"{s}.jsonl").exists()}
+    runs = {s: _read(p) for s, p in logs.items()}
+    from dynpipe.runtime.runlog import read_log
+
+    for p in logs.values():
+        head = next(r for r in read_log(p) if r["type"] == "header")
+        device = device or head.get("env", {}).get("device_name")
+        out.setdefault("revision", head.get("revision"))
+    out["device"] = device
+    for ph, (lo, hi) in phases.items():
+        table = sweep["interference" if ph == "interference" else "clean"]
+        if not table:
+            continue
+        best = min(table, key=table.get)
+        entry: dict[str, Any] = {
+            "oracle": {"split": [int(x) for x in best.split("|")], "ms": round(table[best], 3)},
+            "splits": {k: round(v, 3) for k, v in sorted(table.items(), key=lambda x: x[1])},
+            "systems": {},
+        }
+        for s, (steps, _ev) in runs.items():
+            ms = _phase_ms(steps, lo, hi)
+            if ms is not None:
+                entry["systems"][s] = {"ms": round(ms, 3), "ratio": round(ms / table[best], 4)}
+        out["phases"][ph] = entry
+    text = json.dumps(out, indent=1)
+    if a.output:
+        Path(a.output).write_text(text + "\n")
+    for ph, e in out["phases"].items():
+        sysr = "  ".join(f"{k} {v['ms']:.1f} ({v['ratio']:.3f})" for k, v in e["systems"].items())
+        print(f"{ph:12s} oracle {e['oracle']['split']} {e['oracle']['ms']:.1f} ms | {sysr}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--config", choices=sorted(CONFIGS), required=True)
+    r.add_argument("--interferer", default="gemm", help="kind, or kinds comma-separated")
+    r.add_argument("--stage", default="1", help="stage, or stages comma-separated")
+    r.add_argument("--nproc", type=int, default=2)
+    r.add_argument("--device", default="cuda")
+    r.add_argument("--steps", type=int, default=160)
+    r.add_argument("--onset", type=int, default=50)
+    r.add_argument("--end", type=int, default=120)
+    r.add_argument("--warmup", type=int, default=10)
+    r.add_argument("--monitor-every", type=int, default=5)
+    r.add_argument("--sweep-windows", type=int, default=3)
+    r.add_argument("--sweep-plans", type=int, default=12)
+    r.add_argument("--systems", default="sweep,static,measured,adaptive,restart")
+    r.add_argument("--predictor", default=None)
+    r.add_argument("--ckpt", default=None, help="where the restart baseline checkpoints")
+    r.add_argument("--timeout", type=float, default=900)
+    r.add_argument("-o", "--out", required=True)
+    p = sub.add_parser("report")
+    p.add_argument("dir")
+    p.add_argument("-o", "--output", default=None)
+    a = ap.parse_args(argv)
+    if a.cmd == "run":
+        a.systems = a.systems.split(",")
+        os.environ.setdefault("PYTHONUNBUFFERED", "1")
+        return run(a)
+    return report(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

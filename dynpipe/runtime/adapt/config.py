@@ -1,0 +1,88 @@
+"""``AdaptConfig``: when and how the runtime repartitions (plain data, validated)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from dynpipe.errors import UserError
+
+__all__ = ["ADAPT_MODES", "AdaptConfig"]
+
+ADAPT_MODES = ("static", "measured", "adaptive", "restart", "sweep")
+
+
+@dataclass(frozen=True)
+class AdaptConfig:
+    """When and how the runtime repartitions.
+
+    mode: ``static`` never; ``measured`` plans from the measured per-layer times, a device's
+        slowdown taken as the same for every layer; ``adaptive`` adds the predictor for how
+        much each layer would slow on a device that does not hold it (falls back to measured
+        without one); ``restart`` takes adaptive's decisions but applies them by checkpoint,
+        exit and relaunch (the original DynPipe's "DynPipe-Re"); ``sweep`` (benchmarks) visits
+        every split in turn for ``sweep_windows`` windows each, so that one launch measures
+        every static plan under the same conditions.
+    monitor_every: steps per monitoring window (one all-gather per window); every layer is
+        timed on the window's last step.
+    settle_windows: windows ignored at the start and after each repartition (allocator
+        warm-up, kernel autotuning for layers new to a device) before times are trusted.
+    average_windows: a layer's running time on its device is the mean of its windows since
+        its conditions last changed, over at most this many (older ones fade).
+    jump: a device whose reading moves by more than this in one window (or by three times
+        its measured window-to-window noise, if that is more) has changed conditions: its
+        layers' averages start afresh, so an onset is seen in one window, and moves are
+        judged, and measured plans compared, only within one set of conditions.
+    min_gain: smallest relative step-time gain worth a repartition, and how much slower a
+        move must measure to be undone (hysteresis: noise cannot make plans flap).
+    horizon_steps: steps over which a gain must pay back the measured migration pause.
+    sweep_windows: windows each split is held in ``sweep`` mode (the first settles).
+    sweep_plans: ``sweep`` mode with more than 2 stages: how many splits to visit (the best
+        under the measured per-layer costs); 2 stages visit every split.
+    """
+
+    mode: str = "adaptive"
+    monitor_every: int = 5
+    settle_windows: int = 1
+    average_windows: int = 8
+    jump: float = 0.1
+    min_gain: float = 0.05
+    horizon_steps: int = 100
+    sweep_windows: int = 3
+    sweep_plans: int = 12
+
+    def __post_init__(self) -> None:
+        if self.mode not in ADAPT_MODES:
+            raise UserError(f"unknown --adapt {self.mode!r}; use one of {', '.join(ADAPT_MODES)}")
+        if self.monitor_every < 1:
+            raise UserError(f"--monitor-every must be >= 1, got {self.monitor_every}")
+        if self.settle_windows < 0:
+            raise UserError(f"settle_windows must be >= 0, got {self.settle_windows}")
+        if self.average_windows < 1:
+            raise UserError(f"average_windows must be >= 1, got {self.average_windows}")
+        if self.jump <= 0:
+            raise UserError(f"jump must be > 0, got {self.jump}")
+        if not 0 <= self.min_gain < 1:
+            raise UserError(f"--min-gain must be in [0, 1), got {self.min_gain}")
+        if self.horizon_steps < 1:
+            raise UserError(f"--horizon must be >= 1 step, got {self.horizon_steps}")
+        if self.sweep_windows < 2:
+            raise UserError(
+                f"sweep_windows must be >= 2 (one settles, one measures), got {self.sweep_windows}"
+            )
+        if self.sweep_plans < 1:
+            raise UserError(f"sweep_plans must be >= 1, got {self.sweep_plans}")
+
+    @property
+    def adapting(self) -> bool:
+        return self.mode != "static"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AdaptConfig:
+        """From a run log's or checkpoint's config; fields of older versions are dropped."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})

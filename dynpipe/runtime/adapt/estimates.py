@@ -1,0 +1,359 @@
+"""What every layer costs on every device now, from per-layer measurements.
+
+Each stage times every layer it holds on one step per window (``runtime/timing.py``), so a
+layer's cost on the device that holds it is measured, not inferred: ``run`` is its running
+(exponentially weighted) time there. What cannot be measured is what a layer would cost on
+a device that does not hold it. That is its *clean* cost times the device's slowdown now:
+
+- ``clean``: a layer's cost on an idle device. Taken from the first trusted window (the
+  offline profile or the analytic model is only the prior before then); identical layers
+  (a transformer's blocks) share one clean cost, the least any device shows for them; and a
+  layer that runs faster than its clean cost by more than its device's noise lowers it:
+  interference only ever slows a device, so such a layer shows its clean cost was taken
+  during a start-up transient or under interference.
+- the device's slowdown: how much slower than clean it runs the layers it holds. In
+  ``measured`` mode every layer is taken to slow alike; with a predictor, the predicted
+  per-layer slowdowns from the device's telemetry are calibrated to what its held layers
+  measure (one factor per device), so a layer type the interferer hurts more is priced so.
+
+Only ratios of clean costs matter for a device's slowdown, so a bias common to all of them
+cancels. A stage also costs something beyond its layers (input casts, the loss): measured as
+the stage timer minus its layers on the sampled step, kept per device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dynpipe.runtime.adapt.window import Window
+
+__all__ = ["CostEstimates"]
+
+# Windows of readings kept per rank for its noise, and how many it takes to estimate it.
+_NOISE_KEEP = 16
+_NOISE_MIN = 6
+
+
+class CostEstimates:
+    """Per-layer costs of ``L`` layers on ``R`` ranks, per microbatch (ms).
+
+    prior_fwd / prior_bwd: ``[L]`` costs before any measurement (profile or analytic model).
+    classes: ``[L]`` ids, equal for identical layers.
+    window / jump: as ``average_windows`` / ``jump`` in ``AdaptConfig``.
+    """
+
+    def __init__(
+        self,
+        *,
+        prior_fwd: np.ndarray,
+        prior_bwd: np.ndarray,
+        classes: np.ndarray,
+        num_ranks: int,
+        window: int,
+        jump: float,
+    ) -> None:
+        n = len(prior_fwd)
+        self.window, self.jump = window, jump
+        self.classes = np.asarray(classes, dtype=int)
+        self.clean_f = np.asarray(prior_fwd, dtype=float).copy()
+        self.clean_b = np.asarray(prior_bwd, dtype=float).copy()
+        self.calibrated = False
+        self.run_f = np.full(n, np.nan)
+        self.run_b = np.full(n, np.nan)
+        self.n = np.zeros(n)  # windows in each layer's running average
+        self.owner = np.full(n, -1)
+        self.over_f = np.zeros(num_ranks)
+        self.over_b = np.zeros(num_ranks)
+        self.clean_of = np.zeros(num_ranks)
+        self.clean_ob = np.zeros(num_ranks)
+        # Per rank: how much slower than clean its layers run (what a layer moved there
+        # would cost more), and its stage's whole time per microbatch over clean.
+        self.slow = np.ones(num_ranks)
+        self.load = np.ones(num_ranks)
+        # Per rank, log(window / running average) of its held layers over recent windows in
+        # which it kept the same layers: what measurement noise alone does to it.
+        self.steps: list[list[float]] = [[] for _ in range(num_ranks)]
+        self.within = np.zeros(num_ranks)
+        # Per rank, a change not yet confirmed: (direction, per-layer averages and stage
+        # overhead from before it).
+        self._suspect: list[tuple | None] = [None] * num_ranks
+        # Counts changes of conditions: a rank's reading moving beyond its threshold. Two
+        # windows of the same regime ran under the same conditions.
+        self.regime = 0
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.clean_f)
+
+    # ---- from one window ---------------------------------------------------------------
+    def _measure(self, w: Window) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per-layer fwd/bwd ms per microbatch measured in ``w`` and per-rank overheads.
+
+        The sampled step gives each stage's split into layers and overhead; the window's
+        median stage time over all its steps gives the total (one step is noisier than the
+        median of several). Without layer timings (timers off, logs that predate them) a
+        stage's time is spread over its layers by their current estimates.
+        """
+        m = w.microbatches
+        med_f, med_b = w.stage_medians()
+        mf, mb = np.full(self.num_layers, np.nan), np.full(self.num_layers, np.nan)
+        of, ob = self.over_f.copy(), self.over_b.copy()
+        for s, ((a, b), r) in enumerate(zip(w.bounds, w.ranks, strict=True)):
+            for phase, med, out, over in (("fwd", med_f, mf, of), ("bwd", med_b, mb, ob)):
+                total = float(med[s]) / m
+                layers = getattr(w, f"layer_{phase}_ms")
+                sampled = getattr(w, f"sampled_{phase}_ms")
+                seg = None if layers is None else layers[a:b]
+                if seg is not None and np.isfinite(seg).all() and sampled is not None:
+                    stage = float(sampled[s])
+                    if np.isfinite(stage) and stage > 0:
+                        scale = total / stage
+                        out[a:b] = seg * scale
+                        over[r] = max(0.0, stage - float(seg.sum())) * scale
+                        continue
+                    out[a:b] = seg
+                    continue
+                shares = self._shares(a, b, r, phase)
+                out[a:b] = max(total - over[r], 0.0) * shares / max(shares.sum(), 1e-12)
+        return mf, mb, of, ob
+
+    def _shares(self, a: int, b: int, r: int, phase: str) -> np.ndarray:
+        run = (self.run_f if phase == "fwd" else self.run_b)[a:b]
+        clean = (self.clean_f if phase == "fwd" else self.clean_b)[a:b]
+        known = (self.owner[a:b] == r) & np.isfinite(run)
+        return np.where(known, run, clean)
+
+    def noise(self) -> np.ndarray:
+        """``[R]`` relative standard deviation of one window's reading of each rank: measured
+        from how its readings moved between windows (robust: an onset is one outlier), and
+        at least what the spread of the last window's steps says of its median."""
+        out = self.within.copy()
+        for r, xs in enumerate(self.steps):
+            if len(xs) >= _NOISE_MIN:
+                x = np.asarray(xs[-_NOISE_KEEP:])
+                out[r] = max(out[r], 1.4826 * float(np.median(np.abs(x - np.median(x)))))
+        return out
+
+    def _within(self, w: Window) -> None:
+        """Noise of each rank's window median from the spread of the window's steps: the
+        standard error of a median is about 1.25 x the spread over the root of the count."""
+        k = len(w.step_ms)
+        if k < 3:
+            return
+        total = w.stage_fwd_ms + w.stage_bwd_ms  # [k, S]
+        med = np.median(total, axis=0)
+        mad = np.median(np.abs(total - med), axis=0)
+        for s, r in enumerate(w.ranks):
+            self.within[r] = 1.25 * 1.4826 * float(mad[s] / max(med[s], 1e-12)) / np.sqrt(k)
+
+    def threshold(self) -> np.ndarray:
+        """``[R]`` relative change of a rank's reading that counts as a change of conditions:
+        ``jump``, or three standard deviations of its measured noise if that is more."""
+        return np.maximum(self.jump, np.expm1(3.0 * self.noise()))
+
+    def level_noise(self) -> np.ndarray:
+        """``[R]`` relative standard deviation of each rank's running slowdown: one window's
+        noise over the square root of the windows averaged since its conditions last
+        changed."""
+        n = np.ones(len(self.steps))
+        for r in range(len(n)):
+            held = self.owner == r
+            if held.any():
+                n[r] = max(1.0, float(self.n[held].min()))
+        return self.noise() / np.sqrt(n)
+
+    def update(self, w: Window) -> None:
+        """Fold one trusted window into the running per-layer costs.
+
+        A rank's reading is its stage's whole time per microbatch (its layers that stayed,
+        plus the stage's overhead) over the running average of the same: interference that
+        stalls a stage between its layers (a GPU time-sliced with another process hands the
+        device back between kernels) shows in the overhead, not in any layer.
+        """
+        mf, mb, of, ob = self._measure(w)
+        self._within(w)
+        limit = self.threshold()
+        for (a, b), r in zip(w.bounds, w.ranks, strict=True):
+            held = slice(a, b)
+            stay = (self.owner[held] == r) & np.isfinite(self.run_f[held])
+            new = float((mf[held] + mb[held])[stay].sum()) + of[r] + ob[r]
+            old = float((self.run_f[held] + self.run_b[held])[stay].sum())
+            old += self.over_f[r] + self.over_b[r]
+            ratio = new / old if stay.any() and old > 0 else 1.0
+            history = list(self.steps[r])
+            if stay.all() and ratio > 0:
+                self.steps[r] = [*history, float(np.log(ratio))][-_NOISE_KEEP:]
+            if self._suspect[r] is not None:
+                stay = self._confirm(r, a, b, mf, mb, of[r] + ob[r], limit[r], stay)
+            elif abs(ratio - 1.0) > limit[r]:
+                # The device seems to have changed speed: its averages start afresh at once
+                # (an onset is followed in one window), but the change counts as a change of
+                # conditions only if the next window confirms it (a spike does not).
+                self._suspect[r] = (
+                    np.sign(ratio - 1.0),
+                    {i: (self.run_f[i], self.run_b[i], self.n[i]) for i in range(a, b)},
+                    (self.over_f[r], self.over_b[r]),
+                    history,
+                )
+                stay[:] = False
+            # Within a regime every window counts alike (a running mean), up to ``window``
+            # of them; a layer new to the device, or a device that changed speed, starts over.
+            self.n[held] = np.where(stay, self.n[held], 0)
+            alpha = 1.0 / np.minimum(self.n[held] + 1, self.window)
+            for run, meas in ((self.run_f, mf), (self.run_b, mb)):
+                run[held] = np.where(stay, run[held] + alpha * (meas[held] - run[held]), meas[held])
+            k = 1.0 / min(float(self.n[held].min()) + 1, self.window) if stay.any() else 1.0
+            self.over_f[r] += k * (of[r] - self.over_f[r])
+            self.over_b[r] += k * (ob[r] - self.over_b[r])
+            self.n[held] += 1
+            self.owner[held] = r
+        if self.regime == 0 and not any(x is not None for x in self._suspect):
+            # Until conditions first change, the running averages are the clean costs.
+            self.clean_f, self.clean_b = self.run_f.copy(), self.run_b.copy()
+            self.clean_of, self.clean_ob = self.over_f.copy(), self.over_b.copy()
+            self.calibrated = True
+        else:
+            # A layer running clearly faster than its clean cost (beyond its device's noise)
+            # shows that cost was taken under a transient or under interference: lower it.
+            for (a, b), r in zip(w.bounds, w.ranks, strict=True):
+                run = self.run_f[a:b] + self.run_b[a:b]
+                clean = self.clean_f[a:b] + self.clean_b[a:b]
+                low = np.flatnonzero(run < clean * (1.0 - limit[r])) + a
+                self.clean_f[low], self.clean_b[low] = self.run_f[low], self.run_b[low]
+                if self.over_f[r] + self.over_b[r] < (self.clean_of[r] + self.clean_ob[r]) * (
+                    1.0 - limit[r]
+                ):
+                    self.clean_of[r], self.clean_ob[r] = self.over_f[r], self.over_b[r]
+        self._share_classes(w, limit)
+        for (a, b), r in zip(w.bounds, w.ranks, strict=True):
+            self.slow[r] = self._slowdown(a, b)
+            total = self.clean_f[a:b].sum() + self.clean_b[a:b].sum()
+            total += self.clean_of[r] + self.clean_ob[r]
+            run = self.run_f[a:b].sum() + self.run_b[a:b].sum() + self.over_f[r] + self.over_b[r]
+            self.load[r] = float(run / max(total, 1e-12))
+
+    def _confirm(
+        self,
+        r: int,
+        a: int,
+        b: int,
+        mf: np.ndarray,
+        mb: np.ndarray,
+        over: float,
+        limit: float,
+        stay: np.ndarray,
+    ) -> np.ndarray:
+        """The window after a suspected change on rank ``r``: still beyond ``limit`` of the
+        level before it, in the same direction, and conditions changed (a new regime); back
+        within it, and it was a spike: the averages from before it come back."""
+        sign, snap, (sf, sb), history = self._suspect[r]
+        self._suspect[r] = None
+        # A confirmed change's reading is not noise of a steady device (a spike's is).
+        this = self.steps[r][-1:] if len(self.steps[r]) > len(history) + 1 else []
+        common = [i for i in range(a, b) if i in snap and self.owner[i] == r]
+        if not common:
+            self.regime += 1  # nothing left to compare with: count it as a change
+            self.steps[r] = history
+            return stay
+        before = sum(snap[i][0] + snap[i][1] for i in common) + sf + sb
+        now = float(sum(mf[i] + mb[i] for i in common)) + over
+        change = now / max(before, 1e-12) - 1.0
+        if abs(change) > limit and np.sign(change) == sign:
+            self.regime += 1
+            self.steps[r] = history + this
+            return stay
+        for i in common:
+            self.run_f[i], self.run_b[i], self.n[i] = snap[i]
+        self.over_f[r], self.over_b[r] = sf, sb
+        return (self.owner[a:b] == r) & np.isfinite(self.run_f[a:b])
+
+    def _slowdown(self, a: int, b: int) -> float:
+        run = self.run_f[a:b].sum() + self.run_b[a:b].sum()
+        clean = self.clean_f[a:b].sum() + self.clean_b[a:b].sum()
+        return float(run / max(clean, 1e-12))
+
+    def _share_classes(self, w: Window, limit: np.ndarray) -> None:
+        """Identical layers get one clean cost: the median over all members, unless the
+        members one rank holds run clearly faster than that (beyond that rank's noise), which
+        shows the others are slowed: then theirs."""
+        for c in np.unique(self.classes):
+            members = np.flatnonzero(self.classes == c)
+            if len(members) < 2:
+                continue
+            total = self.clean_f[members] + self.clean_b[members]
+            med = float(np.median(total))
+            pick = members
+            for (a, b), r in zip(w.bounds, w.ranks, strict=True):
+                idx = members[(members >= a) & (members < b)]
+                if len(idx):
+                    mine = float(np.median(self.clean_f[idx] + self.clean_b[idx]))
+                    if mine < med * (1.0 - limit[r]):
+                        med, pick = mine, idx
+            self.clean_f[members] = float(np.median(self.clean_f[pick]))
+            self.clean_b[members] = float(np.median(self.clean_b[pick]))
+
+    # ---- what the planner needs --------------------------------------------------------
+    def costs(
+        self,
+        bounds: tuple[tuple[int, int], ...],
+        ranks: tuple[int, ...],
+        *,
+        predicted: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Per-layer fwd/bwd ms per microbatch of every layer on every rank, ``[R, L]``.
+
+        A layer on the rank that holds it costs what it measures there. Elsewhere it costs
+        its clean cost times that rank's slowdown: uniform (``predicted`` None), or the
+        predicted per-layer slowdowns ``predicted = (fwd [R, L], bwd [R, L])`` scaled per
+        rank so that they reproduce what the rank's held layers measure.
+        """
+        n_r = len(self.slow)
+        fwd = np.empty((n_r, self.num_layers))
+        bwd = np.empty((n_r, self.num_layers))
+        for (a, b), r in zip(bounds, ranks, strict=True):
+            if predicted is None:
+                fwd[r], bwd[r] = self.clean_f * self.slow[r], self.clean_b * self.slow[r]
+            else:
+                pf, pb = predicted[0][r], predicted[1][r]
+                held = self.run_f[a:b].sum() + self.run_b[a:b].sum()
+                guess = (self.clean_f[a:b] * pf[a:b]).sum() + (self.clean_b[a:b] * pb[a:b]).sum()
+                kappa = held / max(guess, 1e-12)
+                fwd[r], bwd[r] = self.clean_f * pf * kappa, self.clean_b * pb * kappa
+            fwd[r, a:b], bwd[r, a:b] = self.run_f[a:b], self.run_b[a:b]
+        return fwd, bwd
+
+    def overheads(self, ranks: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Per-microbatch stage overhead of each stage (in ``ranks`` order)."""
+        idx = list(ranks)
+        return self.over_f[idx].copy(), self.over_b[idx].copy()
+
+    # ---- persistence (the restart baseline's relaunch) ---------------------------------
+    def state(self) -> dict[str, Any]:
+        keys = (
+            "clean_f", "clean_b", "run_f", "run_b", "n", "owner",
+            "over_f", "over_b", "clean_of", "clean_ob", "slow", "load",
+        )  # fmt: skip
+        out: dict[str, Any] = {k: _jsonable(getattr(self, k)) for k in keys}
+        out["calibrated"] = self.calibrated
+        out["steps"] = self.steps
+        out["regime"] = self.regime
+        return out
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            if k == "calibrated":
+                self.calibrated = bool(v)
+            elif k == "regime":
+                self.regime = int(v)
+            elif k == "steps":
+                self.steps = [list(map(float, xs)) for xs in v]
+            elif k == "owner":
+                self.owner = np.array(v, dtype=int)
+            else:
+                setattr(self, k, np.array([np.nan if x is None else x for x in v], float))
+
+
+def _jsonable(a: np.ndarray) -> list:
+    return [None if isinstance(x, float) and x != x else x for x in a.tolist()]

@@ -1,0 +1,498 @@
+"""Policies: from a window of measurements to a decision (pure logic over plain numbers).
+
+A policy sees one ``Window`` at a time and says whether to move to other bounds. It never
+touches a process group, an engine or a file, so the training loop, the replay tool and the
+controller simulator drive the same code, and tests inject their own.
+
+``Controller`` (``measured``, ``adaptive``, ``restart``) plans from measured per-layer costs
+(``CostEstimates``): the exact planner on the current estimates gives the best split; it is
+taken when its predicted gain is at least ``min_gain`` and pays back the measured pause
+within ``horizon_steps``. A measured step time outranks the model (``PlanMemory``): a plan
+measured clearly faster under the same conditions is moved back to, one measured no better
+is not tried again while conditions hold. Each move is judged on the first trusted window
+after it; a verdict across an onset or an end is logged as such and changes nothing.
+
+``SweepPolicy`` (benchmarks) visits every split in turn so that one launch measures every
+static plan under the same conditions: the oracle the adaptive runs are judged against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from dynpipe.planner.costs import CostModel
+from dynpipe.planner.dp import plan_partition
+from dynpipe.planner.evaluate import stage_costs
+from dynpipe.planner.simulate import step_times
+from dynpipe.runtime.adapt.config import AdaptConfig
+from dynpipe.runtime.adapt.estimates import CostEstimates
+from dynpipe.runtime.adapt.record import Bounds, MoveRecord, PlanMemory
+from dynpipe.runtime.adapt.window import Window
+
+__all__ = [
+    "Controller",
+    "Decision",
+    "Policy",
+    "SweepPolicy",
+    "layer_classes",
+    "moved_bytes",
+    "planner_costs",
+    "predicted_step_ms",
+]
+
+
+@dataclass
+class Decision:
+    """A policy's verdict for one window (plain data, logged as is).
+
+    slowdown: per-rank slowdown against clean costs; current_ms / proposed_ms: the speed
+    model's step time under the current and the proposed plan; pause_ms: the pause a move
+    is expected to cost; bounds: the plan to move to (``repartition``), else None;
+    judged: the verdict on the previous move, when this window judged one.
+    """
+
+    step: int
+    mode: str
+    slowdown: tuple[float, ...]
+    current_ms: float
+    proposed_ms: float
+    pause_ms: float
+    moved_bytes: int
+    repartition: bool
+    reason: str
+    bounds: Bounds | None = None
+    judged: dict[str, Any] | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["slowdown"] = [round(float(x), 4) for x in self.slowdown]
+        d["bounds"] = None if self.bounds is None else [list(b) for b in self.bounds]
+        for k in ("current_ms", "proposed_ms", "pause_ms"):
+            d[k] = round(float(d[k]), 4)
+        return d
+
+
+class Policy(Protocol):
+    """What the adaptation loop needs of a policy."""
+
+    mode_used: str
+
+    def observe(self, window: Window) -> Decision | None:
+        """Fold in one window; None while it is not trusted (settling)."""
+
+    def applied(self, *, step: int, pause_ms: float, moved_bytes: int) -> None:
+        """The move the last decision asked for took effect at ``step``, at this cost."""
+
+    def describe(self) -> str: ...
+
+    def state(self) -> dict[str, Any]: ...
+
+    def load_state(self, state: dict[str, Any]) -> None: ...
+
+
+def layer_classes(costs: CostModel) -> np.ndarray:
+    """Class id per layer: layers with the same modelled costs and state are the same layer
+    (a transformer's blocks, VGG's repeated convolutions) and share one clean cost."""
+    keys = [
+        (round(float(f), 9), round(float(b), 9), int(n))
+        for f, b, n in zip(costs.fwd_ms[0], costs.bwd_ms[0], costs.state_bytes, strict=True)
+    ]
+    ids = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    return np.array([ids[k] for k in keys])
+
+
+def moved_bytes(state_bytes: np.ndarray, src: Bounds, dst: Bounds, ranks: tuple[int, ...]) -> int:
+    """Bytes of layer state that change owner going from ``src`` to ``dst``."""
+    n = len(state_bytes)
+    owner_a, owner_b = np.empty(n, int), np.empty(n, int)
+    for (a, b), (c, d), r in zip(src, dst, ranks, strict=True):
+        owner_a[a:b], owner_b[c:d] = r, r
+    return int(state_bytes[owner_a != owner_b].sum())
+
+
+def planner_costs(
+    base: CostModel,
+    est: CostEstimates,
+    w: Window,
+    *,
+    predicted: tuple[np.ndarray, np.ndarray] | None = None,
+) -> CostModel:
+    """``base`` with the estimated per-layer costs and stage overheads of ``w``'s ranks, one
+    row per stage in pipeline order (the planner puts stage ``s`` on row ``s``)."""
+    fwd, bwd = est.costs(w.bounds, w.ranks, predicted=predicted)
+    of, ob = est.overheads(w.ranks)
+    order = list(w.ranks)
+    return dataclasses.replace(
+        base.for_devices(w.num_stages),
+        fwd_ms=fwd[order],
+        bwd_ms=bwd[order],
+        stage_fwd_ms=of,
+        stage_bwd_ms=ob,
+    )
+
+
+def predicted_step_ms(
+    costs: CostModel, bounds: Bounds, *, schedule: str, microbatches: int
+) -> float:
+    """The speed model's step time of ``bounds`` (stage ``s`` on row ``s`` of ``costs``)."""
+    sc = stage_costs(costs, bounds, schedule=schedule, microbatches=microbatches)
+    return float(
+        step_times(
+            np.array([sc.fwd_ms]),
+            np.array([sc.bwd_ms]),
+            np.array([sc.comm_ms]),
+            schedule=schedule,
+            microbatches=microbatches,
+        )[0]
+    )
+
+
+_MISSES = 16  # the model's misses remembered for its tracking error
+
+
+class Controller:
+    """The default policy: plans from measured per-layer costs (see the module docstring).
+
+    base: the model's cost model (one device row): layer names, state bytes, links, and the
+        prior per-layer costs before the first measurement.
+    predictor / prepared: a loaded slowdown predictor and its ``prepare_layers`` output
+        (``adaptive`` and ``restart``); without one those modes plan as ``measured``.
+    """
+
+    def __init__(
+        self,
+        *,
+        base: CostModel,
+        config: AdaptConfig,
+        num_ranks: int,
+        predictor: Any = None,
+        prepared: Any = None,
+    ) -> None:
+        self.config = config
+        self.base = base
+        self.predictor, self.prepared = predictor, prepared
+        use = config.mode in ("adaptive", "restart") and predictor is not None
+        self.mode_used = "adaptive" if use else "measured"
+        self.est = CostEstimates(
+            prior_fwd=base.fwd_ms[0],
+            prior_bwd=base.bwd_ms[0],
+            classes=layer_classes(base),
+            num_ranks=num_ranks,
+            window=config.average_windows,
+            jump=config.jump,
+        )
+        self.memory = PlanMemory()
+        self.pause_ms: float | None = None  # learned from the moves made
+        self.settle = config.settle_windows
+        self.pending: MoveRecord | None = None  # decided, not yet applied or judged
+        self.last: MoveRecord | None = None
+        # (bounds, model's step time, measured step time) of the last trusted window, and
+        # the model's recent misses (see ``tracking_error``).
+        self._seen: tuple[Bounds, float, float] | None = None
+        self._misses: list[float] = []
+
+    def describe(self) -> str:
+        how = (
+            "predicted per-layer slowdowns calibrated on each device's measured layers"
+            if self.mode_used == "adaptive"
+            else "one slowdown per device"
+        )
+        return (
+            f"{self.config.mode}: per-layer costs measured on the devices that hold them; "
+            f"elsewhere clean cost x {how}; move when the gain is >= {self.config.min_gain:.0%} "
+            f"and pays back the pause within {self.config.horizon_steps} steps"
+        )
+
+    # ---- one window ----------------------------------------------------------------------
+    def observe(self, window: Window) -> Decision | None:
+        if self.settle > 0:
+            self.settle -= 1
+            return None
+        self.est.update(window)
+        slow = tuple(float(x) for x in self.est.load)
+        here = window.median_step_ms
+        regime = self.est.regime
+        self.memory.add(window.bounds, regime, here)
+        judged = None
+        if self.last is not None and self.last.verdict is None and self.last.pause_ms is not None:
+            self.last.judge(here, slow, regime=regime, tol=self.config.min_gain)
+            judged = self.last.to_dict()
+        decision = self._decide(window, slow)
+        decision.judged = judged
+        return decision
+
+    def _decide(self, w: Window, slow: tuple[float, ...]) -> Decision:
+        cfg = self.config
+        costs = self.cost_model(w)
+        kw = {"schedule": w.schedule, "microbatches": w.microbatches}
+        cur = predicted_step_ms(costs, w.bounds, **kw)
+        regime = self.est.regime
+        here = self.memory.measured(w.bounds, regime) or w.median_step_ms
+        pause = self.pause_ms if self.pause_ms is not None else w.median_step_ms
+        prev, self._seen = self._seen, (w.bounds, cur, w.median_step_ms)
+
+        def verdict(reason: str, proposed: float = cur, bounds: Bounds | None = None) -> Decision:
+            nbytes = (
+                0 if bounds is None else moved_bytes(self._state_bytes, w.bounds, bounds, w.ranks)
+            )
+            if bounds is not None:
+                # The next trusted window checks the model's promise against the steps: how
+                # its step time under the new plan compares with the old plan's now.
+                self._seen = (bounds, cur, w.median_step_ms)
+                self.pending = MoveRecord(
+                    step=w.step + 1,
+                    src=w.bounds,
+                    dst=bounds,
+                    reason=reason,
+                    before_ms=w.median_step_ms,
+                    model_before_ms=cur,
+                    predicted_ms=proposed,
+                    slowdown=slow,
+                    regime=regime,
+                )
+            return Decision(
+                step=w.step + 1,
+                mode=self.mode_used,
+                slowdown=slow,
+                current_ms=cur,
+                proposed_ms=proposed,
+                pause_ms=pause,
+                moved_bytes=nbytes,
+                repartition=bounds is not None,
+                reason=reason,
+                bounds=bounds,
+            )
+
+        # A plan measured clearly faster under these conditions: go back to it.
+        best = self.memory.best(regime)
+        if (
+            best is not None
+            and best[0] != w.bounds
+            and best[1] < here * (1 - cfg.min_gain)
+            and (here - best[1]) * cfg.horizon_steps > pause
+        ):
+            return verdict(
+                f"measured {best[1]:.2f} ms/step under these conditions against {here:.2f} now",
+                proposed=cur * best[1] / here,
+                bounds=best[0],
+            )
+        # The step time is the one measurement timers cannot fool (on a launch-bound GPU a
+        # stage's timers swing 2x while its steps do not). The model is acted on only as
+        # far as it has tracked the measured steps: not before it has predicted one window,
+        # not when its estimates moved and the steps did not follow, and a proposed gain
+        # must clear twice the model's measured tracking error.
+        if prev is None or prev[0] != w.bounds:
+            return verdict("the model has not yet predicted a window of this plan")
+        model, steps = cur / max(prev[1], 1e-9), w.median_step_ms / max(prev[2], 1e-9)
+        miss = float(np.log(model / steps))
+        tolerance = np.log1p(self._tolerance(w))
+        self._misses = [*self._misses, miss][-_MISSES:]
+        # Blocked only where the estimates outran the steps (moved the other way, or further):
+        # where the steps moved further than the estimates (an onset's stall outside the
+        # timed layers), the model is conservative, and acting on it is safe.
+        lm, ls = float(np.log(model)), float(np.log(steps))
+        if abs(miss) > tolerance and (lm * ls < 0 or abs(lm) > abs(ls)):
+            return verdict(
+                f"estimates moved {model - 1:+.0%} but steps {steps - 1:+.0%}: not acted on"
+            )
+        res = plan_partition(costs, num_stages=w.num_stages, memory_bytes=self._memory(w), **kw)
+        bounds = tuple((int(a), int(b)) for a, b in res.bounds)
+        if bounds == w.bounds:
+            return verdict("current plan is best")
+        gain = cur - res.step_ms
+        need = self.required_gain()
+        if gain < need * cur:
+            return verdict(f"gain {gain / cur:.1%} below {need:.1%}", res.step_ms)
+        if gain * cfg.horizon_steps <= pause:
+            return verdict(
+                f"gain {gain:.2f} ms/step does not pay {pause:.1f} ms within "
+                f"{cfg.horizon_steps} steps",
+                res.step_ms,
+            )
+        known = self.memory.measured(bounds, regime)
+        if known is not None and known >= here * (1 - cfg.min_gain):
+            return verdict(
+                f"{_split(bounds)} measured {known:.2f} ms/step under these conditions, "
+                f"no better than {here:.2f} now",
+                res.step_ms,
+            )
+        return verdict(f"predicted {cur:.2f} -> {res.step_ms:.2f} ms/step", res.step_ms, bounds)
+
+    def tracking_error(self) -> float:
+        """Relative standard deviation of the model's misses: how far, window to window,
+        the change of its predicted step time differed from the change of the measured one
+        (robust; 0 until a few windows are known)."""
+        if len(self._misses) < 3:
+            return 0.0
+        x = np.asarray(self._misses)
+        return float(np.expm1(1.4826 * np.median(np.abs(x - np.median(x)))))
+
+    def _tolerance(self, w: Window) -> float:
+        """How far model and steps may disagree in one window: ``jump``, three tracking
+        errors, or three standard errors of the window's median step (from its steps'
+        spread), whichever is most."""
+        k = len(w.step_ms)
+        med = float(np.median(w.step_ms))
+        mad = float(np.median(np.abs(w.step_ms - med)))
+        steps = 3.0 * 1.25 * 1.4826 * mad / max(med, 1e-9) / np.sqrt(k)
+        return max(self.config.jump, 3.0 * self.tracking_error(), steps)
+
+    def required_gain(self) -> float:
+        """The relative gain a model-proposed move needs: ``min_gain``, or twice the model's
+        measured tracking error, if that is more."""
+        return max(self.config.min_gain, 2.0 * self.tracking_error())
+
+    @property
+    def _state_bytes(self) -> np.ndarray:
+        return self.base.state_bytes
+
+    def _memory(self, w: Window) -> list[float] | None:
+        if w.memory_bytes is None or not np.isfinite(w.memory_bytes).any():
+            return None
+        return [
+            float(w.memory_bytes[r]) if np.isfinite(w.memory_bytes[r]) else np.inf for r in w.ranks
+        ]
+
+    def cost_model(self, w: Window) -> CostModel:
+        """The planner's cost model now: rows in stage order of ``w``'s plan."""
+        return planner_costs(self.base, self.est, w, predicted=self._predicted(w))
+
+    def _predicted(self, w: Window) -> tuple[np.ndarray, np.ndarray] | None:
+        """Per-rank, per-layer predicted slowdowns from each device's telemetry."""
+        if self.mode_used != "adaptive" or not w.telemetry:
+            return None
+        from dynpipe.predictor import predict_layer_times
+
+        cf, cb = self.est.clean_f, self.est.clean_b
+        pf, pb = predict_layer_times(
+            self.predictor,
+            layers=self.prepared,
+            alone_fwd_ms=np.maximum(cf, 1e-6),
+            alone_bwd_ms=np.maximum(cb, 1e-6),
+            telemetry=[
+                {k: (np.nan if v is None else v) for k, v in t.items()} for t in w.telemetry
+            ],
+        )
+        return pf / np.maximum(cf, 1e-6), pb / np.maximum(cb, 1e-6)
+
+    # ---- after a move ----------------------------------------------------------------------
+    def applied(self, *, step: int, pause_ms: float, moved_bytes: int) -> None:
+        self.settle = self.config.settle_windows
+        p = float(pause_ms)
+        self.pause_ms = p if self.pause_ms is None else 0.5 * (self.pause_ms + p)
+        move, self.pending = self.pending, None
+        if move is not None:
+            move.step, move.pause_ms, move.moved_bytes = step, p, int(moved_bytes)
+            self.last = move
+
+    # ---- persistence ---------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {
+            "estimates": self.est.state(),
+            "memory": self.memory.state(),
+            "pause_ms": self.pause_ms,
+            "misses": self._misses,
+            "pending": None if self.pending is None else self.pending.to_dict(),
+            "last": None if self.last is None else self.last.to_dict(),
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        self.est.load_state(state.get("estimates", {}))
+        self.memory.load_state(state.get("memory", []))
+        self.pause_ms = state.get("pause_ms")
+        self._misses = [float(x) for x in state.get("misses", [])]
+        self.pending = MoveRecord.from_dict(state["pending"]) if state.get("pending") else None
+        self.last = MoveRecord.from_dict(state["last"]) if state.get("last") else None
+
+
+def _split(bounds: Bounds) -> str:
+    return "|".join(str(b - a) for a, b in bounds)
+
+
+class SweepPolicy:
+    """Holds every split in turn for ``sweep_windows`` windows (benchmarks: the oracle).
+
+    Two stages visit every split; more visit the ``sweep_plans`` best under the per-layer
+    costs measured so far, re-ranked at the start of every pass (so a pass made under
+    interference visits the splits that interference favours).
+    """
+
+    mode_used = "sweep"
+
+    def __init__(self, *, base: CostModel, config: AdaptConfig, num_ranks: int) -> None:
+        self.config = config
+        self.base = base
+        self.est = CostEstimates(
+            prior_fwd=base.fwd_ms[0],
+            prior_bwd=base.bwd_ms[0],
+            classes=layer_classes(base),
+            num_ranks=num_ranks,
+            window=config.average_windows,
+            jump=config.jump,
+        )
+        self.queue: list[Bounds] = []
+        self.held = 0  # windows under the current plan
+        self.passes = 0
+
+    def describe(self) -> str:
+        return (
+            f"sweep: every split held for {self.config.sweep_windows} windows in turn "
+            "(a benchmark of every static plan in one launch)"
+        )
+
+    def _candidates(self, w: Window) -> list[Bounds]:
+        n, s = w.num_layers, w.num_stages
+        cuts = list(itertools.combinations(range(1, n), s - 1))
+        plans = [tuple(itertools.pairwise((0, *c, n))) for c in cuts]
+        if s == 2 or len(plans) <= self.config.sweep_plans:
+            return plans
+        costs = planner_costs(self.base, self.est, w)
+        kw = {"schedule": w.schedule, "microbatches": w.microbatches}
+        scored = sorted(plans, key=lambda b: predicted_step_ms(costs, b, **kw))
+        return scored[: self.config.sweep_plans]
+
+    def observe(self, window: Window) -> Decision | None:
+        self.est.update(window)
+        self.held += 1
+        slow = tuple(float(x) for x in self.est.slow)
+        base = dict(
+            step=window.step + 1,
+            mode="sweep",
+            slowdown=slow,
+            current_ms=window.median_step_ms,
+            proposed_ms=window.median_step_ms,
+            pause_ms=0.0,
+            moved_bytes=0,
+        )
+        if self.held < self.config.sweep_windows:
+            return Decision(**base, repartition=False, reason="sweep: measuring this split")
+        if not self.queue:
+            self.passes += 1
+            self.queue = [b for b in self._candidates(window) if b != window.bounds]
+            if self.passes > 1:
+                self.queue.append(window.bounds)  # every pass measures every split
+        nxt = self.queue.pop(0)
+        self.held = 0
+        return Decision(
+            **base,
+            repartition=True,
+            reason=f"sweep pass {self.passes}: next split",
+            bounds=nxt,
+        )
+
+    def applied(self, *, step: int, pause_ms: float, moved_bytes: int) -> None:
+        del step, pause_ms, moved_bytes
+
+    def state(self) -> dict[str, Any]:
+        return {"estimates": self.est.state()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        if state:
+            self.est.load_state(state.get("estimates", {}))

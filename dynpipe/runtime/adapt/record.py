@@ -1,0 +1,130 @@
+"""What the run has measured of its own plans and moves (plain data).
+
+``PlanMemory`` keeps the measured step time of every plan the run has held since conditions
+last changed (a device's reading moving beyond its noise: ``CostEstimates.regime``). A
+measured step time outranks the speed model: a plan measured slower than the current one
+under the same conditions is not moved to again, and one measured clearly faster is moved
+back to. This one rule replaces the undo, the ban on refuted moves and the probes a
+stage-time model needed.
+
+``MoveRecord`` is one move from decision to verdict, owned by the policy that decided it:
+the loop that applies the move only fills in what the move cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Bounds", "MoveRecord", "PlanMemory"]
+
+Bounds = tuple[tuple[int, int], ...]
+
+
+class PlanMemory:
+    """Measured median step time per window of each plan held, with its regime."""
+
+    def __init__(self, *, keep: int = 256) -> None:
+        self.keep = keep
+        self.entries: list[tuple[Bounds, int, float]] = []
+
+    def add(self, bounds: Bounds, regime: int, step_ms: float) -> None:
+        self.entries.append((_key(bounds), int(regime), float(step_ms)))
+        self.entries = self.entries[-self.keep :]
+
+    def measured(self, bounds: Bounds, regime: int) -> float | None:
+        """Median step time of ``bounds`` over its windows in ``regime``."""
+        key = _key(bounds)
+        ms = [t for b, g, t in self.entries if b == key and g == regime]
+        return float(np.median(ms)) if ms else None
+
+    def best(self, regime: int) -> tuple[Bounds, float] | None:
+        """The plan measured fastest in ``regime``, and its step time."""
+        plans = {b for b, g, _ in self.entries if g == regime}
+        scored = [(b, self.measured(b, regime)) for b in plans]
+        scored = [(b, t) for b, t in scored if t is not None]
+        return min(scored, key=lambda x: x[1]) if scored else None
+
+    def state(self) -> list:
+        return [[list(map(list, b)), g, t] for b, g, t in self.entries]
+
+    def load_state(self, entries: list) -> None:
+        self.entries = [(_key(b), int(g), float(t)) for b, g, t in entries]
+
+
+def _key(bounds: Sequence[Sequence[int]]) -> Bounds:
+    return tuple((int(a), int(b)) for a, b in bounds)
+
+
+@dataclass
+class MoveRecord:
+    """One move: why it was made, what it cost, and how it did as measured.
+
+    step: the first step under the new plan. before_ms: median step of the window that
+    decided it; predicted_ms: the speed model's step time under the new plan (on the same
+    scale as its prediction for the old one, ``model_before_ms``). slowdown: per-device
+    slowdowns when decided; regime: the conditions' regime then. verdict: ``faster`` /
+    ``no better`` / ``slower`` when the window after it ran in the same regime, else
+    ``conditions changed`` (an onset or an end between the two windows says nothing about
+    the move).
+    """
+
+    step: int
+    src: Bounds
+    dst: Bounds
+    reason: str
+    before_ms: float
+    model_before_ms: float
+    predicted_ms: float
+    slowdown: tuple[float, ...]
+    regime: int = 0
+    pause_ms: float | None = None
+    moved_bytes: int | None = None
+    after_ms: float | None = None
+    after_slowdown: tuple[float, ...] | None = None
+    verdict: str | None = None
+
+    def judge(self, after_ms: float, slow: Sequence[float], *, regime: int, tol: float) -> str:
+        """Record the first trusted window after the move and return the verdict."""
+        self.after_ms, self.after_slowdown = float(after_ms), tuple(float(x) for x in slow)
+        if regime != self.regime:
+            self.verdict = "conditions changed"
+        elif after_ms > self.before_ms * (1 + tol):
+            self.verdict = "slower"
+        elif after_ms < self.before_ms * (1 - tol / 2):
+            self.verdict = "faster"
+        else:
+            self.verdict = "no better"
+        return self.verdict
+
+    @property
+    def predicted_gain(self) -> float:
+        return 1.0 - self.predicted_ms / max(self.model_before_ms, 1e-9)
+
+    @property
+    def achieved_gain(self) -> float | None:
+        if self.after_ms is None:
+            return None
+        return 1.0 - self.after_ms / max(self.before_ms, 1e-9)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["src"], d["dst"] = [list(b) for b in self.src], [list(b) for b in self.dst]
+        d["predicted_gain"] = round(self.predicted_gain, 4)
+        ag = self.achieved_gain
+        d["achieved_gain"] = None if ag is None else round(ag, 4)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MoveRecord:
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        kw["src"], kw["dst"] = _key(kw["src"]), _key(kw["dst"])
+        for k in ("slowdown", "after_slowdown"):
+            if kw.get(k) is not None:
+                kw[k] = tuple(kw[k])
+        return cls(**kw)

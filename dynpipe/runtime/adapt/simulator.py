@@ -1,0 +1,587 @@
+"""Controller simulator: the real policy against the exact oracle, on hundreds of scenarios.
+
+A scenario is a model's true per-layer costs on every device over time: clean, or under an
+interference condition that starts and ends at some step on one or two devices (any stage).
+The true costs come from the offline profiles (``profiles/*.parquet``: every layer's forward
+and backward measured alone and beside real interferers, with the telemetry seen then), so
+layers slow by different amounts under different interferers exactly as they did on the
+card. Measurement noise comes from real run logs: each device's stage-time swings follow a
+stretch of a recorded static run (per step, relative to its median; within-run swings of up
+to 2x included), plus a per-layer jitter on the sampled step. A move pauses training for a
+fixed part plus its bytes over the link, drawn per scenario around what recorded
+repartitions cost.
+
+The policy under test is the one the runtime uses (``make_policy``), fed ``Window`` objects
+built the way the training loop builds them. Per scenario the simulator reports the mean
+step time (pauses included) of the policy, of the initial plan held throughout (static),
+and of the oracle: per phase (a stretch of constant conditions), the static split that is
+best over that phase, from an exact plan on the phase's true mean costs, with zero pause.
+
+    python -m dynpipe.runtime.adapt.simulator --scenarios 300 --modes measured adaptive
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dynpipe.planner.costs import CostModel
+from dynpipe.planner.dp import plan_partition
+from dynpipe.planner.simulate import step_times
+from dynpipe.runtime.adapt.config import AdaptConfig
+from dynpipe.runtime.adapt.policy import Policy, moved_bytes
+from dynpipe.runtime.adapt.window import Window
+
+__all__ = [
+    "NoiseTrace",
+    "Scenario",
+    "ScenarioResult",
+    "Workload",
+    "load_workloads",
+    "noise_from_logs",
+    "random_scenarios",
+    "simulate",
+    "summarise",
+]
+
+CLEAN = "none"
+_REPO = Path(__file__).resolve().parents[3]
+DEFAULT_PROFILES = ("profiles/h200-bs32.parquet", "profiles/h200-bs64.parquet")
+DEFAULT_LOGS = "analysis/logs"
+
+
+@dataclass(frozen=True, eq=False)
+class Workload:
+    """One model at one microbatch size on one kind of device, as profiled.
+
+    base: what the policy knows before measuring (FLOP-based prior costs, layer bytes,
+        links); times: condition -> true (fwd ``[L]``, bwd ``[L]``) ms per microbatch;
+    telemetry: condition -> the ``tel_*`` readings seen under it; overhead_ms: a stage's
+        fixed cost per microbatch beyond its layers; rows: the profile's clean rows (what a
+        predictor needs of each layer).
+    """
+
+    name: str
+    base: CostModel
+    times: dict[str, tuple[np.ndarray, np.ndarray]]
+    telemetry: dict[str, dict[str, float]]
+    overhead_ms: float
+    rows: Any = None
+
+    @property
+    def conditions(self) -> list[str]:
+        return [c for c in self.times if c != CLEAN]
+
+    @property
+    def num_layers(self) -> int:
+        return self.base.num_layers
+
+
+def load_workloads(paths: Sequence[str | Path] = DEFAULT_PROFILES) -> list[Workload]:
+    """Every (model, batch size) of the profile datasets ``paths``."""
+    import pandas as pd
+
+    from dynpipe.profiler.schema import TELEMETRY_COLUMNS
+
+    out = []
+    df = pd.concat([pd.read_parquet(_path(p)) for p in paths], ignore_index=True)
+    for (model, bs), g in df.groupby(["model", "batch_size"], sort=True):
+        g = g.sort_values("layer_index")
+        times = {}
+        for cond, c in g.groupby("condition"):
+            f = c[c.phase == "fwd"].set_index("layer_index")["time_ms"].sort_index()
+            b = c[c.phase == "bwd"].set_index("layer_index")["time_ms"].sort_index()
+            times[str(cond)] = (f.to_numpy(float), b.to_numpy(float))
+        tel = {
+            str(cond): {k: float(v) for k, v in c[list(TELEMETRY_COLUMNS)].mean().items()}
+            for cond, c in g.groupby("condition")
+        }
+        one = g[(g.condition == CLEAN) & (g.phase == "fwd")].sort_values("layer_index")
+        bwd = g[(g.condition == CLEAN) & (g.phase == "bwd")].sort_values("layer_index")
+        # The prior a run starts from: FLOPs at a nominal rate (what the analytic model knows).
+        rate = 200e12 / 1e3
+        n = len(one)
+        base = CostModel(
+            model=f"{model}-bs{bs}",
+            layer_names=tuple(one["layer"]),
+            fwd_ms=np.maximum(one["flops"].to_numpy(float) / rate, 1e-3),
+            bwd_ms=np.maximum(bwd["flops"].to_numpy(float) / rate, 1e-3),
+            param_bytes=one["param_bytes"].to_numpy(float),
+            out_bytes=one["out_bytes"].to_numpy(float),
+            act_bytes=one["out_bytes"].to_numpy(float),
+            opt_mult=np.full(n, 2.0),
+            buffer_bytes=np.zeros(n),
+            bandwidth=np.zeros(0),
+            latency_ms=np.zeros(0),
+            microbatch_size=int(bs),
+            meta={"link_bandwidth": 100e9, "link_latency_ms": 0.02},
+        )
+        clean = times[CLEAN][0] + times[CLEAN][1]
+        out.append(
+            Workload(
+                name=f"{model}-bs{bs}",
+                base=base,
+                times=times,
+                telemetry=tel,
+                overhead_ms=float(0.02 * clean.sum() / n),
+                rows=g[g.condition == CLEAN].reset_index(drop=True),
+            )
+        )
+    return out
+
+
+def _path(p: str | Path) -> Path:
+    p = Path(p)
+    return p if p.exists() else _REPO / p
+
+
+@dataclass(frozen=True, eq=False)
+class NoiseTrace:
+    """How one stage of a recorded static run varied from step to step (median 1 each).
+
+    real: the run's step time over its median: what the device really did (a stage timer
+    alone cannot say it: in the recorded runs a stage's compute timer swung up to 2.3x while
+    the step swung 1.2x, the timers carrying the pipeline's waits). meas: the stage timer
+    over its median, divided by ``real``: what measurement adds on top.
+    """
+
+    name: str
+    real: np.ndarray
+    meas: np.ndarray
+
+
+def noise_from_logs(root: str | Path = DEFAULT_LOGS) -> list[NoiseTrace]:
+    """Every stage of every static GPU run under ``root``, over its clean steps."""
+    out = []
+    for path in sorted(_path(root).glob("gpu-*/**/*static*.jsonl")):
+        steps, onset = [], None
+        for line in path.open():
+            if '"interference_start"' in line and onset is None:
+                onset = json.loads(line)["step"]
+            elif line.startswith('{"type": "step"'):
+                steps.append(json.loads(line))
+        clean = [r for r in steps if r["step"] >= 10 and (onset is None or r["step"] < onset)]
+        if len(clean) < 30:
+            continue
+        comp = np.array([[s["fwd_ms"] + s["bwd_ms"] for s in r["stages"]] for r in clean])
+        step = np.array([r["step_ms"] for r in clean])
+        real = step / np.median(step)
+        for s in range(comp.shape[1]):
+            x = comp[:, s] / np.median(comp[:, s])
+            out.append(NoiseTrace(f"{path.parent.name}/{path.stem}#{s}", real, x / real))
+    return out
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One run: ``events[d]`` lists ``(start, stop, condition)`` on rank ``d``."""
+
+    seed: int
+    workload: str
+    stages: int
+    microbatches: int
+    steps: int
+    events: tuple[tuple[tuple[int, int, str], ...], ...]
+    noise: tuple[tuple[int, int], ...]  # per rank: (trace index, offset)
+    pause_fixed_ms: float
+    link_bytes_per_ms: float
+    stall: float = 0.0
+    untimed: float = 0.0
+
+    def condition(self, rank: int, step: int) -> str:
+        for a, b, c in self.events[rank]:
+            if a <= step < b:
+                return c
+        return CLEAN
+
+
+def random_scenarios(
+    n: int,
+    *,
+    workloads: Sequence[Workload],
+    traces: Sequence[NoiseTrace],
+    seed: int = 0,
+    steps: int = 240,
+    stage_counts: Sequence[int] = (2, 4, 8),
+) -> list[Scenario]:
+    """``n`` scenarios: a workload, 2/4/8 stages, one or two slowed ranks (any), onsets and
+    ends at random steps (some at the start, some never ending), random conditions."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        w = workloads[int(rng.integers(len(workloads)))]
+        s = int(rng.choice([c for c in stage_counts if c <= w.num_layers]))
+        m = int(s * rng.choice([1, 2]))
+        slowed = rng.choice(s, size=int(rng.choice([1, 2], p=[0.6, 0.4])), replace=False)
+        events: list[tuple[tuple[int, int, str], ...]] = [() for _ in range(s)]
+        for d in slowed:
+            start = 0 if rng.random() < 0.1 else int(rng.integers(10, steps - 20))
+            stop = steps if rng.random() < 0.2 else int(rng.integers(start + 10, steps + 1))
+            cond = str(rng.choice(w.conditions))
+            events[int(d)] = ((start, stop, cond),)
+        # One recorded run's noise for every device (noise is a property of a configuration:
+        # a launch-bound run's timers are noisy on every stage): its stages in turn, each
+        # device from its own offset.
+        runs = sorted({t.name.rpartition("#")[0] for t in traces})
+        run = runs[int(rng.integers(len(runs)))]
+        mine = [k for k, t in enumerate(traces) if t.name.rpartition("#")[0] == run]
+        noise = tuple((mine[d % len(mine)], int(rng.integers(1000))) for d in range(s))
+        out.append(
+            Scenario(
+                seed=seed * 100_000 + i,
+                workload=w.name,
+                stages=s,
+                microbatches=m,
+                steps=steps,
+                events=tuple(events),
+                noise=noise,
+                pause_fixed_ms=float(rng.uniform(5, 40)),
+                stall=float(rng.uniform(0.0, 1.0)),
+                untimed=float(rng.uniform(0.0, 0.5)),
+                link_bytes_per_ms=float(rng.uniform(10e6, 40e6)),
+            )
+        )
+    return out
+
+
+class _Truth:
+    """True per-step costs of a scenario: per rank ``[T, L]`` fwd / bwd, and overhead."""
+
+    def __init__(self, sc: Scenario, w: Workload, traces: Sequence[NoiseTrace]) -> None:
+        t, n = sc.steps, w.num_layers
+        self.fwd = np.empty((sc.stages, t, n))
+        self.bwd = np.empty((sc.stages, t, n))
+        self.noise = np.empty((sc.stages, t))
+        self.meas = np.empty((sc.stages, t))
+        stall = np.zeros((sc.stages, t))
+        c0f, c0b = w.times[CLEAN]
+        per_action = (c0f.sum() + c0b.sum()) / 2 / sc.stages  # a stage's action at an even split
+        for d in range(sc.stages):
+            k, off = sc.noise[d]
+            idx = (off + np.arange(t)) % len(traces[k].real)
+            self.noise[d], self.meas[d] = traces[k].real[idx], traces[k].meas[idx]
+            for step in range(t):
+                cf, cb = w.times[sc.condition(d, step)]
+                # A share ``stall`` of what the interferer costs is a stall per action (a
+                # time-sliced GPU handing the device to the other process between kernels),
+                # the rest slows each layer as profiled.
+                extra = (cf.sum() + cb.sum()) / (c0f.sum() + c0b.sum()) - 1.0
+                stall[d, step] = sc.stall * extra * per_action
+                self.fwd[d, step] = c0f + (1.0 - sc.stall) * (cf - c0f)
+                self.bwd[d, step] = c0b + (1.0 - sc.stall) * (cb - c0b)
+            self.fwd[d] *= self.noise[d][:, None]
+            self.bwd[d] *= self.noise[d][:, None]
+        self.overhead = (w.overhead_ms + stall) * self.noise  # [S, T]
+        # The share ``untimed`` of a stall falls between the stage's timed actions (seen on
+        # a time-sliced GPU: steps +76% where the stage timers said +56%): in the step,
+        # not in what the timers read.
+        self.untimed = sc.untimed * stall * self.noise
+        z = np.zeros((sc.stages, t, 1))
+        self._cf = np.concatenate([z, np.cumsum(self.fwd, axis=2)], axis=2)
+        self._cb = np.concatenate([z, np.cumsum(self.bwd, axis=2)], axis=2)
+        self._m, self._base = sc.microbatches, w.base
+        self._cache: dict[tuple, np.ndarray] = {}
+
+    def step_ms(self, bounds: Sequence[tuple[int, int]]) -> np.ndarray:
+        """``[T]`` true step time of ``bounds`` (stage ``s`` on rank ``s``) at every step."""
+        key = tuple(bounds)
+        if key not in self._cache:
+            f = np.stack(
+                [
+                    self._cf[s, :, b] - self._cf[s, :, a] + self.overhead[s]
+                    for s, (a, b) in enumerate(bounds)
+                ],
+                axis=1,
+            )
+            b_ = np.stack(
+                [
+                    self._cb[s, :, b] - self._cb[s, :, a] + self.overhead[s]
+                    for s, (a, b) in enumerate(bounds)
+                ],
+                axis=1,
+            )
+            comm = [
+                float(self._base.out_bytes[hi - 1] / 100e9 * 1e3 + 0.02) for _, hi in bounds[:-1]
+            ]
+            c = np.tile(np.array(comm), (f.shape[0], 1))
+            self._cache[key] = step_times(f, b_, c, schedule="1f1b", microbatches=self._m)
+        return self._cache[key]
+
+    def stage_loads(
+        self,
+        bounds: Sequence[tuple[int, int]],
+        step: int,
+        ranks: Sequence[int],
+        *,
+        timed: bool = False,
+    ):
+        """Per-stage fwd and bwd ms per microbatch at ``step`` (``timed``: what the stage's
+        timers read of it)."""
+        f = np.array(
+            [self.fwd[r, step, a:b].sum() for (a, b), r in zip(bounds, ranks, strict=True)]
+        )
+        b_ = np.array(
+            [self.bwd[r, step, a:b].sum() for (a, b), r in zip(bounds, ranks, strict=True)]
+        )
+        o = np.array([self.overhead[r, step] for r in ranks])
+        if timed:
+            o = o - np.array([self.untimed[r, step] for r in ranks])
+        return f + o, b_ + o
+
+
+def _even(n: int, s: int) -> tuple[tuple[int, int], ...]:
+    q, r = divmod(n, s)
+    sizes = [q + (1 if i < r else 0) for i in range(s)]
+    cuts = [0, *itertools.accumulate(sizes)]
+    return tuple(itertools.pairwise(cuts))
+
+
+def _phases(sc: Scenario) -> list[tuple[int, int]]:
+    marks = {0, sc.steps}
+    for ev in sc.events:
+        for a, b, _ in ev:
+            marks |= {min(a, sc.steps), min(b, sc.steps)}
+    cuts = sorted(marks)
+    return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
+
+
+@dataclass
+class ScenarioResult:
+    """Mean step time (ms) of each system over one scenario, pauses included."""
+
+    scenario: Scenario
+    oracle_ms: float
+    static_ms: float
+    policy_ms: dict[str, float]
+    moves: dict[str, int]
+
+    def ratio(self, mode: str, to: str = "oracle") -> float:
+        ref = self.oracle_ms if to == "oracle" else self.static_ms
+        return self.policy_ms[mode] / ref
+
+
+def _oracle(sc: Scenario, w: Workload, truth: _Truth) -> np.ndarray:
+    out = np.empty(sc.steps)
+    for a, b in _phases(sc):
+        over = truth.overhead[:, a:b].mean(axis=1)
+        cm = dataclasses.replace(
+            w.base.for_devices(sc.stages),
+            fwd_ms=truth.fwd[:, a:b].mean(axis=1),
+            bwd_ms=truth.bwd[:, a:b].mean(axis=1),
+            stage_fwd_ms=over,
+            stage_bwd_ms=over,
+        )
+        best = plan_partition(cm, num_stages=sc.stages, microbatches=sc.microbatches).bounds
+        out[a:b] = truth.step_ms(best)[a:b]
+    return out
+
+
+def _run(
+    sc: Scenario,
+    w: Workload,
+    truth: _Truth,
+    policy: Policy | None,
+    *,
+    every: int,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, int]:
+    """Per-step times of one run of ``policy`` (None: the initial plan throughout)."""
+    bounds = _even(w.num_layers, sc.stages)
+    ranks = tuple(range(sc.stages))
+    m = sc.microbatches
+    out = np.empty(sc.steps)
+    pause = 0.0
+    moves = 0
+    win: list[tuple[float, np.ndarray, np.ndarray]] = []
+    for step in range(sc.steps):
+        t = float(truth.step_ms(bounds)[step])
+        out[step] = t + pause
+        pause = 0.0
+        if policy is None:
+            continue
+        f, b = truth.stage_loads(bounds, step, ranks, timed=True)
+        meas = truth.meas[list(ranks), step]
+        win.append((t, f * m * meas, b * m * meas))
+        if (step + 1) % every or step + 1 == sc.steps:
+            continue
+        window = _window(sc, w, truth, bounds, ranks, win, step, rng)
+        win = []
+        d = policy.observe(window)
+        if d is None or not d.repartition or d.bounds is None:
+            continue
+        nbytes = moved_bytes(w.base.state_bytes, bounds, d.bounds, ranks)
+        cost = sc.pause_fixed_ms + nbytes / sc.link_bytes_per_ms
+        bounds = d.bounds
+        moves += 1
+        # The first step under a new plan also runs slower (new buffers, kernel tuning).
+        pause = cost + 0.3 * float(truth.step_ms(bounds)[min(step + 1, sc.steps - 1)])
+        policy.applied(step=step + 1, pause_ms=cost, moved_bytes=nbytes)
+    return out, moves
+
+
+def _window(sc, w, truth, bounds, ranks, win, step, rng) -> Window:
+    m = sc.microbatches
+    lf = np.empty(w.num_layers)
+    lb = np.empty(w.num_layers)
+    sf, sb = np.empty(sc.stages), np.empty(sc.stages)
+    for s, ((a, b), r) in enumerate(zip(bounds, ranks, strict=True)):
+        # The sampled step: each layer's median over m microbatches, a few % of jitter.
+        jf = rng.lognormal(0.0, 0.03 / np.sqrt(m), size=b - a)
+        jb = rng.lognormal(0.0, 0.03 / np.sqrt(m), size=b - a)
+        lf[a:b] = truth.fwd[r, step, a:b] * jf * truth.meas[r, step]
+        lb[a:b] = truth.bwd[r, step, a:b] * jb * truth.meas[r, step]
+        sf[s] = lf[a:b].sum() + truth.overhead[r, step] - truth.untimed[r, step]
+        sb[s] = lb[a:b].sum() + truth.overhead[r, step] - truth.untimed[r, step]
+    tel = tuple(dict(w.telemetry[sc.condition(r, step)]) for r in range(sc.stages))
+    return Window(
+        step=step,
+        bounds=tuple(bounds),
+        ranks=ranks,
+        microbatches=m,
+        schedule="1f1b",
+        step_ms=np.array([x[0] for x in win]),
+        stage_fwd_ms=np.array([x[1] for x in win]),
+        stage_bwd_ms=np.array([x[2] for x in win]),
+        layer_fwd_ms=lf,
+        layer_bwd_ms=lb,
+        sampled_fwd_ms=sf,
+        sampled_bwd_ms=sb,
+        telemetry=tel,
+    )
+
+
+PolicyFactory = Callable[[Workload, Scenario, str], Policy]
+
+
+def default_factory(predictor: str | None = None, **overrides: Any) -> PolicyFactory:
+    """Controllers as the runtime builds them, with ``AdaptConfig`` ``overrides``; the
+    ``adaptive`` mode loads ``predictor`` (prepared once per workload)."""
+    from dynpipe.runtime.adapt.policy import Controller
+
+    cache: dict[str, Any] = {}
+
+    def factory(w: Workload, sc: Scenario, mode: str) -> Policy:
+        cfg = AdaptConfig(mode=mode, **overrides)
+        if mode != "adaptive" or predictor is None:
+            return Controller(base=w.base, config=cfg, num_ranks=sc.stages)
+        from dynpipe.predictor import load_predictor, prepare_layers
+
+        if "predictor" not in cache:
+            cache["predictor"] = load_predictor(_path(predictor))
+            est = cache["predictor"].estimator
+            if hasattr(est, "set_predict_threads"):
+                est.set_predict_threads(1)
+        if w.name not in cache:
+            cache[w.name] = prepare_layers(cache["predictor"], w.rows)
+        return Controller(
+            base=w.base,
+            config=cfg,
+            num_ranks=sc.stages,
+            predictor=cache["predictor"],
+            prepared=cache[w.name],
+        )
+
+    return factory
+
+
+def simulate(
+    scenarios: Sequence[Scenario],
+    *,
+    workloads: Sequence[Workload],
+    traces: Sequence[NoiseTrace],
+    modes: Sequence[str] = ("measured",),
+    factory: PolicyFactory | None = None,
+    monitor_every: int = 5,
+) -> list[ScenarioResult]:
+    """Run every mode on every scenario; same truth and noise for every system."""
+    factory = factory or default_factory()
+    by_name = {w.name: w for w in workloads}
+    out = []
+    for sc in scenarios:
+        w = by_name[sc.workload]
+        truth = _Truth(sc, w, traces)
+        oracle = _oracle(sc, w, truth)
+        static, _ = _run(sc, w, truth, None, every=monitor_every, rng=np.random.default_rng(0))
+        ms, moves = {}, {}
+        for mode in modes:
+            policy = factory(w, sc, mode)
+            t, k = _run(
+                sc, w, truth, policy, every=monitor_every, rng=np.random.default_rng(sc.seed)
+            )
+            ms[mode], moves[mode] = float(t.mean()), k
+        out.append(
+            ScenarioResult(
+                scenario=sc,
+                oracle_ms=float(oracle.mean()),
+                static_ms=float(static.mean()),
+                policy_ms=ms,
+                moves=moves,
+            )
+        )
+    return out
+
+
+def summarise(results: Sequence[ScenarioResult], modes: Sequence[str]) -> dict[str, Any]:
+    """Mean and p95 ratio to the oracle, and the worst ratio to static, per mode."""
+    out: dict[str, Any] = {"scenarios": len(results)}
+    for mode in modes:
+        r_o = np.array([r.ratio(mode) for r in results])
+        r_s = np.array([r.ratio(mode, "static") for r in results])
+        worst = int(np.argmax(r_s))
+        out[mode] = {
+            "mean_to_oracle": round(float(r_o.mean()), 4),
+            "p95_to_oracle": round(float(np.percentile(r_o, 95)), 4),
+            "max_to_oracle": round(float(r_o.max()), 4),
+            "mean_to_static": round(float(r_s.mean()), 4),
+            "worst_to_static": round(float(r_s.max()), 4),
+            "worse_than_static_by_2pct": int((r_s > 1.02).sum()),
+            "worst_scenario": dataclasses.asdict(results[worst].scenario),
+            "moves_per_scenario": round(float(np.mean([r.moves[mode] for r in results])), 2),
+        }
+    static = np.array([r.static_ms / r.oracle_ms for r in results])
+    out["static"] = {"mean_to_oracle": round(float(static.mean()), 4)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenarios", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=240)
+    ap.add_argument("--modes", nargs="+", default=["measured", "adaptive"])
+    ap.add_argument("--predictor", default="predictor/h200.json.gz")
+    ap.add_argument("--profiles", nargs="+", default=list(DEFAULT_PROFILES))
+    ap.add_argument("--logs", default=DEFAULT_LOGS)
+    ap.add_argument("-o", "--out", default=None, help="write the summary JSON here")
+    args = ap.parse_args(argv)
+    workloads = load_workloads(args.profiles)
+    traces = noise_from_logs(args.logs)
+    scenarios = random_scenarios(
+        args.scenarios, workloads=workloads, traces=traces, seed=args.seed, steps=args.steps
+    )
+    res = simulate(
+        scenarios,
+        workloads=workloads,
+        traces=traces,
+        modes=args.modes,
+        factory=default_factory(args.predictor),
+    )
+    summary = summarise(res, args.modes)
+    text = json.dumps(summary, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

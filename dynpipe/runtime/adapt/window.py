@@ -1,0 +1,117 @@
+"""``Window``: what one monitoring window measured, as plain numbers.
+
+The training loop gathers every stage's step timings, every layer's sampled timings and
+every device's telemetry once per window; a ``Window`` holds them in one place, so the
+policy sees the same type whether it runs in a training process, over a recorded log
+(``bench/replay_controller.py``) or in the controller simulator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Window"]
+
+
+@dataclass(frozen=True, eq=False)
+class Window:
+    """One monitoring window ending after ``step``, under one plan.
+
+    bounds / ranks: the plan in force (stage ``s`` holds layers ``[a, b)`` on rank
+        ``ranks[s]``); microbatches / schedule: how it runs.
+    step_ms: ``[k]`` the window's step times.
+    stage_fwd_ms, stage_bwd_ms: ``[k, S]`` each stage's forward / backward compute per step
+        (all microbatches).
+    layer_fwd_ms, layer_bwd_ms: ``[L]`` each layer's time per microbatch on its device, from
+        the window's sampled step (NaN where a layer was not timed), or None if no layer was.
+    sampled_fwd_ms, sampled_bwd_ms: ``[S]`` each stage's compute per microbatch on that same
+        step: what a stage spends beyond its layers is its fixed overhead.
+    telemetry: one ``tel_*`` dict per rank, or None.
+    memory_bytes: ``[R]`` bytes each rank's stage may occupy (NaN where unknown), or None.
+    """
+
+    step: int
+    bounds: tuple[tuple[int, int], ...]
+    ranks: tuple[int, ...]
+    microbatches: int
+    schedule: str
+    step_ms: np.ndarray
+    stage_fwd_ms: np.ndarray
+    stage_bwd_ms: np.ndarray
+    layer_fwd_ms: np.ndarray | None = None
+    layer_bwd_ms: np.ndarray | None = None
+    sampled_fwd_ms: np.ndarray | None = None
+    sampled_bwd_ms: np.ndarray | None = None
+    telemetry: tuple[Mapping[str, Any], ...] | None = None
+    memory_bytes: np.ndarray | None = None
+
+    def __repr__(self) -> str:
+        split = "|".join(str(b - a) for a, b in self.bounds)
+        has = "layers" if self.has_layers else "stages only"
+        return f"Window(step={self.step}, {split}, {len(self.step_ms)} steps, {has})"
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.bounds)
+
+    @property
+    def num_layers(self) -> int:
+        return self.bounds[-1][1]
+
+    @property
+    def has_layers(self) -> bool:
+        return self.layer_fwd_ms is not None and bool(np.isfinite(self.layer_fwd_ms).any())
+
+    @property
+    def median_step_ms(self) -> float:
+        return float(np.median(self.step_ms))
+
+    def stage_medians(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per stage, the median forward and backward compute per step: medians, not means,
+        so one step stalled by something else on the machine does not look like a slowed
+        device."""
+        return np.median(self.stage_fwd_ms, axis=0), np.median(self.stage_bwd_ms, axis=0)
+
+    @classmethod
+    def from_records(
+        cls,
+        records: Sequence[Mapping[str, Any]],
+        *,
+        bounds: Sequence[Sequence[int]],
+        ranks: Sequence[int],
+        microbatches: int,
+        schedule: str,
+        layers: Mapping[str, Any] | None = None,
+        telemetry: Sequence[Mapping[str, Any]] | None = None,
+        memory_bytes: Sequence[float] | None = None,
+    ) -> Window:
+        """From the run log's step records of one window (and its ``layer_times`` record)."""
+        s = len(bounds)
+        fwd = np.array([[r["stages"][i]["fwd_ms"] for i in range(s)] for r in records], float)
+        bwd = np.array([[r["stages"][i]["bwd_ms"] for i in range(s)] for r in records], float)
+
+        def arr(key: str) -> np.ndarray | None:
+            if layers is None or layers.get(key) is None:
+                return None
+            return np.array([np.nan if v is None else v for v in layers[key]], float)
+
+        return cls(
+            step=int(records[-1]["step"]),
+            bounds=tuple((int(a), int(b)) for a, b in bounds),
+            ranks=tuple(int(r) for r in ranks),
+            microbatches=int(microbatches),
+            schedule=str(schedule),
+            step_ms=np.array([r["step_ms"] for r in records], float),
+            stage_fwd_ms=fwd,
+            stage_bwd_ms=bwd,
+            layer_fwd_ms=arr("fwd_ms"),
+            layer_bwd_ms=arr("bwd_ms"),
+            sampled_fwd_ms=arr("stage_fwd_ms"),
+            sampled_bwd_ms=arr("stage_bwd_ms"),
+            telemetry=tuple(telemetry) if telemetry is not None else None,
+            memory_bytes=np.array(memory_bytes, float) if memory_bytes is not None else None,
+        )

@@ -1,0 +1,271 @@
+"""The adaptation policy as pure logic: windows in, decisions out, no process group."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dynpipe.planner.costs import CostModel
+from dynpipe.runtime.adapt.config import AdaptConfig
+from dynpipe.runtime.adapt.estimates import CostEstimates
+from dynpipe.runtime.adapt.policy import Controller, SweepPolicy, layer_classes, moved_bytes
+from dynpipe.runtime.adapt.record import MoveRecord, PlanMemory
+from dynpipe.runtime.adapt.window import Window
+
+L = 10
+M = 4
+
+
+def _base(prior_fwd: np.ndarray | None = None) -> CostModel:
+    """A 10-layer model whose prior (FLOP) costs say every layer costs the same; the first
+    two layers have other shapes (fewer parameters), so they are not the same layer."""
+    f = np.ones(L) if prior_fwd is None else prior_fwd
+    return CostModel(
+        model="toy",
+        layer_names=tuple(f"l{i}" for i in range(L)),
+        fwd_ms=f,
+        bwd_ms=2 * f,
+        param_bytes=np.array([1e5, 2e5] + [1e6] * (L - 2)),
+        out_bytes=np.full(L, 1e3),
+        act_bytes=np.full(L, 1e3),
+        opt_mult=np.full(L, 2.0),
+        buffer_bytes=np.zeros(L),
+        bandwidth=np.zeros(0),
+        latency_ms=np.zeros(0),
+        microbatch_size=8,
+        meta={"link_bandwidth": 1e12, "link_latency_ms": 0.0},
+    )
+
+
+def _window(
+    step: int,
+    bounds,
+    true_f: np.ndarray,
+    *,
+    slow=(1.0, 1.0),
+    stall=(0.0, 0.0),
+    step_ms: float | None = None,
+    spike=(1.0, 1.0),
+    k: int = 5,
+) -> Window:
+    """One window of a 2-stage run measuring ``true_f`` (bwd = 2x) per layer, each rank
+    slowed by ``slow`` per layer and stalled ``stall`` ms per action; ``spike`` multiplies
+    what the timers read (not the steps)."""
+    lf = np.concatenate([true_f[a:b] * slow[s] * spike[s] for s, (a, b) in enumerate(bounds)])
+    lb = 2 * lf
+    sf = np.array([lf[a:b].sum() + stall[s] * spike[s] for s, (a, b) in enumerate(bounds)])
+    sb = np.array([lb[a:b].sum() + stall[s] * spike[s] for s, (a, b) in enumerate(bounds)])
+    if step_ms is None:
+        true = [(true_f[a:b] * slow[s]).sum() * 3 + 2 * stall[s] for s, (a, b) in enumerate(bounds)]
+        step_ms = M * max(true) + sum(true)
+    return Window(
+        step=step,
+        bounds=tuple(bounds),
+        ranks=(0, 1),
+        microbatches=M,
+        schedule="1f1b",
+        step_ms=np.full(k, float(step_ms)),
+        stage_fwd_ms=np.tile(sf * M, (k, 1)),
+        stage_bwd_ms=np.tile(sb * M, (k, 1)),
+        layer_fwd_ms=lf,
+        layer_bwd_ms=lb,
+        sampled_fwd_ms=sf,
+        sampled_bwd_ms=sb,
+    )
+
+
+EVEN = ((0, 5), (5, 10))
+# The first two layers cost 4x what their FLOPs say (VGG's full-resolution convolutions).
+TRUE = np.array([4.0, 4.0, 1, 1, 1, 1, 1, 1, 1, 1])
+
+
+def _controller(**cfg) -> Controller:
+    return Controller(
+        base=_base(), config=AdaptConfig(mode="measured", settle_windows=0, **cfg), num_ranks=2
+    )
+
+
+def test_window_from_records_reads_the_log_fields() -> None:
+    recs = [
+        {
+            "step": s,
+            "step_ms": 10.0 + s,
+            "stages": [{"fwd_ms": 1.0, "bwd_ms": 2.0}, {"fwd_ms": 3.0, "bwd_ms": 4.0}],
+        }
+        for s in range(5)
+    ]
+    layers = {"fwd_ms": [0.1] * L, "bwd_ms": [None] * L, "stage_fwd_ms": [1, 2]}
+    w = Window.from_records(
+        recs, bounds=EVEN, ranks=[0, 1], microbatches=4, schedule="1f1b", layers=layers
+    )
+    assert w.step == 4 and w.median_step_ms == 12.0 and w.has_layers
+    assert np.isnan(w.layer_bwd_ms).all() and w.sampled_bwd_ms is None
+    assert w.stage_medians()[1].tolist() == [2.0, 4.0]
+
+
+def test_estimates_measure_layers_not_flop_shares() -> None:
+    est = CostEstimates(
+        prior_fwd=np.ones(L), prior_bwd=2 * np.ones(L), classes=np.arange(L), num_ranks=2,
+        window=8, jump=0.1,
+    )  # fmt: skip
+    est.update(_window(4, EVEN, TRUE))
+    assert np.allclose(est.clean_f, TRUE) and np.allclose(est.slow, 1.0)
+    fwd, _ = est.costs(EVEN, (0, 1))
+    assert np.allclose(fwd[1], TRUE)  # a layer's cost elsewhere: its measured clean cost
+
+
+def test_an_onset_is_followed_in_one_window_and_a_spike_is_not_a_new_regime() -> None:
+    est = CostEstimates(
+        prior_fwd=np.ones(L), prior_bwd=2 * np.ones(L), classes=np.arange(L), num_ranks=2,
+        window=8, jump=0.1,
+    )  # fmt: skip
+    for s in range(3):
+        est.update(_window(4 + 5 * s, EVEN, TRUE))
+    est.update(_window(19, EVEN, TRUE, slow=(1.0, 3.0)))
+    assert est.slow[1] == pytest.approx(3.0)  # followed at once
+    assert est.regime == 0  # not yet confirmed
+    est.update(_window(24, EVEN, TRUE, slow=(1.0, 3.0)))
+    assert est.regime == 1 and est.slow[1] == pytest.approx(3.0)
+    # A one-window spike: followed, then taken back, and no new regime.
+    est.update(_window(29, EVEN, TRUE, slow=(1.0, 3.0), spike=(2.0, 1.0)))
+    est.update(_window(34, EVEN, TRUE, slow=(1.0, 3.0)))
+    assert est.regime == 1 and est.slow[0] == pytest.approx(1.0)
+
+
+def test_a_stall_between_layers_shows_in_the_stage_load() -> None:
+    est = CostEstimates(
+        prior_fwd=np.ones(L), prior_bwd=2 * np.ones(L), classes=np.arange(L), num_ranks=2,
+        window=8, jump=0.1,
+    )  # fmt: skip
+    for s in range(2):
+        est.update(_window(4 + 5 * s, EVEN, TRUE))
+    for s in range(2):
+        est.update(_window(14 + 5 * s, EVEN, TRUE, stall=(0.0, 10.0)))
+    # Layers run as fast as ever (a time-sliced GPU), but the stage is slower.
+    assert est.slow[1] == pytest.approx(1.0) and est.load[1] > 2.0 and est.regime == 1
+    assert est.overheads((0, 1))[0][1] == pytest.approx(10.0)
+
+
+def test_identical_layers_share_a_clean_cost_and_interference_at_start_is_seen() -> None:
+    classes = np.array([0] + [1] * 8 + [2])
+    est = CostEstimates(
+        prior_fwd=np.ones(L), prior_bwd=2 * np.ones(L), classes=classes, num_ranks=2,
+        window=8, jump=0.1,
+    )  # fmt: skip
+    est.update(_window(4, EVEN, np.ones(L), slow=(3.0, 1.0)))
+    assert est.slow[0] > 2.0 and est.slow[1] == pytest.approx(1.0)
+
+
+def test_controller_moves_to_the_measured_best_split_once_its_model_is_checked() -> None:
+    ctl = _controller()
+    d = ctl.observe(_window(4, EVEN, TRUE))
+    assert not d.repartition and "not yet predicted" in d.reason, d
+    d = ctl.observe(_window(9, EVEN, TRUE))
+    # FLOP shares say the even split is balanced; measured layers say stage 0 is 2.2x
+    # stage 1: as soon as the model has predicted one window, layers move to stage 1.
+    assert d.repartition and d.bounds[0][1] < 5, d
+    assert d.moved_bytes == moved_bytes(ctl.base.state_bytes, EVEN, d.bounds, (0, 1))
+
+
+def test_controller_reacts_to_an_onset_and_not_to_a_timer_spike() -> None:
+    ctl = _controller()
+    best = ((0, 3), (3, 10))
+    for s in range(3):
+        d = ctl.observe(_window(4 + 5 * s, best, TRUE))
+        assert not d.repartition, d
+    # The timers of stage 1 read 3x, the steps do not move: not acted on.
+    steady = _window(19, best, TRUE).median_step_ms
+    d = ctl.observe(_window(19, best, TRUE, spike=(1.0, 3.0), step_ms=steady))
+    assert not d.repartition and "not acted on" in d.reason, d
+    d = ctl.observe(_window(24, best, TRUE))
+    # A real onset: timers and steps both: layers leave stage 1 in that window.
+    d = ctl.observe(_window(29, best, TRUE, slow=(1.0, 3.0)))
+    assert d.repartition and d.bounds[0][1] > 3, d
+
+
+def test_a_move_measured_slower_is_undone_and_not_retried_in_the_same_regime() -> None:
+    ctl = _controller()
+    best = ((0, 3), (3, 10))
+    for s in range(3):
+        ctl.observe(_window(4 + 5 * s, best, TRUE))
+    worse = ((0, 6), (6, 10))
+    # A move the model wanted (injected here), which measures 30% slower.
+    ctl.pending = MoveRecord(
+        step=20, src=best, dst=worse, reason="test", before_ms=1.0, model_before_ms=1.0,
+        predicted_ms=0.5, slowdown=(1.0, 1.0), regime=ctl.est.regime,
+    )  # fmt: skip
+    ctl.applied(step=20, pause_ms=1.0, moved_bytes=1)
+    slow_ms = 1.3 * _window(4, best, TRUE).median_step_ms
+    d = ctl.observe(_window(24, worse, TRUE, step_ms=slow_ms))
+    assert d.judged["verdict"] == "slower"
+    assert d.repartition and d.bounds == best and d.reason.startswith("measured"), d
+
+
+def test_required_gain_grows_with_measured_noise() -> None:
+    ctl = _controller()
+    assert ctl.required_gain() == pytest.approx(0.05)
+    rng = np.random.default_rng(0)
+    best = ((0, 3), (3, 10))
+    for s in range(8):
+        sp = tuple(float(x) for x in rng.lognormal(0.0, 0.15, 2))
+        ctl.observe(_window(4 + 5 * s, best, TRUE, spike=sp, step_ms=100.0))
+    assert ctl.required_gain() > 0.05
+
+
+def test_controller_state_round_trips() -> None:
+    ctl = _controller()
+    for s in range(3):
+        ctl.observe(_window(4 + 5 * s, EVEN, TRUE))
+    other = _controller()
+    other.load_state(ctl.state())
+    assert np.allclose(other.est.clean_f, ctl.est.clean_f)
+    assert other.memory.entries == ctl.memory.entries and other.est.regime == ctl.est.regime
+
+
+def test_plan_memory_compares_plans_within_a_regime_only() -> None:
+    mem = PlanMemory()
+    mem.add(EVEN, 0, 10.0)
+    mem.add(EVEN, 0, 12.0)
+    mem.add(((0, 3), (3, 10)), 0, 8.0)
+    mem.add(((0, 3), (3, 10)), 1, 20.0)
+    assert mem.measured(EVEN, 0) == 11.0 and mem.measured(EVEN, 1) is None
+    assert mem.best(0) == (((0, 3), (3, 10)), 8.0)
+
+
+def test_move_record_verdicts() -> None:
+    rec = MoveRecord(
+        step=5, src=EVEN, dst=((0, 3), (3, 10)), reason="r", before_ms=10.0,
+        model_before_ms=10.0, predicted_ms=8.0, slowdown=(1.0, 1.0), regime=2,
+    )  # fmt: skip
+    assert rec.judge(11.0, (1.0, 1.0), regime=2, tol=0.05) == "slower"
+    assert rec.judge(9.0, (1.0, 1.0), regime=2, tol=0.05) == "faster"
+    assert rec.judge(9.0, (1.0, 1.0), regime=3, tol=0.05) == "conditions changed"
+    assert MoveRecord.from_dict(rec.to_dict()) == rec
+
+
+def test_sweep_visits_every_split_once_per_pass() -> None:
+    pol = SweepPolicy(base=_base(), config=AdaptConfig(mode="sweep", sweep_windows=2), num_ranks=2)
+    bounds, seen = EVEN, [EVEN]
+    for w in range(2 * (L - 1) * 2):
+        d = pol.observe(_window(4 + 5 * w, bounds, TRUE))
+        if d.repartition:
+            bounds = d.bounds
+            seen.append(bounds)
+    assert len(set(seen[: L - 1])) == L - 1  # the first pass: every split, the first one too
+    assert set(seen) == {((0, k), (k, L)) for k in range(1, L)}
+
+
+def test_layer_classes_group_identical_layers() -> None:
+    cls = layer_classes(_base(np.array([1.0, 2, 2, 2, 1, 1, 3, 3, 3, 1])))
+    # Same modelled costs and state: the same layer; other state (layers 0, 1): another.
+    assert cls[2] == cls[3] and cls[4] == cls[5] == cls[9] and cls[6] == cls[7] == cls[8]
+    assert len({cls[0], cls[1], cls[2], cls[4], cls[6]}) == 5
+
+
+def test_bad_adapt_config_is_one_clear_line() -> None:
+    from dynpipe.errors import UserError
+
+    with pytest.raises(UserError, match="--min-gain"):
+        AdaptConfig(min_gain=1.5)
+    with pytest.raises(UserError, match="unknown --adapt"):
+        AdaptConfig(mode="fast")
