@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from dynpipe.analysis.phases import interference_windows
-from dynpipe.runtime.runlog import read_log
+from dynpipe.runtime.records import Event, read_log
 
 SETTLE = 5  # steps skipped after a phase starts or the plan changes
 
@@ -31,9 +31,9 @@ def _static(system: str) -> bool:
     return system == "static" or system.startswith("static_")
 
 
-def _phases(ev: list[dict], end: int) -> list[tuple[str, int, int]]:
+def _phases(ev: list[Event], end: int) -> list[tuple[str, int, int]]:
     """(label, start, stop) of each phase; labels name the interfered stages."""
-    wins = interference_windows(ev, last_step=end - 1, t0=ev[0]["time"] if ev else 0.0)
+    wins = interference_windows(ev, last_step=end - 1, t0=ev[0].time if ev else 0.0)
     cuts = sorted({w.start for w in wins} | {w.stop for w in wins if w.stop < end})
     out, prev = [], 0
     for i, stop in enumerate([*cuts, end]):
@@ -45,15 +45,15 @@ def _phases(ev: list[dict], end: int) -> list[tuple[str, int, int]]:
 
 
 def summarise(path: Path) -> dict:
-    recs = read_log(path)
+    log = read_log(path)
     model, kind, mode = path.stem.split("-", 2)
-    steps = {r["step"]: r for r in recs if r["type"] == "step"}
-    ev = [r for r in recs if r["type"] == "event"]
+    steps = {r.step: r for r in log.steps}
+    ev = log.events()
     end = max(steps) + 1
-    changes = [e for e in ev if e["event"] in ("repartition", "restart")]
+    changes = log.events("repartition", "restart")
 
     def med(a: int, b: int) -> float | None:
-        vals = [steps[s]["step_ms"] for s in range(a, b) if s in steps]
+        vals = [steps[s].step_ms for s in range(a, b) if s in steps]
         return statistics.median(vals) if vals else None
 
     phases = {}
@@ -61,37 +61,38 @@ def summarise(path: Path) -> dict:
         # The first phase starts after start-up warm-up (two windows' worth of steps).
         lo = a + SETTLE * (2 if i == 0 else 1)
         phases[label if label not in phases else f"{label}'"] = med(lo, b)
-    onsets = [e for e in ev if e["event"] == "interference_start"]
+    onsets = log.events("interference_start")
     adapt = []
     for o in onsets:
-        nxt = next((c for c in changes if c["step"] >= o["step"]), None)
+        nxt = next((c for c in changes if c.step >= o.step), None)
         if nxt is not None:
-            adapt.append((nxt["step"] - o["step"], nxt["time"] - o["time"]))
-    firsts = {e["step"]: e for e in ev if e["event"] == "first_step"}
+            adapt.append((nxt.step - o.step, nxt.time - o.time))
+    firsts = {e.step: e for e in log.events("first_step")}
     pauses, full = [], []
     for e in ev:
-        if e["event"] == "repartition":
+        if e.event == "repartition":
             pauses.append(e["pause_ms"])
-            f = firsts.get(e["step"])
+            f = firsts.get(e.step)
             extra = 0.0
             if f is not None and f.get("after_ms") is not None:
                 extra = max(0.0, f["first_step_ms"] - f["after_ms"])
             full.append(e["pause_ms"] + extra)
-        elif e["event"] == "resumed":
+        elif e.event == "resumed":
             pauses.append(e["pause_ms"])
             full.append(e["pause_ms"])
-    device = next(r for r in recs if r["type"] == "header")["env"].get("device_name", "?")
+    header = log.headers[0]
+    device = header.env.get("device_name", "?")
     return {
         "model": model,
         "kind": kind,
         "mode": mode,
         "device": device,
-        "stages": len(next(r for r in recs if r["type"] == "header")["plan"]["stages"]),
+        "stages": len(header.plan["stages"]),
         "phases": phases,
         "adapt": adapt,
         "pause_ms": max(pauses) if pauses else None,
         "pause_full_ms": max(full) if full else None,
-        "bytes": sum(e.get("bytes", 0) for e in ev if e["event"] == "repartition"),
+        "bytes": sum(e.get("bytes", 0) for e in log.events("repartition")),
         "repartitions": len(changes),
     }
 

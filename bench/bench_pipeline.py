@@ -1,10 +1,12 @@
 """Step throughput of dynpipe's engine against plain ``torch.distributed.pipelining``.
 
 Same model, same split, same microbatches, same optimizer, in one run: a plain
-``PipelineStage`` + ``Schedule1F1B`` loop as a PyTorch user would write it, dynpipe with its
-stage timers on, and dynpipe with them off. Variants alternate round by round so drift
-(clocks, other jobs) hits all of them alike; the ratio of median step times is printed and
-written as JSON with the device named.
+``PipelineStage`` + ``Schedule1F1B`` loop as a PyTorch user would write it, and dynpipe with
+its timers off, on as the runtime runs them (stage timers every step, every layer timed on
+one step in five: one per monitoring window), and with every layer timed on every step.
+Variants alternate block by block (each block a run of steps with one synchronisation at its
+end) so drift (clocks, other jobs) hits all of them alike; the ratio of median block times
+is printed and written as JSON with the device named.
 
     # 2 GPUs (bf16), one process per GPU:
     torchrun --nproc-per-node 2 bench/bench_pipeline.py --model vgg16 --bf16 --device cuda
@@ -38,6 +40,7 @@ from dynpipe.runtime.topology import Topology, init_distributed
 PRESETS = {
     "vgg16": {"image_size": 224, "num_classes": 1000},
     "gpt": {"depth": 12, "width": 768, "heads": 12, "seq_len": 512, "vocab": 256},
+    "gpt2048": {"depth": 12, "width": 2048, "heads": 16, "seq_len": 1024, "vocab": 256},
     "mlp": {"depth": 16, "width": 512, "in_features": 512},
 }
 
@@ -64,8 +67,8 @@ def main() -> None:
     ap.add_argument("--model", default="mlp", choices=sorted(PRESETS))
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=20, help="timed steps per variant per round")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10, help="steps per block")
+    ap.add_argument("--rounds", type=int, default=15, help="blocks per variant, interleaved")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--device", default="auto")
@@ -75,7 +78,8 @@ def main() -> None:
     topo = Topology.from_env(device=args.device, timeout_s=300)
     init_distributed(topo)
     torch.manual_seed(0)
-    model = get_model(args.model, **PRESETS[args.model])
+    name = "gpt" if args.model.startswith("gpt") else args.model
+    model = get_model(name, **PRESETS[args.model])
     plan = Plan.even(model, topo.world_size, schedule="1f1b", microbatches=args.microbatches)
     bf16 = args.bf16 and topo.is_cuda
     optim = OptimConfig(name="adamw", lr=1e-4)
@@ -97,7 +101,7 @@ def main() -> None:
     plain_sched = Schedule1F1B(plain_stage, n_microbatches=args.microbatches, loss_fn=model.loss_fn)
     plain_opt = torch.optim.AdamW(plain_mod.parameters(), lr=optim.lr)
 
-    def plain_step() -> None:
+    def plain_step(_i: int) -> None:
         plain_opt.zero_grad(set_to_none=True)
         if s == 0:
             plain_sched.step(x)
@@ -119,22 +123,22 @@ def main() -> None:
     }
     variants = {
         "torch": plain_step,
-        "dynpipe": lambda: engines[True].step(0, (x, y)),
-        "dynpipe_no_timing": lambda: engines[False].step(0, (x, y)),
+        "dynpipe_no_timing": lambda i: engines[False].step(0, (x, y)),
+        "dynpipe": lambda i: engines[True].step(0, (x, y), sample_layers=i % 5 == 4),
+        "dynpipe_every_layer": lambda i: engines[True].step(0, (x, y), sample_layers=True),
     }
 
     def timed(fn, n: int) -> list[float]:
-        out = []
-        for _ in range(n):
-            dist.barrier()
-            if topo.is_cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            if topo.is_cuda:
-                torch.cuda.synchronize()
-            out.append((time.perf_counter() - t0) * 1e3)
-        return out
+        """One block of ``n`` steps: its mean step time (one synchronisation at each end)."""
+        dist.barrier()
+        if topo.is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(n):
+            fn(i)
+        if topo.is_cuda:
+            torch.cuda.synchronize()
+        return [(time.perf_counter() - t0) * 1e3 / n]
 
     for fn in variants.values():
         timed(fn, args.warmup)
@@ -157,16 +161,14 @@ def main() -> None:
             "stages": plan.num_stages,
             "bf16": bf16,
             "median_step_ms": med,
-            "throughput_ratio_vs_torch": {
-                k: med["torch"] / med[k] for k in ("dynpipe", "dynpipe_no_timing")
-            },
+            "throughput_ratio_vs_torch": {k: med["torch"] / med[k] for k in variants},
             "samples": {k: len(v) for k, v in times.items()},
             "env": environment(dev),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        name = f"pipeline-{args.model}-{'gpu' if topo.is_cuda else 'cpu'}-{plan.num_stages}st.json"
-        (Path(args.out) / name).write_text(json.dumps(res, indent=1) + "\n")
+        out = f"pipeline-{args.model}-{'gpu' if topo.is_cuda else 'cpu'}-{plan.num_stages}st.json"
+        (Path(args.out) / out).write_text(json.dumps(res, indent=1) + "\n")
         print(
             json.dumps(
                 {k: res[k] for k in ("model", "median_step_ms", "throughput_ratio_vs_torch")},

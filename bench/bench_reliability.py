@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 from dynpipe.runtime.checkpoint import list_checkpoints  # noqa: E402
 from dynpipe.runtime.checkpointer import Checkpointer  # noqa: E402
-from dynpipe.runtime.runlog import read_log  # noqa: E402
+from dynpipe.runtime.records import read_dicts  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -111,7 +111,7 @@ def worker_sigkill(args: argparse.Namespace, d: Path) -> dict:
     _workers(proc)[0].kill()
     proc.wait(timeout=900)
     wall_s = time.time() - t0
-    recs = read_log(log)
+    recs = read_dicts(log)
     (rec,) = [r for r in recs if r.get("event") == "recovered"]
     saves = [r for r in recs if r.get("event") == "checkpoint"]
     return {
@@ -135,7 +135,7 @@ def dead_peer(args: argparse.Namespace, d: Path) -> dict:
         stderr=subprocess.PIPE,
         text=True,
     )
-    _wait(lambda: log.is_file() and any(r["type"] == "step" for r in read_log(log)), proc)
+    _wait(lambda: log.is_file() and any(r["type"] == "step" for r in read_dicts(log)), proc)
     victim = _workers(proc)[0]
     rank = victim.environ().get("RANK")
     t_kill = time.time()
@@ -173,7 +173,7 @@ def sigterm(args: argparse.Namespace, d: Path) -> dict:
 def launcher_sigkill(args: argparse.Namespace, d: Path) -> dict:
     log = d / "kill.jsonl"
     proc = subprocess.Popen(_cmd(args, "--log", str(log), steps=100000), env=ENV)
-    _wait(lambda: log.is_file() and any(r["type"] == "step" for r in read_log(log)), proc)
+    _wait(lambda: log.is_file() and any(r["type"] == "step" for r in read_dicts(log)), proc)
     workers = _workers(proc)
     t0 = time.time()
     proc.kill()

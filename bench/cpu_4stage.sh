@@ -9,7 +9,7 @@ for mode in static measured; do
   OMP_NUM_THREADS=1 python -m dynpipe train --nproc 4 --device cpu --model mlp \
       --model-arg depth=14 --model-arg width=256 --model-arg in_features=256 \
       --steps 120 --batch-size 64 --microbatches 8 --optimizer adamw --lr 1e-3 \
-      --adapt "$mode" --scenario runtime/scenarios/emulate-4stage-two-slow.toml \
+      --adapt "$mode" --scenario recipes/scenarios/emulate-4stage-two-slow.toml \
       --no-progress --no-telemetry --log "$O/mlp-emulate-$mode.jsonl"
   echo "$mode: exit $?"
 done

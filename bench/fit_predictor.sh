@@ -28,7 +28,7 @@ EOF
 )
 fi
 if [ "${#DATA[@]}" -eq 0 ]; then
-    echo "no CUDA profile datasets in profiles/; run the GPU sweep first (runtime/sweeps/gpu.toml)" >&2
+    echo "no CUDA profile datasets in profiles/; run the GPU sweep first (recipes/sweeps/gpu.toml)" >&2
     exit 2
 fi
 echo "datasets: ${DATA[*]}"

@@ -5,7 +5,7 @@
 # run of the plan the adaptive run held at the end of the interference (the best static
 # plan for that phase, found by the controller).
 #   bench/gpu_adapt.sh MODEL OUTDIR [PREDICTOR] [KINDS]
-# KINDS: interferer kinds with a runtime/scenarios/gpu-<kind>-{stage1,4stage}.toml
+# KINDS: interferer kinds with a recipes/scenarios/gpu-<kind>-{stage1,4stage}.toml
 #   (default "gemm copy"). DEVICE=cpu with MODEL=mlp and KINDS=emulate checks the script
 #   itself on a CPU machine.
 # MODES overrides the systems run (default: static measured adaptive restart; static_tuned
@@ -60,11 +60,11 @@ tuned() {  # kind, scenario: the plan the adaptive run held when the interferenc
   python3 - "$O/$M-$1-adaptive.jsonl" "$O/$M-$1-tuned.json" <<'PY'
 import sys
 from dynpipe.planner import Plan
-from dynpipe.runtime.runlog import read_log
-recs = read_log(sys.argv[1])
-on = min(r["step"] for r in recs if r.get("event") == "interference_start")
-off = max((r["step"] for r in recs if r.get("event") == "interference_stop"), default=10**9)
-reps = [r for r in recs if r.get("event") == "repartition" and on <= r["step"] < off]
+from dynpipe.runtime.records import read_log
+log = read_log(sys.argv[1])
+on = min(e.step for e in log.events("interference_start"))
+off = max((e.step for e in log.events("interference_stop")), default=10**9)
+reps = [e for e in log.events("repartition") if on <= e.step < off]
 if reps:
     Plan.from_dict(reps[-1]["new_plan"]).save(sys.argv[2])
 PY
@@ -72,9 +72,9 @@ PY
       --plan "$O/$M-$1-tuned.json"
 }
 for kind in $KINDS; do
-  S=runtime/scenarios/gpu-$kind-stage1.toml
-  [ "$NPROC" = 4 ] && S=runtime/scenarios/gpu-$kind-4stage.toml
-  [ "$kind" = emulate ] && S=runtime/scenarios/emulate-3x-stage1.toml
+  S=recipes/scenarios/gpu-$kind-stage1.toml
+  [ "$NPROC" = 4 ] && S=recipes/scenarios/gpu-$kind-4stage.toml
+  [ "$kind" = emulate ] && S=recipes/scenarios/emulate-3x-stage1.toml
   for mode in ${MODES:-static measured adaptive restart}; do
     if [ "$mode" = static_tuned ]; then  # a given plan (PLAN=file), static
       run "$M-$kind-static_tuned" --adapt static --scenario "$S" --plan "$PLAN"; continue

@@ -9,7 +9,7 @@
 #    tokens) in bfloat16 at batch sizes 32 and 64, forward and backward — the settings of the
 #    shipped profiles/h200-*.parquet — alone and beside gemm / copy / train interferers at
 #    four duty cycles, 2-3 co-located training jobs and a gemm+copy mix
-#    (runtime/sweeps/gpu.toml), with three 20 ms timing samples per (layer, phase, condition);
+#    (recipes/sweeps/gpu.toml), with three 20 ms timing samples per (layer, phase, condition);
 # 3. writes $OUT/profiles/<gpu>-zoo.parquet and a markdown summary beside it.
 #
 # Re-running resumes: conditions already in the parquet are skipped. Copy the parquet and
@@ -46,7 +46,7 @@ log "sweep -> $DATA"
 python -m dynpipe profile \
     --model vgg16,resnet50,gpt --batch-size 32,64 \
     --set image_size=224 --set num_classes=1000 --set gpt.seq_len=512 --dtype bfloat16 \
-    --sweep runtime/sweeps/gpu.toml --device cuda:0 --repeats 3 \
+    --sweep recipes/sweeps/gpu.toml --device cuda:0 --repeats 3 \
     -o "$DATA"
 
 log "summary -> ${DATA%.parquet}.md"

@@ -19,25 +19,27 @@ current estimates (``CostEstimates``' fallback).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
+from dynpipe.cliargs import add_config_args, config_kwargs
 from dynpipe.planner.plan import Plan
 from dynpipe.runtime.adapt.config import AdaptConfig
 from dynpipe.runtime.adapt.make import make_policy
 from dynpipe.runtime.adapt.window import Window
-from dynpipe.runtime.runlog import read_log
-from dynpipe.runtime.train import TrainConfig, build_model_and_data
+from dynpipe.runtime.cli import ADAPT_FLAGS
+from dynpipe.runtime.config import TrainConfig
+from dynpipe.runtime.records import read_log
+from dynpipe.runtime.train import build_model_and_data
 
 
 def replay(
     path: Path, overrides: dict, predictor: str | None, *, follow: bool = True
 ) -> list[dict]:
     """One dict per window: the decision, or the first move the recorded run did not make."""
-    recs = read_log(path)
-    header = next(r for r in recs if r["type"] == "header")
-    conf = header["config"]
+    log = read_log(path)
+    header = log.headers[0]
+    conf = header.config
     adapt = AdaptConfig.from_dict({**conf["adapt"], **overrides})
     cfg = TrainConfig(
         model=conf["model"],
@@ -49,21 +51,22 @@ def replay(
         progress=False,
     )
     model, _ = build_model_and_data(cfg)
-    plan = Plan.from_dict(header["plan"])
+    plan = Plan.from_dict(header.plan)
     policy = make_policy(
         adapt,
         model=model,
         microbatch_size=cfg.batch_size // plan.microbatches,
-        num_ranks=header.get("world_size", plan.num_stages),
+        num_ranks=header.world_size,
         predictor=predictor,
     )
     if policy is None:
         raise SystemExit(f"{path}: mode {adapt.mode!r} has no policy to replay")
-    steps = [r for r in recs if r["type"] == "step"]
-    layers = {r["step"]: r for r in recs if r["type"] == "layer_times"}
-    tels = {r["step"]: r["devices"] for r in recs if r["type"] == "telemetry"}
-    events = {r["step"]: r["event"] for r in recs if r["type"] == "event" and "step" in r}
-    moves = {r["step"]: r for r in recs if r.get("event") == "repartition"}
+    # The policy reads a window's steps as the plain dicts the training loop hands it.
+    steps = [r.to_dict() for r in log.steps]
+    layers = {r.step: r.to_dict() for r in log.layer_times}
+    tels = {r.step: list(r.devices) for r in log.telemetry}
+    events = {e.step: e.event for e in log.events() if e.step is not None}
+    moves = {e.step: e for e in log.events("repartition")}
     every = adapt.monitor_every
     out: list[dict] = []
     for i in range(0, len(steps) - every + 1, every):
@@ -112,17 +115,21 @@ def replay(
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every AdaptConfig field but ``mode`` as a flag that overrides the log's value (the same
+    flags, from the same dataclass, as ``dynpipe train``'s)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("logs", nargs="+", type=Path)
     ap.add_argument("--mode", choices=("measured", "adaptive"), default="measured")
     ap.add_argument("--predictor", default=None)
-    fields = {f.name: f for f in dataclasses.fields(AdaptConfig) if f.name != "mode"}
-    for name, f in fields.items():
-        ap.add_argument(f"--{name.replace('_', '-')}", type=type(f.default), default=None)
-    args = ap.parse_args(argv)
-    overrides = {"mode": args.mode}
-    overrides |= {k: getattr(args, k) for k in fields if getattr(args, k) is not None}
+    add_config_args(ap, AdaptConfig, flags=ADAPT_FLAGS, exclude=("mode",), unset=True)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    given = {k: v for k, v in config_kwargs(args, AdaptConfig).items() if v is not None}
+    overrides = {**given, "mode": args.mode}
     for path in args.logs:
         print(f"## {path}")
         for d in replay(path, overrides, args.predictor):

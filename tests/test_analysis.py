@@ -4,9 +4,9 @@ tests/data/logs/ holds three real CPU runs of the mlp on two gloo ranks:
 
     dynpipe train --nproc 2 --model mlp --steps 40 --log tests/data/logs/static.jsonl --no-progress
     dynpipe train --nproc 2 --model mlp --steps 80 --adapt measured \
-        --scenario runtime/scenarios/emulate-3x-stage1.toml --log tests/data/logs/measured.jsonl
+        --scenario recipes/scenarios/emulate-3x-stage1.toml --log tests/data/logs/measured.jsonl
     dynpipe train --nproc 2 --model mlp --steps 80 --adapt restart --cooldown 100 \
-        --scenario runtime/scenarios/emulate-3x-stage1.toml --log tests/data/logs/restart.jsonl \
+        --scenario recipes/scenarios/emulate-3x-stage1.toml --log tests/data/logs/restart.jsonl \
         --save-dir /tmp/restart_ckpt
     dynpipe train --nproc 2 --model mlp --steps 60 --adapt measured \
         --scenario tests/data/logs/emulate-1.5x-stage1.toml --log tests/data/logs/light.jsonl
@@ -39,7 +39,7 @@ from dynpipe.analysis.metrics import (
 )
 from dynpipe.analysis.summary import render_summary, run_table
 from dynpipe.errors import UserError
-from dynpipe.runtime.runlog import read_log
+from dynpipe.runtime.records import read_log
 
 LOGS = Path(__file__).parent / "data" / "logs"
 
@@ -65,25 +65,21 @@ def test_recorded_logs_stay_small() -> None:
 
 def test_static_run_frames(static) -> None:
     raw = read_log(LOGS / "static.jsonl")
-    header = raw[0]
+    (header,) = raw.headers
     assert static.mode == "static" and static.name == "static"
     assert static.model == "mlp" and static.device == "cpu" and static.num_stages == 2
-    assert list(static.steps["step"]) == list(range(header["config"]["steps"]))
+    assert list(static.steps["step"]) == list(range(header.config["steps"]))
     assert set(static.steps["phase"]) == {"clean"} and static.windows == []
     assert static.condition == "no interference"
     # Every number in the frames is a number of the file.
-    steps = [r for r in raw if r["type"] == "step"]
-    assert static.steps["step_ms"].tolist() == [r["step_ms"] for r in steps]
-    assert static.steps["loss"].tolist() == [r["loss"] for r in steps]
+    steps = raw.steps
+    assert static.steps["step_ms"].tolist() == [r.step_ms for r in steps]
+    assert static.steps["loss"].tolist() == [r.loss for r in steps]
     assert len(static.stages) == 2 * len(steps)
     row = static.stages.iloc[3]
-    rec = steps[1]["stages"][1]
-    assert (row["fwd_ms"], row["bwd_ms"], row["wait_ms"]) == (
-        rec["fwd_ms"],
-        rec["bwd_ms"],
-        rec["wait_ms"],
-    )
-    assert row["busy"] == pytest.approx((rec["fwd_ms"] + rec["bwd_ms"]) / steps[1]["step_ms"])
+    rec = steps[1].stages[1]
+    assert (row["fwd_ms"], row["bwd_ms"], row["wait_ms"]) == (rec.fwd_ms, rec.bwd_ms, rec.wait_ms)
+    assert row["busy"] == pytest.approx((rec.fwd_ms + rec.bwd_ms) / steps[1].step_ms)
 
 
 def test_step_end_times_follow_step_durations(static) -> None:
@@ -141,15 +137,15 @@ def test_migration_costs_from_events(measured, restart) -> None:
     (row,) = r.itertuples()
     (resumed,) = restart.events_of("resumed")
     (decided,) = restart.events_of("restart")
-    assert row.kind == "restart" and row.step == decided["step"] == resumed["step"]
+    assert row.kind == "restart" and row.step == decided.step == resumed.step
     assert row.relaunch_ms == resumed["pause_ms"]
     assert row.pause_ms == pytest.approx(resumed["pause_ms"] + decided["decide_ms"])
 
 
 def test_restart_log_spans_two_launches(restart) -> None:
-    assert len(restart.headers) == 2 and restart.headers[1]["start_step"] > 0
+    assert len(restart.headers) == 2 and restart.headers[1].start_step > 0
     s = restart.steps
-    assert list(s["step"]) == list(range(restart.headers[0]["config"]["steps"]))
+    assert list(s["step"]) == list(range(restart.headers[0].config["steps"]))
     assert set(s["segment"]) == {0, 1}
     first_after = s[s["segment"] == 1].iloc[0]
     last_before = s[s["segment"] == 0].iloc[-1]

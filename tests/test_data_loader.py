@@ -16,7 +16,7 @@ from dynpipe.data.loader import BatchStream
 from dynpipe.errors import UserError
 from dynpipe.models import get_model
 from dynpipe.runtime.cli import config_from_args
-from dynpipe.runtime.train import TrainConfig
+from dynpipe.runtime.config import TrainConfig
 
 TINY_VGG = {"width_mult": 1 / 16, "image_size": 32}
 TINY_GPT = {"depth": 1, "width": 32, "heads": 2, "seq_len": 16, "vocab": 64}
@@ -150,7 +150,10 @@ def test_an_unpicklable_source_says_so() -> None:
     assert "--data-workers 0" in msg and len(msg.splitlines()) == 1
 
 
+@pytest.mark.timing
 def test_a_stalled_worker_times_out_instead_of_hanging() -> None:
+    with BatchStream(_Broken(), batch_size=4, start=0, stop=2, workers=1) as warm:
+        list(warm)  # the fork server starts once per process and stays: count it out
     before = _workers()
     stream = BatchStream(_Stalled(), batch_size=4, start=0, stop=3, workers=1, timeout_s=2.0)
     stream.batch(0)  # the worker is up; the next step is where it hangs

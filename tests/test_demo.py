@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 # How much a busy loop on a shared 2-core machine slows a stage varies from run to run
 # (the scheduler favours a process that often sleeps), and now and then it is too little

@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from dynpipe.devices.interfere import InterfererSpec, start_interferer
 from dynpipe.errors import UserError
-from dynpipe.profiler.interfere import InterfererSpec, start_interferer
 
 ROOT = Path(__file__).resolve().parents[1]
 LAST_CORE = (os.cpu_count() or 1) - 1
@@ -115,7 +115,7 @@ def test_failed_start_is_reported():
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    from dynpipe.profiler.interfere import InterfererError
+    from dynpipe.devices.interfere import InterfererError
 
     with pytest.raises(InterfererError, match="failed to start"):
         start_interferer(kind="gemm", device="cuda:0", ready_timeout_s=60)
@@ -124,7 +124,7 @@ def test_failed_start_is_reported():
 _PARENT = textwrap.dedent(
     """
     import json, sys, threading, time
-    from dynpipe.profiler.interfere import start_interferer
+    from dynpipe.devices.interfere import start_interferer
     box = {}
     def go():
         box["itf"] = start_interferer(kind="spin", intensity=0.3, count=2)

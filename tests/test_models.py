@@ -280,6 +280,7 @@ def test_layer_stats_counts_linear_flops_exactly() -> None:
     assert half[1].param_bytes * 2 == fc0.param_bytes and half[1].out_dtype == torch.bfloat16
 
 
+@pytest.mark.timing
 def test_layer_stats_is_fast_for_gpt_base() -> None:
     model = get_model("gpt")
     layer_stats(get_model("mlp", depth=1), batch_size=1)  # one-time FlopCounterMode set-up

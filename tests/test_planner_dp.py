@@ -290,6 +290,7 @@ def test_make_plan_fills_predictions_that_the_simulator_reproduces() -> None:
     assert Plan.from_json(plan.to_json()) == plan
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize(("layers", "stages", "limit_ms"), [(200, 8, 500), (1000, 64, 8000)])
 def test_large_instances_plan_quickly(layers, stages, limit_ms) -> None:
     # A loose guard (the benchmark measures properly): the machine is shared.

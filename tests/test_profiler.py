@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from dynpipe.cli import main
+from dynpipe.devices.interfere import start_interferer
+from dynpipe.devices.telemetry import TelemetrySampler
 from dynpipe.errors import UserError
 from dynpipe.models import get_model
 from dynpipe.profiler.conditions import NONE, load_sweep, parse_condition
-from dynpipe.profiler.interfere import start_interferer
 from dynpipe.profiler.layers import LayerBench, TimingConfig, static_features
 from dynpipe.profiler.schema import COLUMNS, load_profiles, read_metadata, write_profiles
-from dynpipe.profiler.telemetry import TelemetrySampler
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = 0
@@ -83,6 +83,7 @@ def _mean(tels: list[dict], key: str) -> float:
     return float(np.nanmean([t[key] for t in tels]))
 
 
+@pytest.mark.timing
 def test_spin_on_our_core_slows_a_layer_and_telemetry_sees_it(pinned):
     # fc00 of a 512-wide mlp at batch 256: a ~1-3 ms matmul on one core.
     model = get_model("mlp", depth=1, width=512, in_features=512)
@@ -242,9 +243,9 @@ def test_cli_unknown_kind_exits_2_with_one_line(tmp_path, capsys):
 
 def test_shipped_sweeps_parse():
     for name in ("cpu", "smoke"):
-        sw = load_sweep(ROOT / "runtime" / "sweeps" / f"{name}.toml", device="cpu", cores=[0])
+        sw = load_sweep(ROOT / "recipes" / "sweeps" / f"{name}.toml", device="cpu", cores=[0])
         assert sw.conditions[0].id == NONE and len(sw.conditions) > 1
-    gpu = load_sweep(ROOT / "runtime" / "sweeps" / "gpu.toml", device="cuda:0")
+    gpu = load_sweep(ROOT / "recipes" / "sweeps" / "gpu.toml", device="cuda:0")
     kinds = {c.interferer for c in gpu.conditions}
     assert {"gemm", "copy", "train"} <= kinds
     for kind in ("gemm", "copy", "train"):

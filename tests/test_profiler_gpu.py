@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch import nn
 
+from dynpipe.devices.interfere import start_interferer
+from dynpipe.devices.telemetry import TelemetrySampler
 from dynpipe.models import InputSpec, LayeredModel, LayerSpec, get_model
-from dynpipe.profiler.interfere import start_interferer
 from dynpipe.profiler.layers import LayerBench, TimingConfig
 from dynpipe.profiler.schema import load_profiles, read_metadata
-from dynpipe.profiler.telemetry import TelemetrySampler
 
 pytestmark = [
     pytest.mark.gpu,

@@ -31,10 +31,11 @@ def _adapt_then_static(rank: int, world: int, scenario: str, log: str) -> dict:
     from dynpipe.models import get_model
     from dynpipe.planner import Plan
     from dynpipe.runtime.adapt.config import AdaptConfig
+    from dynpipe.runtime.config import TrainConfig
     from dynpipe.runtime.engine import EngineConfig, PipelineEngine
     from dynpipe.runtime.optim import OptimConfig
     from dynpipe.runtime.topology import Topology
-    from dynpipe.runtime.train import TrainConfig, train
+    from dynpipe.runtime.train import train
 
     topo = Topology.from_env(device="cpu")
     cfg = TrainConfig(
@@ -79,11 +80,9 @@ def _adapt_then_static(rank: int, world: int, scenario: str, log: str) -> dict:
     import torch.distributed as dist
 
     dist.barrier()
-    from dynpipe.runtime.runlog import read_log
+    from dynpipe.runtime.records import read_log
 
-    reps = [
-        r for r in read_log(log) if r.get("event") == "repartition" and ONSET <= r["step"] < DEPART
-    ]
+    reps = [e for e in read_log(log).events("repartition") if ONSET <= e.step < DEPART]
     chosen = reps[-1]["new_plan"]["stages"][0]["stop"] if reps else None
     # The retry decision must be the same on every rank: take the slowest rank's medians.
     ks = sorted(times)
@@ -98,8 +97,9 @@ def _adapt_then_static(rank: int, world: int, scenario: str, log: str) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+@pytest.mark.timing
 def test_controller_adapts_to_emulated_slowdown_and_moves_back(tmp_path) -> None:
-    from dynpipe.runtime.runlog import read_log
+    from dynpipe.runtime.records import read_log
 
     log = tmp_path / "adaptive.jsonl"
     res = run_ranks(
@@ -112,27 +112,27 @@ def test_controller_adapts_to_emulated_slowdown_and_moves_back(tmp_path) -> None
     static = res[1]["value"]  # the last stage's step times (every rank waits for the step)
     best_split, best_ms = min(static.items(), key=lambda kv: kv[1])
     recs = read_log(log)
-    events = [r for r in recs if r["type"] == "event"]
-    reps = [e for e in events if e["event"] == "repartition"]
-    assert any(e["event"] == "interference_start" and e["emulated"] for e in events)
-    assert reps, [e for e in events if e["event"] == "decision"]
+    events = recs.events()
+    reps = recs.events("repartition")
+    assert any(e["emulated"] for e in recs.events("interference_start"))
+    assert reps, recs.events("decision")
     first = reps[0]
-    assert ONSET < first["step"] <= ONSET + 10, first["step"]
+    assert ONSET < first.step <= ONSET + 10, first.step
     # It moved layers off the slowed stage 1.
     assert first["new_plan"]["stages"][1]["start"] > first["old_plan"]["stages"][1]["start"]
     # The plan it settled on during the slowdown runs within 10% of the best static plan for
     # this condition (all splits timed side by side under the same emulated slowdown).
-    during = [e for e in reps if ONSET <= e["step"] < DEPART]
+    during = [e for e in reps if ONSET <= e.step < DEPART]
     chosen = during[-1]["new_plan"]["stages"][0]["stop"]
     assert static[chosen] <= 1.10 * best_ms, (chosen, best_split, static)
     # And the run itself recovered: steps after adapting are much faster than before it.
-    steps = {r["step"]: r["step_ms"] for r in recs if r["type"] == "step"}
-    slowed = statistics.median(steps[s] for s in range(ONSET, first["step"]))
-    adapted = statistics.median(steps[s] for s in range(first["step"] + 5, DEPART))
+    steps = {r.step: r.step_ms for r in recs.steps}
+    slowed = statistics.median(steps[s] for s in range(ONSET, first.step))
+    adapted = statistics.median(steps[s] for s in range(first.step + 5, DEPART))
     assert adapted < 0.85 * slowed, (adapted, slowed)
     # After the slowdown ends it moves layers back to stage 1.
-    back = [e for e in reps if e["step"] > DEPART]
-    assert back, [(e["step"], e["reason"]) for e in events if e["event"] == "decision"]
+    back = [e for e in reps if e.step > DEPART]
+    assert back, [(e.step, e["reason"]) for e in events if e.event == "decision"]
     assert back[0]["new_plan"]["stages"][1]["start"] < back[0]["old_plan"]["stages"][1]["start"]
 
 
@@ -188,21 +188,21 @@ def _run(tmp_path, name: str, *extra: str) -> subprocess.CompletedProcess:
 
 
 def test_restart_baseline_relaunches_under_new_plan_bit_identically(tmp_path) -> None:
-    from dynpipe.runtime.runlog import read_log
+    from dynpipe.runtime.records import read_log
 
     scenario = _scenario(tmp_path / "s.toml", 20, 1000)
     proc = _run(tmp_path, "restart", "--adapt", "restart", "--scenario", scenario)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = read_log(tmp_path / "restart" / "log.jsonl")
-    headers = [r for r in recs if r["type"] == "header"]
-    restart = [r for r in recs if r.get("event") == "restart"]
-    resumed = [r for r in recs if r.get("event") == "resumed"]
-    assert restart and resumed, [r.get("event") for r in recs if r["type"] == "event"]
-    assert resumed[0]["step"] == restart[0]["step"] and resumed[0]["pause_ms"] > 0
+    headers = recs.headers
+    restart = recs.events("restart")
+    resumed = recs.events("resumed")
+    assert restart and resumed, [e.event for e in recs.events()]
+    assert resumed[0].step == restart[0].step and resumed[0]["pause_ms"] > 0
     # The relaunched workers run the plan the controller decided before exiting.
-    assert len(headers) >= 2 and headers[1]["plan"]["stages"] == restart[0]["new_plan"]["stages"]
-    assert restart[0]["new_plan"]["stages"][1]["start"] > headers[0]["plan"]["stages"][1]["start"]
-    steps = sorted(r["step"] for r in recs if r["type"] == "step")
+    assert len(headers) >= 2 and headers[1].plan["stages"] == restart[0]["new_plan"]["stages"]
+    assert restart[0]["new_plan"]["stages"][1]["start"] > headers[0].plan["stages"][1]["start"]
+    steps = sorted(r.step for r in recs.steps)
     assert steps == list(range(60)), "every step ran exactly once across the relaunch"
 
     proc = _run(tmp_path, "static", "--adapt", "static")
@@ -271,8 +271,9 @@ def _misled(rank: int, world: int, log: str, scenario: str) -> list[float]:
     from dynpipe.models import get_model
     from dynpipe.runtime.adapt.config import AdaptConfig
     from dynpipe.runtime.adapt.make import make_policy
+    from dynpipe.runtime.config import TrainConfig
     from dynpipe.runtime.topology import Topology
-    from dynpipe.runtime.train import TrainConfig, train
+    from dynpipe.runtime.train import train
 
     torch.set_num_threads(1)
     adapt = AdaptConfig(mode="measured", monitor_every=5)
@@ -292,8 +293,9 @@ def _misled(rank: int, world: int, log: str, scenario: str) -> list[float]:
     return train(cfg, topo=Topology.from_env(device="cpu"), policy=_Misled(inner))["losses"]
 
 
+@pytest.mark.timing
 def test_a_move_that_makes_steps_slower_is_undone(tmp_path) -> None:
-    from dynpipe.runtime.runlog import read_log
+    from dynpipe.runtime.records import read_log
 
     log = tmp_path / "misled.jsonl"
     scenario = tmp_path / "s.toml"
@@ -302,15 +304,15 @@ def test_a_move_that_makes_steps_slower_is_undone(tmp_path) -> None:
         "factor = 3.0\nstage = 0\n"
     )
     run_ranks(_misled, 2, str(log), str(scenario), timeout_s=300)
-    events = [r for r in read_log(log) if r["type"] == "event"]
-    reps = [e for e in events if e["event"] == "repartition"]
-    judged = [e for e in events if e["event"] == "judged"]
-    assert len(reps) >= 2, [(e["event"], e.get("reason")) for e in events]
+    recs = read_log(log)
+    reps = recs.events("repartition")
+    judged = recs.events("judged")
+    assert len(reps) >= 2, [(e.event, e.get("reason")) for e in recs.events()]
     assert [len(s["layers"]) for s in reps[0]["new_plan"]["stages"]] == [9, 1]
     assert judged and judged[0]["verdict"] == "slower", judged
     assert judged[0]["after_ms"] > judged[0]["before_ms"]
     # Undone at once, because the plan it left was measured faster under these conditions.
     assert reps[1]["new_plan"]["stages"] == reps[0]["old_plan"]["stages"]
-    assert reps[1]["step"] == judged[0]["step"] + 1
-    decisions = [e for e in events if e["event"] == "decision" and e["step"] == reps[1]["step"]]
+    assert reps[1].step == judged[0].step + 1
+    decisions = [e for e in recs.events("decision") if e.step == reps[1].step]
     assert decisions and decisions[0]["reason"].startswith("measured"), decisions

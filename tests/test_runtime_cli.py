@@ -104,9 +104,10 @@ def test_non_finite_loss_stops_every_worker_with_one_line(tmp_path) -> None:
 
 
 def _train_two_stages(rank: int, world: int, log: str) -> dict:
+    from dynpipe.runtime.config import TrainConfig
     from dynpipe.runtime.optim import OptimConfig
     from dynpipe.runtime.topology import Topology
-    from dynpipe.runtime.train import TrainConfig, train
+    from dynpipe.runtime.train import train
 
     cfg = TrainConfig(
         model="mlp",
@@ -124,22 +125,24 @@ def _train_two_stages(rank: int, world: int, log: str) -> dict:
 
 @pytest.mark.slow
 def test_run_log_has_header_steps_and_per_stage_timing(tmp_path) -> None:
-    from dynpipe.runtime.runlog import read_log
+    from dynpipe.runtime.records import SCHEMA_VERSION, Event, Header, read_log
 
     log = tmp_path / "run" / "log.jsonl"
     res = run_ranks(_train_two_stages, 2, str(log))
     recs = read_log(log)
-    assert recs[0]["type"] == "header"
-    assert recs[0]["plan"]["model"] == "mlp" and recs[0]["world_size"] == 2
-    assert recs[0]["env"]["torch"]
-    steps = [r for r in recs if r["type"] == "step"]
-    assert [r["step"] for r in steps] == list(range(40))
+    header = recs.records[0]
+    assert isinstance(header, Header) and header.schema == SCHEMA_VERSION
+    assert header.plan["model"] == "mlp" and header.world_size == 2
+    assert header.env["torch"]
+    steps = recs.steps
+    assert [r.step for r in steps] == list(range(40))
     for r in steps:
-        assert len(r["stages"]) == 2
-        for st in r["stages"]:
-            assert st["fwd_ms"] > 0 and st["bwd_ms"] > 0 and st["wait_ms"] >= 0
-        assert r["samples_per_s"] > 0 and r["step_ms"] > 0
-    assert recs[-1]["type"] == "event" and recs[-1]["event"] == "end"
+        assert [st.stage for st in r.stages] == [0, 1]
+        for st in r.stages:
+            assert st.fwd_ms > 0 and st.bwd_ms > 0 and st.wait_ms >= 0
+        assert r.samples_per_s > 0 and r.step_ms > 0
+    end = recs.records[-1]
+    assert isinstance(end, Event) and end.event == "end" and end.step == 40
     # Every rank sees the same (global) loss, and the synthetic task is learnable.
     assert res[0]["value"]["losses"] == res[1]["value"]["losses"]
     losses = res[1]["value"]["losses"]
@@ -147,8 +150,9 @@ def test_run_log_has_header_steps_and_per_stage_timing(tmp_path) -> None:
 
 
 def _die_at_step_3(rank: int, world: int) -> str:
+    from dynpipe.runtime.config import TrainConfig
     from dynpipe.runtime.topology import Topology
-    from dynpipe.runtime.train import TrainConfig, train
+    from dynpipe.runtime.train import train
 
     def on_step(engine, res) -> None:
         if rank == 1 and res.step == 3:
@@ -166,6 +170,7 @@ def _die_at_step_3(rank: int, world: int) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_dead_peer_fails_other_ranks_naming_it() -> None:
     res = run_ranks(_die_at_step_3, 3, timeout_s=120, pg_timeout_s=20, expect_failure=True)
     assert not res[1]["ok"]  # the dead rank left no result

@@ -104,7 +104,7 @@ def _receiver_dies(rank: int, world: int) -> str:
         topo=Topology.from_env(device="cpu", timeout_s=20),
         config=EngineConfig(batch_size=BATCH, optim=optim_config("sgd")),
     )
-    beat = Heartbeat(rank=rank, world_size=world, interval_s=0.5).start()
+    beat = Heartbeat(topo=eng.topo, interval_s=0.5).start()
     eng.step(0, make_batch(model, 0))
     if rank == 2:
         time.sleep(1.0)
@@ -120,6 +120,7 @@ def _receiver_dies(rank: int, world: int) -> str:
     return "no error"
 
 
+@pytest.mark.timing
 def test_migration_peer_death_fails_every_rank_naming_it() -> None:
     res = run_ranks(_receiver_dies, 3, timeout_s=120, pg_timeout_s=20, expect_failure=True)
     for r in (0, 1):
@@ -152,8 +153,9 @@ def test_pack_round_trip_and_corruption_is_caught() -> None:
 
 def _warm(rank: int, world: int) -> float:
     from dynpipe.runtime.migrate import warm_links
+    from dynpipe.runtime.topology import Topology
 
-    return warm_links(torch.device("cpu"), timeout_s=30, warm_bytes=1 << 20)
+    return warm_links(Topology.from_env(device="cpu", timeout_s=30), warm_bytes=1 << 20)
 
 
 def test_link_warm_up_reaches_every_peer_through_the_transfer_path() -> None:

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dynpipe.profiler.schema import TELEMETRY_COLUMNS
-from dynpipe.profiler.telemetry import TelemetrySampler, parse_device
+from dynpipe.devices.columns import TELEMETRY_COLUMNS
+from dynpipe.devices.telemetry import TelemetrySampler, parse_device
 
 
 def test_parse_device():
@@ -29,20 +29,30 @@ def test_cpu_window_has_schema_columns_and_resets():
         time.sleep(0.3)
         w = s.window()
         assert set(w) == {*TELEMETRY_COLUMNS, "tel_samples"}
-        assert w["tel_samples"] >= 5
+        assert w["tel_samples"] >= 1
         assert 0.0 <= w["tel_util"] <= 100.0
         assert 0.0 <= w["tel_other_util"] <= 100.0
         assert w["tel_mem_used_mb"] > 0
         for col in ("tel_mem_util", "tel_other_mem_util", "tel_throttle", "tel_power_w"):
             assert math.isnan(w[col]), col  # no such reading on a CPU
-        w2 = s.window()  # a fresh window right away: at most a tick or two, never empty
-        assert 1 <= w2["tel_samples"] <= 3
+        w2 = s.window()  # a fresh window right away: never empty
+        assert w2["tel_samples"] >= 1
+
+
+@pytest.mark.timing
+def test_cpu_sampler_ticks_on_time_and_cheaply():
+    with TelemetrySampler("cpu", interval_s=0.02) as s:
+        time.sleep(0.3)
+        assert s.window()["tel_samples"] >= 5
+        # A fresh window right away holds at most a tick or two: the window was reset.
+        assert s.window()["tel_samples"] <= 3
     # The sampler's own cost per tick stays far below its 20 ms budget per tick.
     assert s.tick_cost_ms < 2.0
 
 
+@pytest.mark.timing
 def test_cpu_telemetry_sees_a_busy_neighbour():
-    from dynpipe.profiler.interfere import start_interferer
+    from dynpipe.devices.interfere import start_interferer
 
     core = (os.cpu_count() or 1) - 1
     with (

@@ -130,7 +130,7 @@ def run_demo(cfg: DemoConfig) -> int:
 
 def summarise(log: str | Path) -> dict[str, Any]:
     """Step time before, during and after the interference; repartitions; bytes moved."""
-    from dynpipe.runtime.runlog import read_log
+    from dynpipe.runtime.records import read_dicts as read_log
 
     recs = read_log(log)
     steps = {r["step"]: r for r in recs if r["type"] == "step"}

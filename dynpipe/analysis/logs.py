@@ -1,7 +1,7 @@
 """Run logs as tidy pandas frames: one ``Run`` per JSONL file.
 
-A run log (``dynpipe.runtime.runlog``) holds a header per process launch, step records and
-events. ``load_run`` turns one file into a ``Run``: per-step and per-stage frames, the events,
+A run log (records of ``dynpipe.runtime.records``) holds a header per process launch, step
+records and events. ``load_run`` reads one file through ``records.read_log`` into a ``Run``: per-step and per-stage frames, the events,
 the interference windows and the phase of every step. Nothing is edited: every number in a
 frame is a number of the file, or arithmetic on them that the column docs below spell out.
 
@@ -18,13 +18,13 @@ import glob
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from dynpipe.analysis.phases import Window, assign_phases, interference_windows
 from dynpipe.errors import UserError
+from dynpipe.runtime.records import EVENTS, Event, Header, Step, read_log
 
 __all__ = [
     "Run",
@@ -51,7 +51,8 @@ class Run:
     stages: one row per (step, stage): ``step, stage, rank, start, stop, fwd_ms, bwd_ms,
         wait_ms, busy`` (= (fwd + bwd) / step_ms of that step).
     events: one row per event record: ``event, step, time, elapsed_s, segment, record``
-        (the record as a dict).
+        (the ``records.Event``).
+    headers: the header of every process launch, in order.
     windows: interference windows, in onset order.
     """
 
@@ -65,7 +66,7 @@ class Run:
     batch_size: int
     microbatches: int
     schedule: str
-    headers: list[dict[str, Any]]
+    headers: list[Header]
     steps: pd.DataFrame = field(repr=False)
     stages: pd.DataFrame = field(repr=False)
     events: pd.DataFrame = field(repr=False)
@@ -81,10 +82,12 @@ class Run:
 
     @property
     def num_stages(self) -> int:
-        return len(self.headers[0]["plan"]["stages"])
+        return len(self.headers[0].plan["stages"])
 
-    def events_of(self, name: str) -> list[dict[str, Any]]:
-        """The records of every ``name`` event, in file order."""
+    def events_of(self, name: str) -> list[Event]:
+        """The records of every ``name`` event (one of ``records.EVENTS``), in file order."""
+        if name not in EVENTS:
+            raise KeyError(f"unknown run-log event {name!r}; known: {', '.join(EVENTS)}")
         if self.events.empty:
             return []
         return list(self.events.loc[self.events["event"] == name, "record"])
@@ -148,20 +151,20 @@ def group_experiments(root: str | Path) -> dict[str, list[Path]]:
     return out
 
 
-def _mode(header: dict[str, Any]) -> str:
-    adapt = header.get("config", {}).get("adapt") or {}
+def _mode(header: Header) -> str:
+    adapt = header.config.get("adapt") or {}
     return str(adapt.get("mode", "static")) if isinstance(adapt, Mapping) else "static"
 
 
-def _end_times(records: list[dict[str, Any]], segments: list[int]) -> np.ndarray:
+def _end_times(records: list[Step], segments: list[int]) -> np.ndarray:
     """End time of each step: its window's write time minus the later steps of the window.
 
     A window's records are written back to back (microseconds apart); the next window's
     first record comes at least one full step later. So record ``i + 1`` opens a new window
     when it was written more than half its own step time after record ``i``.
     """
-    t = np.array([r["time"] for r in records], dtype=np.float64)
-    ms = np.array([r["step_ms"] for r in records], dtype=np.float64)
+    t = np.array([r.time for r in records], dtype=np.float64)
+    ms = np.array([r.step_ms for r in records], dtype=np.float64)
     n = len(records)
     new = np.ones(n, dtype=bool)
     new[1:] = (t[1:] - t[:-1] > 0.5 * ms[1:] / 1e3) | (np.diff(segments) != 0)
@@ -177,22 +180,21 @@ def _end_times(records: list[dict[str, Any]], segments: list[int]) -> np.ndarray
 
 def load_run(path: str | Path, *, label: str | None = None) -> Run:
     """Read one run log (every process launch appended to it) into a ``Run``."""
-    from dynpipe.runtime.runlog import read_log
-
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"run log {path} does not exist; write one with `dynpipe train --log FILE`")
-    headers, step_recs, segs, ev_recs, ev_segs = [], [], [], [], []
+    headers: list[Header] = []
+    step_recs: list[Step] = []
+    ev_recs: list[Event] = []
+    segs: list[int] = []
+    ev_segs: list[int] = []
     for rec in read_log(path):
-        kind = rec.get("type")
-        if kind == "header":
+        if isinstance(rec, Header):
             headers.append(rec)
         elif not headers:
             continue  # records before any header belong to no launch we can describe
-        elif kind == "step":
+        elif isinstance(rec, Step):
             step_recs.append(rec)
             segs.append(len(headers) - 1)
-        elif kind == "event":
+        elif isinstance(rec, Event):
             ev_recs.append(rec)
             ev_segs.append(len(headers) - 1)
     if not headers:
@@ -205,35 +207,35 @@ def load_run(path: str | Path, *, label: str | None = None) -> Run:
             "(rerun with more steps or a smaller --log-every)"
         )
     h0 = headers[0]
-    cfg = h0.get("config", {})
-    t0 = float(h0["time"])
+    cfg = h0.config
+    t0 = h0.time
     steps = pd.DataFrame(
         {
-            "step": [int(r["step"]) for r in step_recs],
+            "step": [r.step for r in step_recs],
             "segment": segs,
             "t_end": _end_times(step_recs, segs),
-            "step_ms": [float(r["step_ms"]) for r in step_recs],
-            "loss": [np.nan if r.get("loss") is None else float(r["loss"]) for r in step_recs],
-            "lr": [np.nan if r.get("lr") is None else float(r["lr"]) for r in step_recs],
-            "samples_per_s": [float(r.get("samples_per_s") or np.nan) for r in step_recs],
+            "step_ms": [r.step_ms for r in step_recs],
+            "loss": [np.nan if r.loss is None else r.loss for r in step_recs],
+            "lr": [np.nan if r.lr is None else r.lr for r in step_recs],
+            "samples_per_s": [r.samples_per_s or np.nan for r in step_recs],
         }
     )
     steps["elapsed_s"] = steps["t_end"] - t0
     stage_rows = [
         {
-            "step": int(r["step"]),
+            "step": r.step,
             "segment": seg,
-            "stage": int(st["stage"]),
-            "rank": int(st["rank"]),
-            "start": int(st["layers"][0]),
-            "stop": int(st["layers"][1]),
-            "fwd_ms": float(st["fwd_ms"]),
-            "bwd_ms": float(st["bwd_ms"]),
-            "wait_ms": float(st["wait_ms"]),
-            "step_ms": float(r["step_ms"]),
+            "stage": st.stage,
+            "rank": st.rank,
+            "start": st.layers[0],
+            "stop": st.layers[1],
+            "fwd_ms": st.fwd_ms,
+            "bwd_ms": st.bwd_ms,
+            "wait_ms": st.wait_ms,
+            "step_ms": r.step_ms,
         }
         for r, seg in zip(step_recs, segs, strict=True)
-        for st in r.get("stages", [])
+        for st in r.stages
     ]
     stages = pd.DataFrame(stage_rows)
     # A relaunch may redo steps a killed process had already logged: keep the last attempt.
@@ -246,9 +248,9 @@ def load_run(path: str | Path, *, label: str | None = None) -> Run:
         stages["busy"] = (stages["fwd_ms"] + stages["bwd_ms"]) / stages["step_ms"]
     events = pd.DataFrame(
         {
-            "event": [str(r.get("event")) for r in ev_recs],
-            "step": [r.get("step") for r in ev_recs],
-            "time": [float(r["time"]) for r in ev_recs],
+            "event": [r.event for r in ev_recs],
+            "step": [r.step for r in ev_recs],
+            "time": [r.time for r in ev_recs],
             "segment": ev_segs,
             "record": ev_recs,
         }
@@ -262,12 +264,12 @@ def load_run(path: str | Path, *, label: str | None = None) -> Run:
         system=label or mode,
         mode=mode,
         path=path,
-        model=str(cfg.get("model") or h0["plan"].get("model")),
-        device=str(h0.get("env", {}).get("device_name", "?")),
-        world_size=int(h0.get("world_size", len(h0["plan"]["stages"]))),
+        model=str(cfg.get("model") or h0.plan.get("model")),
+        device=str(h0.env.get("device_name", "?")),
+        world_size=h0.world_size,
         batch_size=int(cfg.get("batch_size", 0)),
-        microbatches=int(h0["plan"].get("microbatches", cfg.get("microbatches", 1))),
-        schedule=str(h0["plan"].get("schedule", cfg.get("schedule", "?"))),
+        microbatches=int(h0.plan.get("microbatches", cfg.get("microbatches", 1))),
+        schedule=str(h0.plan.get("schedule", cfg.get("schedule", "?"))),
         headers=headers,
         steps=steps,
         stages=stages,

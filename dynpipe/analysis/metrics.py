@@ -135,19 +135,19 @@ def migration_costs(runs: Sequence[Run]) -> pd.DataFrame:
                     "run": run.name,
                     "system": run.system,
                     "kind": "repartition",
-                    "step": int(ev["step"]),
+                    "step": int(ev.step),
                     "bytes": ev.get("bytes"),
                     "decide_ms": ev.get("decide_ms"),
                     "transfer_ms": ev.get("transfer_ms"),
                     "rebuild_ms": ev.get("rebuild_ms"),
                     "relaunch_ms": None,
                     "pause_ms": ev.get("pause_ms"),
-                    "gap_ms": gaps.get(int(ev["step"])),
+                    "gap_ms": gaps.get(int(ev.step)),
                 }
             )
-        resumed = {int(ev["step"]): ev for ev in run.events_of("resumed")}
+        resumed = {int(ev.step): ev for ev in run.events_of("resumed")}
         for ev in run.events_of("restart"):
-            res = resumed.get(int(ev["step"]))
+            res = resumed.get(int(ev.step))
             relaunch = None if res is None else res.get("pause_ms")
             decide = ev.get("decide_ms")
             pause = None if relaunch is None else float(relaunch) + float(decide or 0.0)
@@ -156,14 +156,14 @@ def migration_costs(runs: Sequence[Run]) -> pd.DataFrame:
                     "run": run.name,
                     "system": run.system,
                     "kind": "restart",
-                    "step": int(ev["step"]),
+                    "step": int(ev.step),
                     "bytes": None,
                     "decide_ms": decide,
                     "transfer_ms": None,
                     "rebuild_ms": None,
                     "relaunch_ms": relaunch,
                     "pause_ms": pause,
-                    "gap_ms": gaps.get(int(ev["step"])),
+                    "gap_ms": gaps.get(int(ev.step)),
                 }
             )
     cols = [

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from dynpipe.runtime.records import Event
 
 __all__ = ["PHASES", "Window", "assign_phases", "interference_windows"]
 
@@ -58,17 +61,15 @@ class Window:
         return 1.0 + self.intensity * max(self.count, 1)
 
 
-def interference_windows(
-    events: Iterable[dict[str, Any]], *, last_step: int, t0: float
-) -> list[Window]:
+def interference_windows(events: Iterable[Event], *, last_step: int, t0: float) -> list[Window]:
     """Windows from ``interference_start`` / ``interference_stop`` event records, in order."""
-    open_: dict[int, dict[str, Any]] = {}
+    open_: dict[int, Event] = {}
     out: list[Window] = []
 
-    def close(rec: dict[str, Any], stop: int, t_stop: float | None) -> None:
+    def close(rec: Event, stop: int, t_stop: float | None) -> None:
         out.append(
             Window(
-                start=int(rec["step"]),
+                start=int(rec.step or 0),
                 stop=stop,
                 stage=int(rec.get("stage", -1)),
                 rank=None if rec.get("rank") is None else int(rec["rank"]),
@@ -77,23 +78,23 @@ def interference_windows(
                 count=int(rec.get("count") or 1),
                 factor=None if rec.get("factor") is None else float(rec["factor"]),
                 emulated=bool(rec.get("emulated", rec.get("kind") == "emulate")),
-                t_start=float(rec["time"]) - t0,
+                t_start=rec.time - t0,
                 t_stop=None if t_stop is None else t_stop - t0,
             )
         )
 
     for rec in events:
-        name, stage = rec.get("event"), int(rec.get("stage", -1))
+        name, stage = rec.event, int(rec.get("stage", -1))
         if name == "interference_start":
             if stage in open_:
                 prev = open_[stage]
                 same = all(rec.get(k) == prev.get(k) for k in ("kind", "intensity", "factor"))
                 if same:
                     continue  # a relaunch re-announcing what already runs
-                close(open_.pop(stage), int(rec["step"]), float(rec["time"]))
+                close(open_.pop(stage), int(rec.step or 0), rec.time)
             open_[stage] = rec
         elif name == "interference_stop" and stage in open_:
-            close(open_.pop(stage), int(rec["step"]), float(rec["time"]))
+            close(open_.pop(stage), int(rec.step or 0), rec.time)
     for rec in open_.values():
         close(rec, last_step + 1, None)
     return sorted(out, key=lambda w: (w.start, w.stage))

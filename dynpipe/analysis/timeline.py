@@ -42,7 +42,7 @@ def _mark_moves(ax: Axes, run: Run, color: str) -> list[str]:
     for name, style in (("repartition", "--"), ("restart", ":")):
         evs = run.events_of(name)
         for ev in evs:
-            ax.axvline(int(ev["step"]) - 0.5, color=color, ls=style, lw=1.3, alpha=0.9, zorder=3)
+            ax.axvline(int(ev.step) - 0.5, color=color, ls=style, lw=1.3, alpha=0.9, zorder=3)
         if evs:
             drawn.append(name)
     return drawn

@@ -71,9 +71,9 @@ def zoo_model_kwargs(source: str, model_name: str, *, fits: dict[str, dict], giv
     """
     if model_name in fits:
         return dict(fits[model_name])
-    from dynpipe.models import ZOO, _load_zoo
+    from dynpipe.models import ZOO, load_zoo
 
-    _load_zoo()
+    load_zoo()
     if model_name in ZOO:
         raise UserError(
             f"{source} gives {gives}, which {model_name} cannot take; use --model "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +12,7 @@ from torch import nn
 
 from dynpipe.errors import UserError
 from dynpipe.models.base import InputSpec, LayeredModel, LayerSpec, layer_seed, run_layers
+from dynpipe.models.registry import ZOO, register
 
 __all__ = [
     "ZOO",
@@ -21,28 +21,26 @@ __all__ = [
     "LayeredModel",
     "get_model",
     "layer_seed",
+    "load_zoo",
     "register",
     "run_layers",
 ]
 
-ZOO: dict[str, Callable[..., LayeredModel]] = OrderedDict()
+# Each registers its models with ``registry.register`` when imported.
+_ZOO_MODULES = (
+    "dynpipe.models.vgg",
+    "dynpipe.models.resnet",
+    "dynpipe.models.gpt",
+    "dynpipe.models.bert",
+)
 _ZOO_LOADED = False
 
 
-def register(name: str) -> Callable[[Callable[..., LayeredModel]], Callable[..., LayeredModel]]:
-    """Decorator adding a factory to the zoo under ``name``."""
-
-    def wrap(factory: Callable[..., LayeredModel]) -> Callable[..., LayeredModel]:
-        ZOO[name] = factory
-        return factory
-
-    return wrap
-
-
-def _load_zoo() -> None:
-    # Imported lazily so ``import dynpipe.models`` stays cheap; each module registers itself.
-    # A flag, not ``if ZOO``: importing one zoo module directly registers it early and must
-    # not stop the others from loading.
+def load_zoo() -> None:
+    """Import every zoo module, so ``ZOO`` names every model (cheap after the first call)."""
+    # Imported lazily so ``import dynpipe.models`` stays cheap. A flag, not ``if ZOO``:
+    # importing one zoo module directly registers it early and must not stop the others
+    # from loading.
     global _ZOO_LOADED
     if _ZOO_LOADED:
         return
@@ -50,11 +48,11 @@ def _load_zoo() -> None:
     from dynpipe.models.mlp import mlp
 
     ZOO["mlp"] = mlp
-    for mod in ("vgg", "resnet", "gpt", "bert"):
+    for mod in _ZOO_MODULES:
         try:
-            importlib.import_module(f"dynpipe.models.{mod}")
+            importlib.import_module(mod)
         except ModuleNotFoundError as exc:  # a zoo module not written yet must not break others
-            if exc.name != f"dynpipe.models.{mod}":
+            if exc.name != mod:
                 raise
 
 
@@ -184,7 +182,7 @@ def get_model(name: str, **config: Any) -> LayeredModel:
             f"model factory {name!r} returned {type(made).__name__}; return an nn.Sequential "
             "or a dynpipe.models.LayeredModel"
         )
-    _load_zoo()
+    load_zoo()
     if name not in ZOO:
         raise UserError(
             f"unknown model {name!r}; choose one of {', '.join(ZOO)} "

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dynpipe.models import register
 from dynpipe.models.base import InputSpec, LayeredModel, LayerSpec
 from dynpipe.models.gpt import Block, Embedding, check_transformer_config, normal_init
+from dynpipe.models.registry import register
 
 __all__ = ["IGNORE_INDEX", "bert", "mlm_cross_entropy"]
 

@@ -92,9 +92,9 @@ def _build(name: str, config: dict[str, Any]):
 
 
 def _list_zoo(args: argparse.Namespace) -> int:
-    from dynpipe.models import ZOO, _load_zoo
+    from dynpipe.models import ZOO, load_zoo
 
-    _load_zoo()
+    load_zoo()
     rows, records = [], []
     for name in ZOO:
         model = _build(name, {})

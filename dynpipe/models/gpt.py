@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dynpipe.errors import UserError
-from dynpipe.models import register
 from dynpipe.models.base import InputSpec, LayeredModel, LayerSpec
+from dynpipe.models.registry import register
 
 __all__ = [
     "Block",

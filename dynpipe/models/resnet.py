@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from dynpipe.errors import UserError
-from dynpipe.models import register
 from dynpipe.models.base import InputSpec, LayeredModel, LayerSpec
+from dynpipe.models.registry import register
 
 __all__ = ["Bottleneck", "resnet50"]
 

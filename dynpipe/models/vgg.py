@@ -13,8 +13,8 @@ from collections.abc import Callable
 from torch import nn
 
 from dynpipe.errors import UserError
-from dynpipe.models import register
 from dynpipe.models.base import InputSpec, LayeredModel, LayerSpec
+from dynpipe.models.registry import register
 
 __all__ = ["vgg16"]
 

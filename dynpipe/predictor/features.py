@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from dynpipe.devices.columns import TELEMETRY_COLUMNS
 from dynpipe.errors import UserError
-from dynpipe.profiler.schema import EXTRA_COLUMNS, TELEMETRY_COLUMNS
+from dynpipe.profiler.schema import EXTRA_COLUMNS
 
 __all__ = [
     "ALONE_COLUMN",
@@ -115,7 +116,7 @@ class FeatureSchema:
 
 def telemetry_columns(names: Iterable[str]) -> list[str]:
     """The telemetry readings among ``names``: ``tel_*`` less bookkeeping such as
-    ``tel_samples``, in the profile schema's order (unknown readings after, by name)."""
+    ``tel_samples``, in the telemetry columns' order (unknown readings after, by name)."""
     order = {c: i for i, c in enumerate(TELEMETRY_COLUMNS)}
     found = [n for n in names if n.startswith("tel_") and n not in EXTRA_COLUMNS]
     return sorted(found, key=lambda c: (order.get(c, len(order)), c))

@@ -1,7 +1,7 @@
 """``dynpipe profile`` (sweeps, ``summary``, ``telemetry``) and ``dynpipe interfere``.
 
     dynpipe profile --model mlp,gpt --batch-size 32 --set gpt.depth=4 \\
-        --sweep runtime/sweeps/cpu.toml --cores 0 -o profiles/cpu.parquet
+        --sweep recipes/sweeps/cpu.toml --cores 0 -o profiles/cpu.parquet
     dynpipe profile summary profiles/cpu.parquet
     dynpipe profile telemetry --device cuda:0 --seconds 5
     dynpipe interfere --kind gemm --intensity 0.5 --device cuda:0 --timeout 600
@@ -15,7 +15,6 @@ import argparse
 import ast
 import inspect
 import signal
-import sys
 import time
 from typing import Any
 
@@ -47,9 +46,9 @@ def _value(text: str) -> Any:
 
 def _model_configs(names: list[str], args: list[str]) -> list[tuple[str, dict[str, Any]]]:
     """Apply ``--set [MODEL.]KEY=VALUE`` to the models that take that keyword."""
-    from dynpipe.models import ZOO, _load_zoo
+    from dynpipe.models import ZOO, load_zoo
 
-    _load_zoo()
+    load_zoo()
     configs: dict[str, dict[str, Any]] = {n: {} for n in names}
     for item in args:
         key, sep, val = item.partition("=")
@@ -100,7 +99,7 @@ def run_profile(args: argparse.Namespace) -> int:
     if missing:
         raise UserError(
             f"dynpipe profile needs {', '.join(missing)}; e.g. dynpipe profile --model mlp "
-            "--batch-size 32 --sweep runtime/sweeps/smoke.toml -o profiles/smoke.parquet"
+            "--batch-size 32 --sweep recipes/sweeps/smoke.toml -o profiles/smoke.parquet"
         )
     from dataclasses import replace
 
@@ -160,7 +159,7 @@ def _run_summary(args: argparse.Namespace) -> int:
 
 
 def _run_telemetry(args: argparse.Namespace) -> int:
-    from dynpipe.profiler.telemetry import TelemetrySampler
+    from dynpipe.devices.telemetry import TelemetrySampler
 
     cores = parse_cores(args.cores)
     with TelemetrySampler(
@@ -179,7 +178,7 @@ def _run_telemetry(args: argparse.Namespace) -> int:
 
 
 def run_interfere(args: argparse.Namespace) -> int:
-    from dynpipe.profiler.interfere import InterfererSpec, start_interferer
+    from dynpipe.devices.interfere import InterfererSpec, start_interferer
 
     fields = {
         "kind": args.kind,
@@ -228,7 +227,7 @@ def register(subparsers: Any) -> None:
         help="model config, e.g. --set image_size=224 --set gpt.seq_len=512",
     )
     p.add_argument("--batch-size", action="append", help="batch size(s), e.g. 32,64")
-    p.add_argument("--sweep", help="sweep file (TOML), e.g. runtime/sweeps/cpu.toml")
+    p.add_argument("--sweep", help="sweep file (TOML), e.g. recipes/sweeps/cpu.toml")
     p.add_argument("-o", "--out", help="output parquet; an existing one is resumed")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu)")
     p.add_argument("--cores", help="pin the profiler to these cores, e.g. 0 or 0-3")
@@ -276,9 +275,3 @@ def register(subparsers: Any) -> None:
     i.add_argument("--batch-size", type=int, help="train: batch size")
     i.add_argument("--ready-timeout", type=float, default=180.0)
     i.set_defaults(func=run_interfere)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from dynpipe.cli import main
-
-    sys.exit(main())

@@ -42,8 +42,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from dynpipe.devices.interfere import CPU_KINDS, GPU_KINDS, KINDS, InterfererSpec
 from dynpipe.errors import UserError
-from dynpipe.profiler.interfere import CPU_KINDS, GPU_KINDS, KINDS, InterfererSpec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -288,7 +288,7 @@ def load_sweep(
         blob = path.read_bytes()
     except FileNotFoundError:
         raise UserError(
-            f"sweep file {path} does not exist; see runtime/sweeps/ for cpu.toml, gpu.toml, "
+            f"sweep file {path} does not exist; see recipes/sweeps/ for cpu.toml, gpu.toml, "
             "smoke.toml"
         ) from None
     try:

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dynpipe.devices.columns import TELEMETRY_COLUMNS
 from dynpipe.errors import UserError
 
 if TYPE_CHECKING:
@@ -28,8 +29,6 @@ __all__ = [
     "SCHEMA_VERSION",
     "STATIC_COLUMNS",
     "TARGET_COLUMNS",
-    "TELEMETRY_COLUMNS",
-    "empty_telemetry",
     "load_profiles",
     "read_metadata",
     "validate_frame",
@@ -64,17 +63,6 @@ CONDITION_COLUMNS: dict[str, str] = {
     "intensity": "float",
     "n_jobs": "int",
 }
-TELEMETRY_COLUMNS: dict[str, str] = {
-    "tel_util": "float",
-    "tel_mem_util": "float",
-    "tel_clock_mhz": "float",
-    "tel_mem_used_mb": "float",
-    "tel_power_w": "float",
-    "tel_other_procs": "float",
-    "tel_other_util": "float",
-    "tel_other_mem_util": "float",
-    "tel_throttle": "float",
-}
 TARGET_COLUMNS: dict[str, str] = {
     "time_ms": "float",
     "time_p10_ms": "float",
@@ -100,11 +88,6 @@ EXTRA_COLUMNS: dict[str, str] = {
 
 _PHASES = ("fwd", "bwd")
 _REQUIRED_META = ("device_name", "device_type", "driver", "torch_version", "date", "command")
-
-
-def empty_telemetry() -> dict[str, float]:
-    """All ``tel_*`` columns as NaN (a platform without that reading)."""
-    return {name: float("nan") for name in TELEMETRY_COLUMNS}
 
 
 def validate_frame(df: pd.DataFrame, *, source: str = "dataset") -> None:
@@ -154,7 +137,7 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     except FileNotFoundError:
         raise UserError(
             f"profile dataset {path} does not exist; produce one with "
-            "`dynpipe profile --model MODEL --sweep runtime/sweeps/cpu.toml -o " + str(path) + "`"
+            "`dynpipe profile --model MODEL --sweep recipes/sweeps/cpu.toml -o " + str(path) + "`"
         ) from None
     except Exception as exc:  # pyarrow raises several types for a corrupt file
         raise UserError(

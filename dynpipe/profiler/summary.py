@@ -15,8 +15,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from dynpipe.devices.columns import TELEMETRY_COLUMNS
 from dynpipe.profiler.conditions import NONE
-from dynpipe.profiler.schema import META_KEY, TELEMETRY_COLUMNS
+from dynpipe.profiler.schema import META_KEY
 
 __all__ = ["memory_vs_compute", "summarize"]
 

@@ -1,6 +1,6 @@
 """Run a sweep: every layer of every model, timed under every interference condition.
 
-    dynpipe profile --model vgg16 --batch-size 32 --sweep runtime/sweeps/gpu.toml \\
+    dynpipe profile --model vgg16 --batch-size 32 --sweep recipes/sweeps/gpu.toml \\
         --device cuda:0 -o profiles/h100-vgg16.parquet
 
 For each condition (``none`` first) the interferers are started once and kept running while
@@ -25,13 +25,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dynpipe.devices.columns import TELEMETRY_COLUMNS
+from dynpipe.devices.interfere import Interferer, InterfererError, llc_bytes, start_interferer
 from dynpipe.errors import UserError
 from dynpipe.profiler.conditions import NONE, Condition, Sweep
-from dynpipe.profiler.interfere import Interferer, InterfererError, _llc_bytes, start_interferer
 from dynpipe.profiler.schema import (
     COLUMNS,
     EXTRA_COLUMNS,
-    TELEMETRY_COLUMNS,
     read_metadata,
     validate_frame,
     write_profiles,
@@ -98,7 +98,7 @@ def device_info(device: str) -> dict[str, Any]:
             device_name=_cpu_model(),
             driver=f"{platform.system().lower()} {platform.release()}",
             logical_cpus=os.cpu_count(),
-            llc_bytes=_llc_bytes(),
+            llc_bytes=llc_bytes(),
             torch_threads=torch.get_num_threads(),
             # Scheduling priority of the profiler (its interferers inherit it): on a shared
             # machine a raised one keeps other tenants' load out of the measurement.
@@ -216,8 +216,8 @@ def run_sweep(
     import torch
     from tqdm import tqdm
 
+    from dynpipe.devices.telemetry import TelemetrySampler
     from dynpipe.profiler.layers import LayerBench, TimingConfig, static_features
-    from dynpipe.profiler.telemetry import TelemetrySampler
 
     out = Path(out)
     if device.startswith("cuda") and not torch.cuda.is_available():

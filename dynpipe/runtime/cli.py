@@ -7,7 +7,14 @@ import dataclasses
 import os
 import sys
 
-__all__ = ["config_from_args", "preflight", "register"]
+__all__ = [
+    "ADAPT_FLAGS",
+    "OPTIM_FLAGS",
+    "add_train_args",
+    "config_from_args",
+    "preflight",
+    "register",
+]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,62 +29,61 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+# TrainConfig's fields by help section; any other field lands at the end, ungrouped.
+_GROUPS = (
+    ("model and data", ("model", "data", "data_path", "data_workers", "device_batches")),
+    ("pipeline", ("plan", "stages", "schedule", "microbatches", "bf16", "timing")),
+    ("optimisation", ("steps", "batch_size", "seed")),
+    ("adaptation", ("scenario", "predictor", "telemetry")),
+    (
+        "logs and checkpoints",
+        (
+            "log",
+            "log_every",
+            "save_every",
+            "save_dir",
+            "keep_checkpoints",
+            "resume",
+            "max_restarts",
+            "progress",
+        ),
+    ),
+)
+# Set by hand (``--model-arg``), or config dataclasses of their own.
+_NOT_FLAGS = ("model_args", "optim", "adapt")
+# Flag names older than the fields they set (the rest are --field-name).
+OPTIM_FLAGS = {"name": "--optimizer", "schedule": "--lr-schedule", "warmup_steps": "--warmup"}
+ADAPT_FLAGS = {"mode": "--adapt", "horizon_steps": "--horizon"}
+
+
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and data")
-    g.add_argument("--model", default="mlp", help="zoo name or package.module:factory")
-    g.add_argument(
+    """Every field of TrainConfig, OptimConfig and AdaptConfig as a flag (``dynpipe.cliargs``:
+    names, types, defaults and help come from the dataclasses), and the launcher's own."""
+    from dynpipe.cliargs import add_config_args
+    from dynpipe.runtime.adapt.config import AdaptConfig
+    from dynpipe.runtime.config import TrainConfig
+    from dynpipe.runtime.optim import OptimConfig
+
+    defaults = TrainConfig()
+    groups = {}
+    for title, names in _GROUPS:
+        groups[title] = g = p.add_argument_group(title)
+        add_config_args(g, TrainConfig, fields=names)
+    placed = {n for _, names in _GROUPS for n in names}
+    add_config_args(p, TrainConfig, exclude=(*placed, *_NOT_FLAGS))
+    groups["model and data"].add_argument(
         "--model-arg",
         action="append",
         default=[],
         metavar="KEY=VALUE",
         help="model config, e.g. --model-arg depth=4 (repeatable)",
     )
-    g.add_argument(
-        "--data", default="synthetic", help="synthetic, digits, cifar10, imagefolder or text"
-    )
-    g.add_argument("--data-path", default=None, help="local dataset path (never downloaded)")
-    g.add_argument(
-        "--data-workers",
-        type=int,
-        default=None,
-        metavar="N",
-        help="processes loading batches ahead on the first and last stage "
-        "(0: in the training process; default: up to 4 on CUDA, 0 on CPU)",
-    )
-    g.add_argument(
-        "--device-batches",
-        type=int,
-        default=0,
-        metavar="N",
-        help="make N batches once, keep them on the device and cycle them (step s trains "
-        "on batch s mod N): measures the GPUs without the loader (benchmarks); default 0, "
-        "every step its own batch",
-    )
-    g = p.add_argument_group("pipeline")
+    g = groups["pipeline"]
     g.add_argument(
         "--nproc",
         type=int,
         default=None,
         help="workers to start on this node (default: the plan's stage count)",
-    )
-    g.add_argument("--plan", default=None, help="plan JSON (from `dynpipe plan`)")
-    g.add_argument(
-        "--stages",
-        type=int,
-        default=None,
-        help="without --plan: equal-layer stages (default: world size)",
-    )
-    g.add_argument(
-        "--schedule",
-        choices=("gpipe", "1f1b"),
-        default=None,
-        help="pipeline schedule (default: the plan's, else 1f1b)",
-    )
-    g.add_argument(
-        "--microbatches",
-        type=int,
-        default=None,
-        help="microbatches per step (default: the plan's, else 4)",
     )
     g.add_argument("--device", default="auto", help="auto, cpu or cuda (one GPU per rank)")
     g.add_argument(
@@ -86,169 +92,37 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         help="CPU runs: pin each worker to its own core (local rank modulo the "
         "cores available), one compute thread each",
     )
-    g.add_argument("--bf16", action="store_true", help="bfloat16 autocast on GPU")
-    g.add_argument(
-        "--no-timing",
-        dest="timing",
-        action="store_false",
-        help="turn the per-microbatch stage timers off",
-    )
     g.add_argument(
         "--timeout",
         type=float,
         default=120.0,
-        help="seconds before a blocking collective or P2P wait fails",
+        help="seconds before a blocking collective or P2P wait fails (default: %(default)s)",
     )
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int, default=100)
-    g.add_argument("--batch-size", type=int, default=32)
-    g.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
-    g.add_argument("--lr", type=float, default=0.05)
-    g.add_argument("--momentum", type=float, default=0.9)
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--warmup", type=int, default=0, help="linear warm-up steps")
-    g.add_argument("--lr-schedule", choices=("constant", "cosine", "linear"), default="constant")
-    g.add_argument("--clip-grad", type=float, default=0.0, help="global-norm clip (0 = off)")
-    g.add_argument("--seed", type=int, default=0)
-    g = p.add_argument_group("adaptation")
-    g.add_argument(
-        "--adapt",
-        choices=("static", "measured", "adaptive", "restart", "sweep"),
-        default="static",
-        help="static: never repartition; measured: from per-layer times measured on each "
-        "device; adaptive: plus the predictor for layers a device does not hold; restart: "
-        "adaptive's decisions applied by checkpoint+relaunch; sweep: every split in turn "
-        "(benchmarks)",
+    # total_steps follows --steps: the learning-rate decay ends with the run.
+    add_config_args(
+        groups["optimisation"],
+        OptimConfig,
+        flags=OPTIM_FLAGS,
+        exclude=("total_steps",),
+        defaults=defaults.optim,
     )
-    g.add_argument("--scenario", default=None, help="interference scenario TOML")
-    g.add_argument(
-        "--predictor",
-        default=None,
-        help="trained slowdown predictor (.json from `dynpipe predictor fit`; "
-        "--adapt adaptive or restart)",
-    )
-    g.add_argument("--monitor-every", type=int, default=5, help="steps per monitoring window")
-    g.add_argument(
-        "--min-gain",
-        type=float,
-        default=0.05,
-        help="smallest relative step-time gain worth a repartition",
-    )
-    g.add_argument(
-        "--horizon",
-        type=int,
-        default=100,
-        help="steps over which a gain must pay back the migration pause",
-    )
-    g.add_argument(
-        "--sweep-windows",
-        type=int,
-        default=3,
-        help="--adapt sweep: windows each split is held (the first settles)",
-    )
-    g.add_argument(
-        "--sweep-plans",
-        type=int,
-        default=12,
-        help="--adapt sweep with more than 2 stages: splits visited per pass",
-    )
-    g.add_argument(
-        "--no-telemetry",
-        dest="telemetry",
-        action="store_false",
-        help="do not sample device telemetry",
-    )
-    g = p.add_argument_group("logs and checkpoints")
-    g.add_argument(
-        "--log", default=None, help="run log path (default runs/<model>-<time>/log.jsonl)"
-    )
-    g.add_argument(
-        "--log-every", type=int, default=10, help="steps between gathers of per-stage timings"
-    )
-    g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0 = off)")
-    g.add_argument(
-        "--save-dir",
-        default=None,
-        help="checkpoint folder: every save a fresh ckpt-<step>-<id> subfolder, published "
-        "atomically",
-    )
-    g.add_argument(
-        "--keep-checkpoints",
-        type=int,
-        default=3,
-        metavar="N",
-        help="published checkpoints kept in --save-dir (default 3; older ones are deleted)",
-    )
-    g.add_argument(
-        "--resume",
-        default=None,
-        help="checkpoint folder (or a --save-dir: its newest) to resume from under this "
-        "command's plan; 'auto': the newest in --save-dir under its own plan and adaptation "
-        "state, or a fresh start when there is none",
-    )
-    g.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        metavar="N",
-        help="relaunch the workers up to N times when one dies, each time resuming from the "
-        "run's newest checkpoint (needs --save-every and --save-dir; implies --resume auto)",
-    )
-    g.add_argument("--no-progress", dest="progress", action="store_false")
+    add_config_args(groups["adaptation"], AdaptConfig, flags=ADAPT_FLAGS, defaults=defaults.adapt)
 
 
 def config_from_args(args: argparse.Namespace):
+    """The TrainConfig the flags of ``add_train_args`` describe."""
+    from dynpipe.cliargs import config_kwargs
     from dynpipe.models.cli import parse_overrides
     from dynpipe.runtime.adapt.config import AdaptConfig
+    from dynpipe.runtime.config import TrainConfig
     from dynpipe.runtime.optim import OptimConfig
-    from dynpipe.runtime.train import TrainConfig
 
-    optim = OptimConfig(
-        name=args.optimizer,
-        lr=args.lr,
-        momentum=args.momentum,
-        weight_decay=args.weight_decay,
-        warmup_steps=args.warmup,
-        schedule=args.lr_schedule,
-        total_steps=args.steps,
-        clip_grad=args.clip_grad,
-    )
+    train = config_kwargs(args, TrainConfig)
     return TrainConfig(
-        model=args.model,
+        **train,
         model_args=parse_overrides(args.model_arg, option="--model-arg"),
-        data=args.data,
-        data_path=args.data_path,
-        data_workers=args.data_workers,
-        device_batches=args.device_batches,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        microbatches=args.microbatches,
-        schedule=args.schedule,
-        stages=args.stages,
-        plan=args.plan,
-        optim=optim,
-        bf16=args.bf16,
-        timing=args.timing,
-        seed=args.seed,
-        log=args.log,
-        log_every=args.log_every,
-        save_every=args.save_every,
-        save_dir=args.save_dir,
-        keep_checkpoints=args.keep_checkpoints,
-        resume=args.resume,
-        max_restarts=args.max_restarts,
-        progress=args.progress,
-        adapt=AdaptConfig(
-            mode=args.adapt,
-            monitor_every=args.monitor_every,
-            min_gain=args.min_gain,
-            horizon_steps=args.horizon,
-            sweep_windows=args.sweep_windows,
-            sweep_plans=args.sweep_plans,
-        ),
-        scenario=args.scenario,
-        predictor=args.predictor,
-        telemetry=args.telemetry,
+        optim=OptimConfig(**config_kwargs(args, OptimConfig), total_steps=train["steps"]),
+        adapt=AdaptConfig(**config_kwargs(args, AdaptConfig)),
     )
 
 
@@ -272,8 +146,8 @@ def preflight(cfg, model, plan, *, check_resume: bool = True) -> None:
     """Check every input a run reads besides the model and plan before any process group
     exists: the predictor and its feature schema, the scenario, the checkpoint to resume."""
     if cfg.predictor:
+        from dynpipe.devices import TELEMETRY_COLUMNS
         from dynpipe.predictor import load_predictor
-        from dynpipe.profiler.schema import TELEMETRY_COLUMNS
 
         pred = load_predictor(cfg.predictor)
         pred.schema.check_telemetry(
@@ -359,9 +233,10 @@ def _worker(cfg, args: argparse.Namespace) -> int:
     from dynpipe.runtime.train import build_model_and_data, resolve_plan, train
 
     stop = StopRequest().install()
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        bind_to_parent()  # the agent that started us dies: so do we
     topo = Topology.from_env(device=args.device, timeout_s=args.timeout)
+    stop.rank = topo.rank
+    if topo.run_id is not None:
+        bind_to_parent()  # the agent that started us dies: so do we
     quiet = topo.rank != topo.world_size - 1
     if args.pin_cores and hasattr(os, "sched_setaffinity"):
         import torch

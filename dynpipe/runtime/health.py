@@ -18,8 +18,12 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from dynpipe.runtime.topology import Topology
 
 __all__ = ["Heartbeat", "StageFailure", "read_progress", "root_store"]
 
@@ -32,7 +36,8 @@ class StageFailure(RuntimeError):
 
 
 class Heartbeat:
-    """Writes ``time.time()`` under this rank's key every ``interval_s`` in a side thread.
+    """Writes ``time.time()`` under this rank's key every ``interval_s`` in a side thread,
+    in the topology's rendezvous store (this launch attempt's keys only).
 
     ``progress_key``: also publish ``progress(step)`` calls under this key of the root store
     (see ``root_store``). ``on_store_lost``: called once if the store stays unreachable for
@@ -42,21 +47,21 @@ class Heartbeat:
     def __init__(
         self,
         *,
-        rank: int,
-        world_size: int,
+        topo: Topology,
         interval_s: float = 1.0,
         progress_key: str | None = None,
         on_store_lost: Callable[[float], None] | None = None,
         store_lost_after_s: float = 120.0,
     ) -> None:
-        self.rank = rank
-        self.world_size = world_size
+        self.topo = topo
+        self.rank = topo.rank
+        self.world_size = topo.world_size
         self.interval_s = interval_s
         self.progress_key = progress_key
         self.on_store_lost = on_store_lost
         self.store_lost_after_s = store_lost_after_s
-        self._store = _default_store()
-        self._root = root_store(self._store) if progress_key else None
+        self._store = None
+        self._root = None
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -64,9 +69,16 @@ class Heartbeat:
         self._published: str | None = None
 
     def start(self) -> Heartbeat:
-        if self._store is None or (self.world_size < 2 and self._root is None):
+        """Connect to the store (the process group's rendezvous must exist) and start beating;
+        with one rank and no progress to publish, or no store, it does nothing."""
+        if self.world_size < 2 and self.progress_key is None:
             return self
-        self._beat()
+        self._store = self.topo.connect_store()
+        if self._store is None:
+            return self
+        self._root = root_store(self._store) if self.progress_key else None
+        if self.world_size > 1:
+            self._beat()
         self._thread = threading.Thread(target=self._run, name="dynpipe-heartbeat", daemon=True)
         self._thread.start()
         return self
@@ -167,12 +179,12 @@ class Heartbeat:
             return None
 
 
-def read_progress(key: str) -> tuple[int, float] | None:
+def read_progress(key: str, *, topo: Topology) -> tuple[int, float] | None:
     """``(steps done, when)`` last published under ``key`` in the root store, if any."""
-    store = root_store(_default_store())
-    if store is None:
-        return None
     try:
+        store = root_store(topo.connect_store())
+        if store is None:
+            return None
         if not store.check([key]):
             return None
         step, t = store.get(key).decode().split()
@@ -187,12 +199,3 @@ def root_store(store):
     while store is not None and isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     return store
-
-
-def _default_store():
-    if not dist.is_initialized():
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None

@@ -26,8 +26,17 @@ from dynpipe.planner.diff import Transfer, diff
 from dynpipe.planner.plan import Plan
 from dynpipe.runtime.engine import PipelineEngine
 from dynpipe.runtime.health import Heartbeat
+from dynpipe.runtime.topology import Topology
 
-__all__ = ["MigrationError", "MigrationStats", "pack", "repartition", "unpack", "warm_links"]
+__all__ = [
+    "MigrationError",
+    "MigrationStats",
+    "checksum",
+    "pack",
+    "repartition",
+    "unpack",
+    "warm_links",
+]
 
 _ROW = 1024  # checksum layout: 32-bit words per row
 
@@ -66,7 +75,7 @@ class MigrationStats:
         return d
 
 
-def _checksum(buf: torch.Tensor) -> list[int]:
+def checksum(buf: torch.Tensor) -> list[int]:
     """Row- and column-weighted sums of the buffer's 32-bit words, on its device.
 
     The words are laid out as rows of ``_ROW`` and summed in 64-bit along each axis (no
@@ -105,12 +114,12 @@ def pack(tensors: dict[str, torch.Tensor], *, device: torch.device) -> tuple[dic
         parts.append(raw.to(device))
         offset += raw.numel()
     buf = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
-    return {"entries": entries, "nbytes": offset, "checksum": _checksum(buf)}, buf
+    return {"entries": entries, "nbytes": offset, "checksum": checksum(buf)}, buf
 
 
 def unpack(header: dict, buf: torch.Tensor, *, where: str) -> dict[str, torch.Tensor]:
     """Inverse of ``pack``; raises ``MigrationError`` if the bytes do not match the checksum."""
-    got = _checksum(buf)
+    got = checksum(buf)
     if got != header["checksum"] or buf.numel() != header["nbytes"]:
         raise MigrationError(
             f"{where}: checksum mismatch ({got} != {header['checksum']}, {buf.numel()} of "
@@ -233,20 +242,21 @@ def _exchange(
     return got, sum(h.numel() + b.numel() for h, b in recv.values())
 
 
-def warm_links(device: torch.device, *, timeout_s: float, warm_bytes: int = 0) -> float:
+def warm_links(topo: Topology, *, warm_bytes: int = 0) -> float:
     """Exchange one tiny message between every pair of ranks, once, before training.
 
     A backend sets up a point-to-point channel on its first use (NCCL builds a communicator
     and its buffers, which takes tens of milliseconds); a migration can pair any two ranks,
     so without this the first repartition between a pair would pay that set-up inside its
     pause. One batch of sends and receives to and from every peer cannot deadlock.
+    ``topo``: this rank's place among the ranks to link (their process group must exist).
     ``warm_bytes``: size of a second, layer-sized message (0: the tiny one only).
     Returns the seconds it took.
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if topo.world_size == 1:
         return 0.0
     t0 = time.perf_counter()
-    me, n = dist.get_rank(), dist.get_world_size()
+    me, n, device, timeout_s = topo.rank, topo.world_size, topo.device, topo.timeout_s
     out = torch.full((1,), me, dtype=torch.int64, device=device)
     inbox = {p: torch.empty(1, dtype=torch.int64, device=device) for p in range(n) if p != me}
     ops = [dist.P2POp(dist.isend, out, p) for p in inbox]

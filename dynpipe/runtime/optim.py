@@ -9,7 +9,7 @@ the whole model computes. Their state is exported and imported per parameter nam
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -34,19 +34,26 @@ class OptimConfig:
 
     name: ``sgd`` (with momentum) or ``adamw``.
     lr: peak learning rate, reached after ``warmup_steps`` of linear warm-up.
+    momentum: SGD momentum.
+    weight_decay: decoupled weight decay (AdamW) or L2 penalty (SGD).
+    betas: AdamW's moment decay rates.
+    eps: AdamW's denominator term.
+    warmup_steps: steps of linear warm-up to ``lr``.
     schedule: ``constant``, ``cosine`` or ``linear`` decay to ``lr * min_lr_ratio`` at
         ``total_steps``.
+    total_steps: the step the decay ends at (the run's step count).
+    min_lr_ratio: the decayed learning rate as a fraction of ``lr``.
     clip_grad: clip the global gradient norm (across all stages) to this value; 0 = off.
     """
 
-    name: str = "sgd"
+    name: str = field(default="sgd", metadata={"choices": OPTIMIZERS})
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     warmup_steps: int = 0
-    schedule: str = "constant"
+    schedule: str = field(default="constant", metadata={"choices": LR_SCHEDULES})
     total_steps: int = 0
     min_lr_ratio: float = 0.1
     clip_grad: float = 0.0

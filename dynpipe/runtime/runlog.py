@@ -1,7 +1,8 @@
-"""JSONL run logs: a header, one record per step, and event records.
+"""The run-log writer: JSONL records of ``dynpipe.runtime.records``, one per line.
 
 One file per run, written by a single rank (the last stage, which holds the loss). The
-analysis package draws every figure from these files and nothing else.
+analysis package draws every figure from these files and nothing else, and reads them
+through ``dynpipe.runtime.records.read_log``.
 """
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ from __future__ import annotations
 import json
 import platform
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["RunLog", "code_revision", "environment", "read_log"]
+from dynpipe.runtime.records import SCHEMA_VERSION, Event, Header, Record, check_event
+
+__all__ = ["RunLog", "code_revision", "environment"]
 
 
 def code_revision() -> str | None:
@@ -73,22 +75,25 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 
 class RunLog:
-    """Append-only JSONL writer; every record has ``type`` and wall-clock ``time``."""
+    """Append-only JSONL writer of ``dynpipe.runtime.records`` records."""
 
     def __init__(self, path: str | Path, *, append: bool = False) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = self.path.open("a" if append else "w", buffering=1)
 
-    def write(self, record_type: str, **fields: Any) -> None:
-        rec = {"type": record_type, "time": time.time(), **fields}
-        self._fh.write(json.dumps(rec, default=_jsonable) + "\n")
+    def record(self, rec: Record) -> None:
+        self._fh.write(json.dumps(rec.to_dict(), default=_jsonable) + "\n")
 
     def header(self, **fields: Any) -> None:
-        self.write("header", **fields)
+        """The launch's header, stamped with the schema version this dynpipe writes."""
+        self.record(Header(schema=SCHEMA_VERSION, **fields))
 
     def event(self, name: str, **fields: Any) -> None:
-        self.write("event", event=name, **fields)
+        """An event of ``records.EVENTS`` (an unregistered name or a missing key is refused)."""
+        check_event(name, fields)
+        step = fields.pop("step", None)
+        self.record(Event(event=name, step=step, fields=fields))
 
     def flush(self) -> None:
         self._fh.flush()
@@ -114,19 +119,3 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, (set, tuple)):
         return list(obj)
     return repr(obj)
-
-
-def read_log(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a run log (skips a torn last line left by a killed writer, and lines
-    that are not text: a binary file has no records, and says so where it is read)."""
-    out = []
-    with Path(path).open(errors="replace") as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out

@@ -1,12 +1,12 @@
 """Interference scenarios: which interferer starts and stops at which step, on whose device.
 
-A scenario file (``runtime/scenarios/*.toml``)::
+A scenario file (``recipes/scenarios/*.toml``)::
 
     name = "gemm-on-stage-1"
     [[events]]
     step = 30            # before this step runs
     action = "start"     # or "stop"
-    kind = "gemm"        # an interferer kind (dynpipe.profiler.interfere), or "emulate"
+    kind = "gemm"        # an interferer kind (dynpipe.devices.interfere), or "emulate"
     intensity = 1.0      # duty cycle of a real interferer
     count = 1
     stage = 1            # the device of the rank holding this stage in the initial plan
@@ -75,13 +75,13 @@ class Scenario:
 def load_scenario(path: str | Path, *, num_stages: int | None = None) -> Scenario:
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"scenario file {p} does not exist; see runtime/scenarios/ for examples")
+        raise UserError(f"scenario file {p} does not exist; see recipes/scenarios/ for examples")
     try:
         doc = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"scenario {p} is not valid TOML: {exc}") from None
     events = []
-    from dynpipe.profiler.interfere import KINDS
+    from dynpipe.devices.interfere import KINDS
 
     raw_events = doc.get("events", [])
     if not isinstance(raw_events, list) or not all(isinstance(e, dict) for e in raw_events):
@@ -173,7 +173,7 @@ class ScenarioRunner:
 
     def prepare(self) -> None:
         """Start every real interferer this rank will need, idle (intensity 0), and wait."""
-        from dynpipe.profiler.interfere import start_interferer
+        from dynpipe.devices.interfere import start_interferer
 
         for ev in self.scenario.events:
             if ev.action != "start" or ev.emulated or not self._mine(ev):

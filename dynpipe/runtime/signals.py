@@ -47,6 +47,7 @@ class StopRequest:
 
     def __init__(self, *, grace_s: float = GRACE_S) -> None:
         self.grace_s = grace_s
+        self.rank: int | None = None  # named in the messages once the worker knows it
         self.signum: int | None = None
         self.stop_at: int | None = None
         self.consistent = True
@@ -83,9 +84,8 @@ class StopRequest:
 
     def _deadline(self, signum: int) -> None:
         time.sleep(self.grace_s)
-        rank = os.environ.get("RANK", "?")
         print(
-            f"dynpipe train: rank {rank}: still running {self.grace_s:.0f}s after "
+            f"dynpipe train: rank {self.rank}: still running {self.grace_s:.0f}s after "
             f"{signal.Signals(signum).name}; exiting without a final checkpoint",
             file=sys.stderr,
             flush=True,
@@ -94,9 +94,8 @@ class StopRequest:
 
     def store_lost(self, lost_s: float) -> None:
         """The job's store has been unreachable for ``lost_s``: its launcher is gone."""
-        rank = os.environ.get("RANK", "?")
         print(
-            f"dynpipe train: rank {rank}: the job's store has not answered for {lost_s:.0f}s "
+            f"dynpipe train: rank {self.rank}: the job's store has not answered for {lost_s:.0f}s "
             "(its launcher is gone); exiting",
             file=sys.stderr,
             flush=True,

@@ -1,7 +1,9 @@
 """Who this process is in the pipeline world: the one object that knows rank and device.
 
-Only the entry point reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; everything else receives a
-``Topology`` by keyword (distributed state is passed, not fetched).
+``Topology.from_env`` is the only reader of the launcher's environment (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, the rendezvous store's address, torchrun's restart count);
+everything else receives a ``Topology`` by keyword (distributed state is passed, not
+fetched).
 """
 
 from __future__ import annotations
@@ -22,8 +24,15 @@ __all__ = ["Topology", "destroy", "init_distributed"]
 class Topology:
     """This rank's place in the world and the device it computes on.
 
-    ``timeout_s`` bounds every blocking collective and P2P wait: a dead or stuck peer turns
-    into an error after at most that long instead of a hang.
+    timeout_s: bounds every blocking collective and P2P wait: a dead or stuck peer turns
+        into an error after at most that long instead of a hang.
+    restart_attempt: how many times torchrun's agent has relaunched this job (0: the first
+        launch).
+    store_host / store_port: the rendezvous store every rank reaches (``MASTER_ADDR`` /
+        ``MASTER_PORT``); None when there is none (one process).
+    agent_store: the store is hosted by torchrun's agent (it outlives relaunches), not by
+        rank 0's process group.
+    run_id: torchrun's id of the job, the same for every relaunch (None outside torchrun).
     """
 
     rank: int
@@ -32,17 +41,42 @@ class Topology:
     device: torch.device
     backend: str
     timeout_s: float = 120.0
+    restart_attempt: int = 0
+    store_host: str | None = None
+    store_port: int | None = None
+    agent_store: bool = False
+    run_id: str | None = None
 
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
+    def connect_store(self) -> dist.Store | None:
+        """A client of the rendezvous store whose keys are this launch attempt's own.
+
+        Under torchrun every relaunch talks to the same agent store: keys a previous attempt
+        left (a dead rank's address, its heartbeat) must not be read as this attempt's, so
+        each attempt gets its own key space. None without a store (one process).
+        """
+        if self.store_host is None or self.store_port is None:
+            return None
+        store = dist.TCPStore(
+            self.store_host,
+            self.store_port,
+            self.world_size,
+            is_master=False,
+            timeout=timedelta(seconds=self.timeout_s),
+        )
+        return dist.PrefixStore(f"dynpipe/attempt_{self.restart_attempt}", store)
+
     @classmethod
     def from_env(cls, *, device: str = "auto", timeout_s: float = 120.0) -> Topology:
         """Read the torchrun environment (defaults to a single process)."""
-        rank = int(os.environ.get("RANK", "0"))
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        env = os.environ
+        rank = int(env.get("RANK", "0"))
+        world = int(env.get("WORLD_SIZE", "1"))
+        local = int(env.get("LOCAL_RANK", "0"))
+        port = env.get("MASTER_PORT")
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device.startswith("cuda"):
@@ -70,6 +104,11 @@ class Topology:
             device=dev,
             backend=backend,
             timeout_s=timeout_s,
+            restart_attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            store_host=env.get("MASTER_ADDR") if port else None,
+            store_port=int(port) if port else None,
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            run_id=env.get("TORCHELASTIC_RUN_ID"),
         )
 
 
@@ -84,19 +123,10 @@ def init_distributed(topo: Topology) -> None:
         # Binds NCCL to this device up front, which also makes P2P communicators eager.
         kwargs["device_id"] = topo.device
     timeout = timedelta(seconds=topo.timeout_s)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # Under torchrun every relaunch talks to the same agent store. Keys left by the
-        # previous attempt (a dead rank's gloo address, its heartbeat) must not be read as
-        # this attempt's, so each attempt gets its own key space.
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            topo.world_size,
-            is_master=False,
-            timeout=timeout,
-        )
-        kwargs["store"] = dist.PrefixStore(f"dynpipe/attempt_{attempt}", store)
+    if topo.agent_store:
+        # The agent's store outlives relaunches: the group rendezvouses in this attempt's
+        # own key space (a previous attempt's keys would otherwise be read as this one's).
+        kwargs["store"] = topo.connect_store()
     dist.init_process_group(
         backend=topo.backend,
         rank=topo.rank,

@@ -11,7 +11,7 @@ import functools
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -23,7 +23,6 @@ from dynpipe.errors import UserError
 from dynpipe.models import LayeredModel, get_model
 from dynpipe.planner.diff import diff
 from dynpipe.planner.plan import Plan
-from dynpipe.runtime.adapt.config import AdaptConfig
 from dynpipe.runtime.adapt.loop import Adapter
 from dynpipe.runtime.adapt.make import make_policy, warm_bytes
 from dynpipe.runtime.adapt.policy import Policy
@@ -36,17 +35,17 @@ from dynpipe.runtime.checkpoint import (
     read_marker,
 )
 from dynpipe.runtime.checkpointer import Checkpointer, SaveRecord
+from dynpipe.runtime.config import TrainConfig
 from dynpipe.runtime.engine import EngineConfig, NonFiniteLoss, PipelineEngine, StepResult
 from dynpipe.runtime.health import Heartbeat, StageFailure, read_progress
-from dynpipe.runtime.optim import OptimConfig
-from dynpipe.runtime.runlog import RunLog, code_revision, environment, read_log
+from dynpipe.runtime.records import LayerTimes, StageTiming, Step, Telemetry, read_log
+from dynpipe.runtime.runlog import RunLog, code_revision, environment
 from dynpipe.runtime.signals import Stopped, StopRequest
 from dynpipe.runtime.topology import Topology
 
 __all__ = [
     "RESTART_EXIT",
     "RestartRequested",
-    "TrainConfig",
     "build_model_and_data",
     "checkpoint_dir",
     "default_log_path",
@@ -63,111 +62,6 @@ class RestartRequested(SystemExit):
 
     def __init__(self) -> None:
         super().__init__(RESTART_EXIT)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything a training run needs besides the topology.
-
-    model / model_args: zoo name (or ``package.module:factory``) and its keyword config.
-    data / data_path: a ``dynpipe.data`` source; real datasets read from ``data_path`` only.
-    data_workers: processes loading batches ahead on the first and last stage's ranks
-        (0: in the training process); None: on CUDA up to 4, within this host's cores per
-        rank; 0 on CPU, where workers would take cores from the stages.
-    device_batches: > 0 makes that many batches once, keeps them on the device and cycles
-        them (step s trains on batch s mod N): the GPUs measured without the loader, for
-        benchmarks. 0 (default): every step its own batch, through the loader.
-    plan: a plan file; without one, ``stages`` (default: world size) equal-layer stages.
-    log: JSONL run-log path (written by the last stage's rank).
-    log_every: steps between the gathers of per-stage timings (one small collective).
-    save_every / save_dir: checkpoint cadence and folder; every save is a fresh folder
-        there, published atomically (see ``dynpipe.runtime.checkpoint``).
-    keep_checkpoints: published checkpoints kept in ``save_dir`` (older ones are deleted).
-    resume: checkpoint folder (or a save folder: its newest checkpoint) to resume from, under
-        this config's plan; ``"auto"``: the newest checkpoint in ``save_dir`` under the plan
-        and adaptation state it was saved with, or a fresh start when there is none.
-    max_restarts: relaunches of the workers after one dies (torchrun's agent); every
-        relaunch resumes from the run's newest checkpoint. Implies ``resume="auto"``.
-    adapt: repartitioning policy (``static`` never repartitions); its ``monitor_every``
-        replaces ``log_every`` when adapting, since one gather serves both.
-    scenario: interference scenario file; predictor: trained slowdown predictor (adaptive).
-    telemetry: sample device telemetry in a side thread and gather it with stage times.
-    """
-
-    model: str = "mlp"
-    model_args: dict[str, Any] = field(default_factory=dict)
-    data: str = "synthetic"
-    data_path: str | None = None
-    data_workers: int | None = None
-    device_batches: int = 0
-    steps: int = 100
-    batch_size: int = 32
-    microbatches: int | None = None
-    schedule: str | None = None
-    stages: int | None = None
-    plan: str | None = None
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    bf16: bool = False
-    timing: bool = True
-    seed: int = 0
-    log: str | None = None
-    log_every: int = 10
-    save_every: int = 0
-    save_dir: str | None = None
-    keep_checkpoints: int = 3
-    resume: str | None = None
-    max_restarts: int = 0
-    progress: bool = True
-    adapt: AdaptConfig = field(default_factory=lambda: AdaptConfig(mode="static"))
-    scenario: str | None = None
-    predictor: str | None = None
-    telemetry: bool = True
-
-    def __post_init__(self) -> None:
-        if self.steps < 0:
-            raise UserError(f"--steps must be >= 0, got {self.steps}")
-        if self.batch_size < 1:
-            raise UserError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.data_workers is not None and self.data_workers < 0:
-            raise UserError(f"--data-workers must be >= 0, got {self.data_workers}")
-        if self.device_batches < 0:
-            raise UserError(
-                f"--device-batches must be >= 0 (0: load every step's batch), got "
-                f"{self.device_batches}"
-            )
-        if self.log_every < 1:
-            raise UserError(f"--log-every must be >= 1, got {self.log_every}")
-        if self.microbatches is not None and self.microbatches < 1:
-            raise UserError(
-                f"--microbatches must be >= 1, got {self.microbatches}; leave it out for the "
-                "plan's (or 4)"
-            )
-        if self.keep_checkpoints < 1:
-            raise UserError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
-        if self.max_restarts < 0:
-            raise UserError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.max_restarts and not (self.save_dir and self.save_every):
-            raise UserError(
-                f"--max-restarts {self.max_restarts} needs --save-every K --save-dir DIR: a "
-                "relaunch resumes from the newest checkpoint, and without one it would start over"
-            )
-        if self.resume == "auto" and not self.save_dir:
-            raise UserError("--resume auto needs --save-dir DIR, the folder it resumes from")
-        if self.predictor and self.adapt.mode not in ("adaptive", "restart"):
-            raise UserError(
-                f"--predictor is read only by --adapt adaptive or restart, not --adapt "
-                f"{self.adapt.mode}; drop --predictor or use --adapt adaptive"
-            )
-        if self.adapt.mode == "restart" and not (self.save_dir or self.log):
-            raise UserError(
-                "--adapt restart needs --save-dir or --log: relaunched workers must "
-                "find the checkpoint in a folder every worker agrees on"
-            )
-        if self.save_every and not self.save_dir:
-            raise UserError("--save-every needs --save-dir DIR to write checkpoints into")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def build_model_and_data(cfg: TrainConfig) -> tuple[LayeredModel, Any]:
@@ -252,7 +146,7 @@ class _StepLog:
         """Gather and log the pending steps."""
         if not self.pending:
             return None
-        from dynpipe.profiler.schema import TELEMETRY_COLUMNS
+        from dynpipe.devices.columns import TELEMETRY_COLUMNS
 
         k, n = len(self.pending), self.plan.num_layers
         row = [
@@ -280,46 +174,49 @@ class _StepLog:
         ]
         layer_rows = [p[4 * k + nt : -1].tolist() for p in by_rank]
         free = [float(p[-1]) for p in by_rank]
-        records = []
+        steps = []
         for j, res in enumerate(self.pending):
             stages = []
             for s, st in enumerate(self.plan.stages):
                 f, b, w, _ = times[st.rank][j].tolist()
                 stages.append(
-                    {
-                        "stage": s,
-                        "rank": st.rank,
-                        "layers": [st.start, st.stop],
-                        "fwd_ms": round(f, 4),
-                        "bwd_ms": round(b, 4),
-                        "wait_ms": round(w, 4),
-                    }
+                    StageTiming(
+                        stage=s,
+                        rank=st.rank,
+                        layers=(st.start, st.stop),
+                        fwd_ms=round(f, 4),
+                        bwd_ms=round(b, 4),
+                        wait_ms=round(w, 4),
+                    )
                 )
-            rec = {
-                "step": res.step,
+            rec = Step(
+                step=res.step,
                 # When this step ended here: seconds since this process started training, and
                 # the epoch time (which a relaunched run shares with the launch before it).
-                "wall": round(res.end_time - self.t_start, 4),
-                "t_end": round(res.end_time, 4),
-                "step_ms": round(res.step_ms, 4),
-                "loss": res.loss,
-                "lr": res.lr,
-                "grad_norm": res.grad_norm,
-                "samples_per_s": round(self.batch_size / (res.step_ms / 1e3), 3),
-                "stages": stages,
-            }
-            records.append(rec)
+                wall=round(res.end_time - self.t_start, 4),
+                t_end=round(res.end_time, 4),
+                step_ms=round(res.step_ms, 4),
+                loss=res.loss,
+                lr=res.lr,
+                grad_norm=res.grad_norm,
+                samples_per_s=round(self.batch_size / (res.step_ms / 1e3), 3),
+                stages=tuple(stages),
+            )
+            steps.append(rec)
             if self.log is not None:
-                self.log.write("step", **rec)
+                self.log.record(rec)
         layers = self._layers(layer_rows, n)
         if self.log is not None and layers is not None:
-            self.log.write("layer_times", step=self.pending[-1].step, **layers)
+            self.log.record(LayerTimes(step=self.pending[-1].step, **layers))
         if self.log is not None and telemetry is not None:
-            self.log.write(
-                "telemetry",
-                step=self.pending[-1].step,
-                devices=[{k2: _finite(v) for k2, v in t.items()} for t in tels],
+            self.log.record(
+                Telemetry(
+                    step=self.pending[-1].step,
+                    devices=tuple({k2: _finite(v) for k2, v in t.items()} for t in tels),
+                )
             )
+        # The adaptation loop reads the window's steps as plain dicts.
+        records = [rec.to_dict() for rec in steps]
         self.pending = []
         return _Gathered(records=records, layers=layers, telemetry=tels, free_bytes=free)
 
@@ -431,25 +328,20 @@ def _checkpointer(cfg: TrainConfig, topo: Topology) -> Checkpointer | None:
         root,
         rank=topo.rank,
         keep=cfg.keep_checkpoints,
-        run_id=os.environ.get("TORCHELASTIC_RUN_ID"),
+        run_id=topo.run_id,
         timeout_s=topo.timeout_s,
     )
 
 
-def _relaunch_count() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def _resume_candidates(cfg: TrainConfig) -> list[tuple[Path, bool]]:
+def _resume_candidates(cfg: TrainConfig, topo: Topology) -> list[tuple[Path, bool]]:
     """Checkpoints to resume from, in order of preference, each with whether the run
     continues under the plan and adaptation state saved in it (automatic resumes do)."""
     out: list[tuple[Path, bool]] = []
     root = checkpoint_dir(cfg)
-    if _relaunch_count() > 0 and root is not None:
+    if topo.restart_attempt > 0 and root is not None:
         # A relaunch continues its own run: the newest checkpoint this run published.
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
         done, _ = list_checkpoints(root)
-        out += [(i.path, True) for i in reversed(done) if i.run_id == run_id]
+        out += [(i.path, True) for i in reversed(done) if i.run_id == topo.run_id]
     mode = cfg.resume or ("auto" if cfg.max_restarts else None)
     if mode == "auto" and root is not None:
         done, _ = list_checkpoints(root)
@@ -488,7 +380,7 @@ def _open(
 
     engine: PipelineEngine | None = None
     skipped: list[tuple[str, str]] = []
-    candidates = _resume_candidates(cfg)
+    candidates = _resume_candidates(cfg, topo)
     for i, (path, automatic) in enumerate(candidates):
         try:
             meta = read_marker(path).meta
@@ -530,14 +422,15 @@ def train(
     initial_plan = (
         Plan.from_dict(meta["initial_plan"]) if meta and meta.get("initial_plan") else plan
     )
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     writer = plan.stages[-1].rank == topo.rank
-    progress_key = f"dynpipe/progress/{run_id}" if run_id else None
+    progress_key = f"dynpipe/progress/{topo.run_id}" if topo.run_id else None
     log = None
     if writer:
         log_path = cfg.log or default_log_path(cfg)
-        lost = _steps_lost(progress_key, log_path, start) if _relaunch_count() else None
-        log = RunLog(log_path, append=bool(cfg.resume or _relaunch_count() or start))
+        lost = (
+            _steps_lost(progress_key, log_path, start, topo=topo) if topo.restart_attempt else None
+        )
+        log = RunLog(log_path, append=bool(cfg.resume or topo.restart_attempt or start))
         log.header(
             config=cfg.to_dict(),
             plan=plan.to_dict(),
@@ -557,7 +450,7 @@ def train(
                 pause_ms=round((time.time() - meta["decided_time"]) * 1e3, 3),
             )
         elif lost is not None:
-            log.event("recovered", attempt=_relaunch_count(), step=start, **lost)
+            log.event("recovered", attempt=topo.restart_attempt, step=start, **lost)
     mb = cfg.batch_size // plan.microbatches
     if policy is None:
         policy = make_policy(
@@ -593,8 +486,7 @@ def train(
     sampler = _sampler(cfg, topo)
     bar = _progress(cfg, start) if writer and cfg.progress else None
     beat = Heartbeat(
-        rank=topo.rank,
-        world_size=topo.world_size,
+        topo=topo,
         progress_key=progress_key if writer else None,
         on_store_lost=stop.store_lost if stop is not None else None,
         store_lost_after_s=topo.timeout_s,
@@ -709,7 +601,7 @@ def _scenario_runner(
 def _sampler(cfg: TrainConfig, topo: Topology):
     if not cfg.telemetry:
         return None
-    from dynpipe.profiler.telemetry import TelemetrySampler
+    from dynpipe.devices.telemetry import TelemetrySampler
 
     device = f"cuda:{topo.device.index}" if topo.is_cuda else "cpu"
     return TelemetrySampler(device).start()
@@ -811,10 +703,12 @@ def _stop(
     raise Stopped(stop.signum or 15)
 
 
-def _steps_lost(progress_key: str | None, log_path: str, start: int) -> dict[str, Any]:
+def _steps_lost(
+    progress_key: str | None, log_path: str, start: int, *, topo: Topology
+) -> dict[str, Any]:
     """How far the run had got before this relaunch, and so how many steps it redoes: from
     the progress the previous attempt published in the launcher's store, else its run log."""
-    got = read_progress(progress_key) if progress_key else None
+    got = read_progress(progress_key, topo=topo) if progress_key else None
     if got is not None:
         done, when = got
         return {
@@ -825,7 +719,7 @@ def _steps_lost(progress_key: str | None, log_path: str, start: int) -> dict[str
         }
     done = start
     if Path(log_path).is_file():
-        steps = [r["step"] for r in read_log(log_path) if r.get("type") == "step"]
+        steps = [r.step for r in read_log(log_path).steps]
         done = max(steps, default=start - 1) + 1
     return {"steps_lost": max(0, done - start), "reached_step": done, "lost_from": "log"}
 

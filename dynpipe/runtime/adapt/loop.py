@@ -64,9 +64,7 @@ class Adapter:
 
             # Every pair of ranks exchanges a layer-sized message through the transfer path
             # now, so no repartition pays for setting up a link.
-            warm_ms = round(
-                warm_links(topo.device, timeout_s=topo.timeout_s, warm_bytes=warm_bytes) * 1e3, 3
-            )
+            warm_ms = round(warm_links(topo, warm_bytes=warm_bytes) * 1e3, 3)
         if log is not None:
             log.event(
                 "adapt_mode",

@@ -90,7 +90,7 @@ def load_workloads(paths: Sequence[str | Path] = DEFAULT_PROFILES) -> list[Workl
     """Every (model, batch size) of the profile datasets ``paths``."""
     import pandas as pd
 
-    from dynpipe.profiler.schema import TELEMETRY_COLUMNS
+    from dynpipe.devices.columns import TELEMETRY_COLUMNS
 
     out = []
     df = pd.concat([pd.read_parquet(_path(p)) for p in paths], ignore_index=True)

@@ -1,4 +1,4 @@
-"""The interfering workloads, run as ``python -m dynpipe.profiler.workloads SPEC_JSON``.
+"""The interfering workloads, run as ``python -m dynpipe.devices.workloads SPEC_JSON``.
 
 One process per interferer. It sets itself up (buffers, CUDA context, one warm-up unit),
 prints ``READY``, then alternates bursts of work with sleeps so that the fraction of wall

@@ -40,6 +40,7 @@ __all__ = [
     "Interferer",
     "InterfererError",
     "InterfererSpec",
+    "llc_bytes",
     "start_interferer",
 ]
 
@@ -52,8 +53,9 @@ class InterfererError(RuntimeError):
     """An interferer process failed to start or died unexpectedly."""
 
 
-def _llc_bytes() -> int:
-    # The last-level cache size from sysfs; a membw buffer must exceed it to reach DRAM.
+def llc_bytes() -> int:
+    """The last-level cache size from sysfs (32 MiB if unknown): a ``membw`` buffer must
+    exceed it to reach DRAM."""
     best = 0
     base = Path("/sys/devices/system/cpu/cpu0/cache")
     for idx in base.glob("index*"):
@@ -156,7 +158,7 @@ class InterfererSpec:
         elif self.kind == "copy":
             d["buffer_mb"] = self.buffer_mb or 1024.0
         elif self.kind == "membw":
-            d["buffer_mb"] = self.buffer_mb or min(max(2 * _llc_bytes() / 2**20, 64.0), 1024.0)
+            d["buffer_mb"] = self.buffer_mb or min(max(2 * llc_bytes() / 2**20, 64.0), 1024.0)
         elif self.kind == "train":
             d["model"] = self.model or "mlp"
             if not self.model_config and d["model"] == "mlp":
@@ -188,7 +190,7 @@ class _Child:
         # terms with the job being measured.
         group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dynpipe.profiler.workloads", json.dumps(spec)],
+            [sys.executable, "-m", "dynpipe.devices.workloads", json.dumps(spec)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

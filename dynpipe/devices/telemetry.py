@@ -1,7 +1,7 @@
 """Device telemetry sampled in a side thread: what a running stage can observe about its device.
 
 ``TelemetrySampler`` ticks at ~20 Hz and accumulates one reading per tick; ``window()``
-returns the means of the ``tel_*`` columns of the profile schema since the previous window
+returns the means of the ``tel_*`` columns (``columns``) since the previous window
 and starts a new one. The profiler stores these means beside each measured layer time; the
 training runtime reads the same window every few steps, so the predictor sees at run time
 exactly the features it was trained on.
@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
-from dynpipe.profiler.schema import TELEMETRY_COLUMNS
+from dynpipe.devices.columns import TELEMETRY_COLUMNS, empty_telemetry
 
 __all__ = ["TelemetrySampler", "parse_device"]
 
@@ -283,7 +283,7 @@ class _NvmlProbe:
         return out
 
     def read(self) -> dict[str, float]:
-        out = dict.fromkeys(TELEMETRY_COLUMNS, _NAN)
+        out = empty_telemetry()
         rates = self._try("util", self.nv.nvmlDeviceGetUtilizationRates, self.handle)
         if rates is not None:
             out["tel_util"] = float(rates.gpu)
@@ -360,7 +360,7 @@ class TelemetrySampler:
 
     def sample(self) -> dict[str, float]:
         """One reading of every ``tel_*`` column, taken now (not added to the window)."""
-        out = dict.fromkeys(TELEMETRY_COLUMNS, _NAN)
+        out = empty_telemetry()
         if self.device_type == "cpu":
             out.update(self._cpu.read())
         elif self._gpu is not None:

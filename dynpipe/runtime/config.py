@@ -1,0 +1,142 @@
+"""The configuration of a training run: plain data, validated on construction.
+
+Kept apart from the training loop so the command line can take its flags and defaults from
+these dataclasses (``dynpipe.cliargs``) without importing torch's pipelining machinery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynpipe.errors import UserError
+from dynpipe.planner.plan import SCHEDULES
+from dynpipe.runtime.adapt.config import AdaptConfig
+from dynpipe.runtime.optim import OptimConfig
+
+__all__ = ["TrainConfig"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs besides the topology.
+
+    ``dynpipe train`` makes a flag of every field (``dynpipe.cliargs``): the entries below
+    are its help ("unset" is None, the flag not given).
+
+    model: zoo name or package.module:factory.
+    model_args: the model's keyword config (``--model-arg KEY=VALUE``).
+    data: the data source: synthetic, digits, cifar10, imagefolder or text.
+    data_path: local dataset path (real datasets are read from here only, never downloaded).
+    data_workers: processes loading batches ahead on the first and last stage's ranks
+        (0: in the training process; unset: on CUDA up to 4, within this host's cores per
+        rank, and 0 on CPU, where workers would take cores from the stages).
+    device_batches: > 0 makes that many batches once, keeps them on the device and cycles
+        them (step s trains on batch s mod N): the GPUs measured without the loader, for
+        benchmarks. 0: every step its own batch, through the loader.
+    steps: training steps to run.
+    batch_size: samples per step, split into ``microbatches``.
+    microbatches: microbatches per step (unset: the plan's, else 4).
+    schedule: pipeline schedule (unset: the plan's, else 1f1b).
+    stages: without a plan, this many equal-layer stages (unset: the world size).
+    plan: plan JSON (from ``dynpipe plan``).
+    optim: optimizer and learning-rate schedule.
+    bf16: bfloat16 autocast on GPU.
+    timing: the per-microbatch stage timers.
+    seed: seed of the model's weights and the data.
+    log: JSONL run-log path, written by the last stage's rank (unset:
+        runs/<model>-<time>/log.jsonl).
+    log_every: steps between the gathers of per-stage timings (one small collective).
+    save_every: checkpoint every N steps (0: never).
+    save_dir: checkpoint folder: every save a fresh ckpt-<step>-<id> subfolder there,
+        published atomically (``dynpipe.runtime.checkpoint``).
+    keep_checkpoints: published checkpoints kept in save_dir (older ones are deleted).
+    resume: checkpoint folder (or a save_dir: its newest) to resume from under this run's
+        plan; "auto": the newest in save_dir under the plan and adaptation state it was saved
+        with, or a fresh start when there is none.
+    max_restarts: relaunch the workers up to N times when one dies, each time resuming from
+        the run's newest checkpoint (needs save_every and save_dir; implies --resume auto).
+    progress: the progress bar.
+    adapt: repartitioning policy (``static`` never repartitions); its ``monitor_every``
+        replaces ``log_every`` when adapting, since one gather serves both.
+    scenario: interference scenario TOML (``recipes/scenarios/``).
+    predictor: trained slowdown predictor (.json or .json.gz from ``dynpipe predictor
+        fit``), for ``--adapt adaptive`` or ``restart``.
+    telemetry: device telemetry sampled in a side thread and gathered with stage times.
+    """
+
+    model: str = "mlp"
+    model_args: dict[str, Any] = field(default_factory=dict)
+    data: str = "synthetic"
+    data_path: str | None = None
+    data_workers: int | None = field(default=None, metadata={"metavar": "N"})
+    device_batches: int = field(default=0, metadata={"metavar": "N"})
+    steps: int = 100
+    batch_size: int = 32
+    microbatches: int | None = None
+    schedule: str | None = field(default=None, metadata={"choices": SCHEDULES})
+    stages: int | None = None
+    plan: str | None = None
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    bf16: bool = False
+    timing: bool = True
+    seed: int = 0
+    log: str | None = None
+    log_every: int = 10
+    save_every: int = 0
+    save_dir: str | None = None
+    keep_checkpoints: int = field(default=3, metadata={"metavar": "N"})
+    resume: str | None = None
+    max_restarts: int = field(default=0, metadata={"metavar": "N"})
+    progress: bool = True
+    adapt: AdaptConfig = field(default_factory=lambda: AdaptConfig(mode="static"))
+    scenario: str | None = None
+    predictor: str | None = None
+    telemetry: bool = True
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise UserError(f"--steps must be >= 0, got {self.steps}")
+        if self.batch_size < 1:
+            raise UserError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.data_workers is not None and self.data_workers < 0:
+            raise UserError(f"--data-workers must be >= 0, got {self.data_workers}")
+        if self.device_batches < 0:
+            raise UserError(
+                f"--device-batches must be >= 0 (0: load every step's batch), got "
+                f"{self.device_batches}"
+            )
+        if self.log_every < 1:
+            raise UserError(f"--log-every must be >= 1, got {self.log_every}")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise UserError(
+                f"--microbatches must be >= 1, got {self.microbatches}; leave it out for the "
+                "plan's (or 4)"
+            )
+        if self.keep_checkpoints < 1:
+            raise UserError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.max_restarts < 0:
+            raise UserError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.max_restarts and not (self.save_dir and self.save_every):
+            raise UserError(
+                f"--max-restarts {self.max_restarts} needs --save-every K --save-dir DIR: a "
+                "relaunch resumes from the newest checkpoint, and without one it would start over"
+            )
+        if self.resume == "auto" and not self.save_dir:
+            raise UserError("--resume auto needs --save-dir DIR, the folder it resumes from")
+        if self.predictor and self.adapt.mode not in ("adaptive", "restart"):
+            raise UserError(
+                f"--predictor is read only by --adapt adaptive or restart, not --adapt "
+                f"{self.adapt.mode}; drop --predictor or use --adapt adaptive"
+            )
+        if self.adapt.mode == "restart" and not (self.save_dir or self.log):
+            raise UserError(
+                "--adapt restart needs --save-dir or --log: relaunched workers must "
+                "find the checkpoint in a folder every worker agrees on"
+            )
+        if self.save_every and not self.save_dir:
+            raise UserError("--save-every needs --save-dir DIR to write checkpoints into")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
