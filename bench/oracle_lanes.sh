@@ -4,14 +4,14 @@
 #   bash bench/oracle_lanes.sh OUTDIR LANE [LANE ...]
 # LANE: GPUS=EXP+EXP+...   EXP: CONFIG:INTERFERERS:STAGES[:SYSTEMS]   e.g.
 #   0,1=vgg16-b128:gemm:1+resnet50-b256:copy:0  2,3=gpt-w2048:gemm:0:sweep,static,adaptive
-# A lane of 4 GPUs runs 4 stages. PREDICTOR (default predictor/h200.joblib), STEPS, ONSET,
+# A lane of 4 GPUs runs 4 stages. PREDICTOR (default predictor/h200.json.gz), STEPS, ONSET,
 # END, SWEEP_WINDOWS, SWEEP_PLANS, LANE_TIMEOUT (seconds) and DEVICE (cuda; cpu checks the script on a CPU machine,
 # a lane's "GPUS" then only counting its stages) are read from the environment. Logs and reports land in
 # OUTDIR/<config>-<interferers>-s<stages>/ and OUTDIR/oracle-logs.tgz.
 set -u
 O=$1; shift
 mkdir -p "$O"
-P=${PREDICTOR:-predictor/h200.joblib}
+P=${PREDICTOR:-predictor/h200.json.gz}
 lane() {  # gpus, experiments
   local gpus=$1 exps=$2 n
   n=$(echo "$gpus" | tr ',' '\n' | wc -l)

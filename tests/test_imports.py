@@ -19,6 +19,7 @@ import pytest
 
 PACKAGE = Path(__file__).parents[1] / "dynpipe"
 
+
 def _module_names() -> dict[str, Path]:
     names = {}
     for path in PACKAGE.rglob("*.py"):

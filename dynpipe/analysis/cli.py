@@ -4,7 +4,7 @@
     dynpipe figures analysis/logs/vgg16-heavy/ -o figures/ --partitions partitions/
     dynpipe figures --label static=a.jsonl --label dynpipe=b.jsonl -o figures/
     dynpipe figures -o figures/ --predictor predictor/cpu_report            # eval report
-    dynpipe figures -o figures/ --predictor predictor/cpu.joblib --profiles profiles/cpu.parquet
+    dynpipe figures -o figures/ --predictor predictor/cpu.json.gz --profiles profiles/cpu.parquet
 
 A figure whose inputs are missing is skipped with a one-line note saying what it needs.
 """
@@ -50,7 +50,7 @@ def register(subparsers: Any) -> None:
         "--predictor",
         default=None,
         metavar="X",
-        help="a predictor evaluation report folder, or a saved predictor (.joblib, "
+        help="a predictor evaluation report folder, or a saved predictor (.json[.gz], "
         "with --profiles)",
     )
     p.add_argument(
@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
 
     def predictor_fig() -> None:
         x = Path(args.predictor)
-        if x.is_dir() or x.suffix == ".json":
+        if x.is_dir() or x.name == "report.json":
             preds = accuracy.predictions_from_report(x)
         else:
             preds = accuracy.predictions_from_predictor(x, profiles=args.profiles)

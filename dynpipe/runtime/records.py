@@ -318,7 +318,31 @@ EVENTS: dict[str, EventSpec] = {
             ("step", "pause_ms"),
         ),
         EventSpec(
-            "checkpoint", "a checkpoint of the state after `step - 1` written", ("step", "path")
+            "checkpoint",
+            "a checkpoint of the state after `step - 1` published at `path` (older logs: "
+            "written); newer ones carry its `save_id`, `bytes`, the training thread's "
+            "`stall_ms`, `write_ms` until publication and the marker's `marker_sha256`",
+            ("step", "path"),
+        ),
+        EventSpec(
+            "checkpoint_skipped",
+            "an automatic resume passed over the checkpoint at `path`: `reason` says what "
+            "failed its verification",
+            ("path", "reason"),
+        ),
+        EventSpec(
+            "recovered",
+            "a relaunch after a worker died (`attempt` of torchrun's agent) resumed at `step`: "
+            "the run had reached `reached_step`, so `steps_lost` are run again (`lost_from`: "
+            "the progress in the launcher's store, or the run log); `down_s` from the last "
+            "step before the failure",
+            ("step", "attempt", "steps_lost", "reached_step", "lost_from"),
+        ),
+        EventSpec(
+            "stopped",
+            "a signal (`signal`) stopped every rank before `step`; `checkpoint`: the final "
+            "checkpoint written there, or null",
+            ("step", "signal", "checkpoint"),
         ),
         EventSpec("end", "the run finished `step` steps under `plan`", ("step", "plan")),
     )
@@ -447,7 +471,9 @@ def read_log(path: str | Path) -> LogRecords:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"run log {path} does not exist; write one with `dynpipe train --log FILE`")
-    with path.open() as fh:
+    # Undecodable bytes become replacement characters: such a line is not JSON and is skipped
+    # like a torn one, so a binary file reads as a log without records.
+    with path.open(errors="replace") as fh:
         records = tuple(_parse_lines(fh, source=path))
     return LogRecords(path=path, records=records)
 

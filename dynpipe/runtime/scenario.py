@@ -88,7 +88,10 @@ def load_scenario(
     events = []
     from dynpipe.devices.interfere import KINDS
 
-    for i, raw in enumerate(doc.get("events", [])):
+    raw_events = doc.get("events", [])
+    if not isinstance(raw_events, list) or not all(isinstance(e, dict) for e in raw_events):
+        raise UserError(f"scenario {p}: events must be [[events]] tables; see runtime/scenarios/")
+    for i, raw in enumerate(raw_events):
         unknown = set(raw) - {"step", "action", "stage", "kind", "intensity", "count", "factor"}
         if unknown:
             raise UserError(f"scenario {p} event {i} has unknown keys {sorted(unknown)}")
@@ -101,35 +104,54 @@ def load_scenario(
                 f"scenario {p} event {i}: unknown kind {kind!r}; use emulate or one of "
                 f"{', '.join(KINDS)}"
             )
-        stage = int(raw.get("stage", -1))
+        if "step" not in raw:
+            raise UserError(f"scenario {p} event {i} needs step = N (>= 0)")
+        step = _number(p, i, raw, "step", int, None)
+        stage = _number(p, i, raw, "stage", int, -1)
+        if step < 0:
+            raise UserError(f"scenario {p} event {i} needs step = N (>= 0), got {step}")
         if stage < 0 or (num_stages is not None and stage >= num_stages):
             raise UserError(
                 f"scenario {p} event {i}: stage {stage} is not a stage of this "
                 f"{num_stages}-stage pipeline; use 0–{(num_stages or 1) - 1}"
             )
-        if "step" not in raw or int(raw["step"]) < 0:
-            raise UserError(f"scenario {p} event {i} needs step = N (>= 0)")
-        factor = float(raw.get("factor", 3.0))
+        factor = _number(p, i, raw, "factor", float, 3.0)
         if kind == "emulate" and factor < 1:
             raise UserError(f"scenario {p} event {i}: emulate factor {factor} must be >= 1")
         if kind == "emulate" and action == "start" and device.startswith("cuda"):
             raise UserError(
-                f"scenario {p} event {i}: kind = \"emulate\" is CPU only (it would only delay "
+                f'scenario {p} event {i}: kind = "emulate" is CPU only (it would only delay '
                 "kernel launches on a GPU); on CUDA use a real interferer: "
                 f"{', '.join(k for k in KINDS if k not in ('spin', 'membw'))}"
             )
         events.append(
             ScenarioEvent(
-                step=int(raw["step"]),
+                step=step,
                 action=action,
                 stage=stage,
                 kind=kind,
-                intensity=float(raw.get("intensity", 1.0)),
-                count=int(raw.get("count", 1)),
+                intensity=_number(p, i, raw, "intensity", float, 1.0),
+                count=_number(p, i, raw, "count", int, 1),
                 factor=factor,
             )
         )
     return Scenario(name=str(doc.get("name", p.stem)), events=tuple(events))
+
+
+_EXAMPLE = {"step": 30, "stage": 1, "factor": 3.0, "intensity": 1.0, "count": 1}
+
+
+def _number(path: Path, i: int, raw: dict[str, Any], key: str, kind: type, default: Any) -> Any:
+    """``raw[key]`` as an int or float (a TOML string such as "soon" is refused)."""
+    value = raw.get(key, default)
+    ok = isinstance(value, int) if kind is int else isinstance(value, (int, float))
+    if not ok or isinstance(value, bool):
+        what = "an integer" if kind is int else "a number"
+        raise UserError(
+            f"scenario {path} event {i}: {key} must be {what}, got {value!r}; write it "
+            f"without quotes, e.g. {key} = {_EXAMPLE[key]}"
+        )
+    return kind(value)
 
 
 class ScenarioRunner:
