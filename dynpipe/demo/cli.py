@@ -19,10 +19,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--quick", action="store_true", help="fewer steps (under a minute)")
     p.add_argument("-o", "--out", default="", help="run folder (default runs/demo-<time>)")
+    p.add_argument(
+        "--interferer",
+        choices=("emulate", "spin"),
+        default="emulate",
+        help="emulate: stage 1's layers run 3x slower (the same on any machine); spin: real "
+        "busy loops on stage 1's core (how much they slow it depends on the machine)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from dynpipe.demo.run import DemoConfig, run_demo
 
-    return run_demo(DemoConfig(out=args.out, quick=args.quick))
+    return run_demo(DemoConfig(out=args.out, quick=args.quick, interferer=args.interferer))

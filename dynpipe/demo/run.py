@@ -31,9 +31,12 @@ class DemoConfig:
     """Sizes chosen so a clean step takes about 20 ms on one core of a small machine.
 
     quick: fewer steps (under a minute for both runs on an idle 2-core machine).
-    interferer / intensity / count: what runs on stage 1's core during the interference:
-        two busy loops at full duty leave the stage about a third of its core (one, about
-        half, is too little where the scheduler favours a process that often waits).
+    interferer: what slows stage 1 during the interference. ``emulate`` (the default)
+        stretches every layer stage 1 runs to ``factor`` times its time, on its own core:
+        the same slowdown on any machine, however loaded (logged as emulation). ``spin``
+        starts ``count`` real busy loops at ``intensity`` on stage 1's core instead: what a
+        co-located job does, but how much it slows a stage depends on the machine's
+        scheduler and load (a stage that mostly waits gets its core back ahead of them).
     adapt / predictor: the adaptive system: ``measured``, or ``adaptive`` with a predictor
         file (without one it runs ``measured``).
     min_gain: the smallest predicted gain worth a move; above the swing of a stage timer
@@ -50,13 +53,14 @@ class DemoConfig:
     depth: int = 8
     batch_size: int = 64
     microbatches: int = 4
-    interferer: str = "spin"
+    interferer: str = "emulate"
+    factor: float = 3.0
     intensity: float = 1.0
     count: int = 2
     adapt: str = "measured"
     predictor: str | None = None
     min_gain: float = 0.15
-    monitor_every: int = 10
+    monitor_every: int = 5
     eval_batches: int = 4
     seed: int = 0
 
@@ -77,11 +81,22 @@ class DemoConfig:
         return 30 if self.quick else 40
 
 
+def _what(cfg: DemoConfig) -> str:
+    if cfg.interferer == "emulate":
+        return f"stage 1 starts running {cfg.factor:g}x slower (emulated interference)"
+    return f"{cfg.count} '{cfg.interferer}' interferers start on stage 1's core"
+
+
 def _scenario(cfg: DemoConfig, path: Path) -> Path:
+    if cfg.interferer == "emulate":
+        name, what = f"stage 1 emulated {cfg.factor:g}x slower", f"factor = {cfg.factor}\n"
+    else:
+        name = f"{cfg.count} x '{cfg.interferer}' on stage 1's core"
+        what = f"intensity = {cfg.intensity}\ncount = {cfg.count}\n"
     path.write_text(
-        f"name = \"demo: {cfg.count} x '{cfg.interferer}' on stage 1's core\"\n"
+        f'name = "demo: {name}"\n'
         f'[[events]]\nstep = {cfg.onset}\naction = "start"\nkind = "{cfg.interferer}"\n'
-        f"intensity = {cfg.intensity}\ncount = {cfg.count}\nstage = 1\n"
+        f"{what}stage = 1\n"
         f'[[events]]\nstep = {cfg.departure}\naction = "stop"\nstage = 1\n'
     )
     return path
@@ -134,8 +149,8 @@ def run_demo(cfg: DemoConfig) -> int:
         f"dynpipe demo: 2 pipeline stages on CPU ({ncpu} cores here), mlp {cfg.depth + 2} "
         f"layers x {cfg.width} wide, {cfg.steps} steps, run twice: static, then adaptive "
         f"(--adapt {cfg.adapt}).\n"
-        f"  step {cfg.onset}: {cfg.count} '{cfg.interferer}' interferers start on stage 1's "
-        f"core; step {cfg.departure}: they stop.\n  Watch `split` (layers per stage) and "
+        f"  step {cfg.onset}: {_what(cfg)}; step {cfg.departure}: it stops.\n"
+        "  Watch `split` (layers per stage) and "
         f"`ms` (step time) on the progress bar. Run folder: {run_dir}"
     )
     if ncpu is not None and ncpu < 2:

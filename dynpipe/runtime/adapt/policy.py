@@ -7,10 +7,17 @@ controller simulator drive the same code, and tests inject their own.
 ``Controller`` (``measured``, ``adaptive``, ``restart``) plans from measured per-layer costs
 (``CostEstimates``): the exact planner on the current estimates gives the best split; it is
 taken when its predicted gain is at least ``min_gain`` and pays back the measured pause
-within ``horizon_steps``. A measured step time outranks the model (``PlanMemory``): a plan
-measured clearly faster under the same conditions is moved back to, one measured no better
-is not tried again while conditions hold. Each move is judged on the first trusted window
-after it; a verdict across an onset or an end is logged as such and changes nothing.
+within ``horizon_steps``. The step time is what the model answers to:
+
+- a plan measured clearly faster under the same conditions, recently, is moved back to
+  (``PlanMemory``);
+- each move is judged on the first trusted window after it (``MoveRecord``), beyond what the
+  two windows' noise could make; one measured slower across a change of conditions has the
+  plan it left measured again under the new ones, so an onset neither undoes nor bars it;
+- the model is not acted on before it has predicted one window, nor when its estimates
+  moved and the steps did not follow (launch-bound timers); a move must promise more than
+  the last moves fell short of their promises (a model its timers mislead stops moving
+  layers), until the steps show new conditions.
 
 ``SweepPolicy`` (benchmarks) visits every split in turn so that one launch measures every
 static plan under the same conditions: the oracle the adaptive runs are judged against.
@@ -235,14 +242,17 @@ class Controller:
         self.memory.add(window.bounds, regime, here)
         judged = None
         if self.last is not None and self.last.verdict is None and self.last.pause_ms is not None:
-            self.last.judge(here, slow, regime=regime, tol=self.config.min_gain)
+            noise = window.step_noise
+            self.last.judge(here, slow, regime=regime, tol=self.config.min_gain, after_noise=noise)
             judged = self.last.to_dict()
             if self.last.model:
                 # How far the steps fell short of what the model promised (0 if they did
-                # better), whatever else changed: a broken promise counts against it.
+                # better, or within the two windows' noise), whatever else changed: a
+                # broken promise counts against it.
                 kept = np.log(self.last.after_ms / max(self.last.before_ms, 1e-9))
                 promised = np.log(self.last.predicted_ms / max(self.last.model_before_ms, 1e-9))
-                self._shortfalls = [*self._shortfalls, max(0.0, float(kept - promised))]
+                short = float(kept - promised) - self.last.noise(noise)
+                self._shortfalls = [*self._shortfalls, max(0.0, short)]
                 self._shortfalls = self._shortfalls[-_SHORTFALLS:]
         decision = self._decide(window, slow, self.last if judged is not None else None)
         decision.judged = judged
@@ -257,7 +267,10 @@ class Controller:
         kw = {"schedule": w.schedule, "microbatches": w.microbatches}
         cur = predicted_step_ms(costs, w.bounds, **kw)
         regime = self.est.regime
-        here = self.memory.measured(w.bounds, regime) or w.median_step_ms
+        # Plans are compared on measurements of the same conditions and of recent windows
+        # (a machine's background load drifts; an old median says little about now).
+        recent = 2 * cfg.average_windows
+        here = self.memory.measured(w.bounds, regime, last=recent) or w.median_step_ms
         pause = self.pause_ms if self.pause_ms is not None else w.median_step_ms
         prev, self._seen = self._seen, (w.bounds, cur, w.median_step_ms)
 
@@ -277,6 +290,7 @@ class Controller:
                     dst=bounds,
                     reason=reason,
                     before_ms=w.median_step_ms,
+                    before_noise=w.step_noise,
                     model_before_ms=cur,
                     predicted_ms=proposed,
                     slowdown=slow,
@@ -308,14 +322,14 @@ class Controller:
             and last.after_ms is not None
             and last.after_ms > last.before_ms * (1 + cfg.min_gain)
             and last.dst == w.bounds
-            and self.memory.measured(last.src, regime) is None
+            and self.memory.measured(last.src, regime, last=recent) is None
         ):
             return verdict(
                 f"{_split(last.src)} measured again: the move from it measured slower "
                 "across a change of conditions",
                 bounds=last.src,
             )
-        best = self.memory.best(regime)
+        best = self.memory.best(regime, last=recent)
         if (
             best is not None
             and best[0] != w.bounds
@@ -358,13 +372,6 @@ class Controller:
             return verdict(
                 f"gain {gain:.2f} ms/step does not pay {pause:.1f} ms within "
                 f"{cfg.horizon_steps} steps",
-                res.step_ms,
-            )
-        known = self.memory.measured(bounds, regime)
-        if known is not None and known >= here * (1 - cfg.min_gain):
-            return verdict(
-                f"{_split(bounds)} measured {known:.2f} ms/step under these conditions, "
-                f"no better than {here:.2f} now",
                 res.step_ms,
             )
         return verdict(

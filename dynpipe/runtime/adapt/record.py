@@ -1,11 +1,10 @@
 """What the run has measured of its own plans and moves (plain data).
 
-``PlanMemory`` keeps the measured step time of every plan the run has held since conditions
-last changed (a device's reading moving beyond its noise: ``CostEstimates.regime``). A
-measured step time outranks the speed model: a plan measured slower than the current one
-under the same conditions is not moved to again, and one measured clearly faster is moved
-back to. This one rule replaces the undo, the ban on refuted moves and the probes a
-stage-time model needed.
+``PlanMemory`` keeps the measured step time of every plan the run has held, with the regime
+of conditions it ran under (``CostEstimates.regime``). A measured step time outranks the
+speed model: a plan measured clearly faster under the same conditions is moved back to. This
+one rule, with the verdict on each move, replaces the undo, the ban on refuted moves and the
+probes a stage-time model needed.
 
 ``MoveRecord`` is one move from decision to verdict, owned by the policy that decided it:
 the loop that applies the move only fills in what the move cost.
@@ -76,7 +75,8 @@ class MoveRecord:
     decided it; predicted_ms: the speed model's step time under the new plan (on the same
     scale as its prediction for the old one, ``model_before_ms``). slowdown: per-device
     slowdowns when decided; regime: the conditions' regime then; model: proposed by the speed
-    model (False: chosen by measured step times alone). verdict: ``faster`` /
+    model (False: chosen by measured step times alone); before_noise: the relative standard
+    error of ``before_ms`` (``Window.step_noise``). verdict: ``faster`` /
     ``no better`` / ``slower`` when the window after it ran in the same regime, else
     ``conditions changed`` (an onset or an end between the two windows says nothing about
     the move).
@@ -92,15 +92,32 @@ class MoveRecord:
     slowdown: tuple[float, ...]
     regime: int = 0
     model: bool = True
+    before_noise: float = 0.0
     pause_ms: float | None = None
     moved_bytes: int | None = None
     after_ms: float | None = None
     after_slowdown: tuple[float, ...] | None = None
     verdict: str | None = None
 
-    def judge(self, after_ms: float, slow: Sequence[float], *, regime: int, tol: float) -> str:
-        """Record the first trusted window after the move and return the verdict."""
+    def noise(self, after_noise: float) -> float:
+        """How much of a before/after difference two windows' noise could make (relative:
+        three standard errors of their difference)."""
+        return 3.0 * float(np.hypot(self.before_noise, after_noise))
+
+    def judge(
+        self,
+        after_ms: float,
+        slow: Sequence[float],
+        *,
+        regime: int,
+        tol: float,
+        after_noise: float = 0.0,
+    ) -> str:
+        """Record the first trusted window after the move and return the verdict. A
+        difference counts only beyond ``tol`` and beyond what the two windows' noise could
+        make (``after_noise``: the after window's ``Window.step_noise``)."""
         self.after_ms, self.after_slowdown = float(after_ms), tuple(float(x) for x in slow)
+        tol = max(tol, self.noise(after_noise))
         if regime != self.regime:
             self.verdict = "conditions changed"
         elif after_ms > self.before_ms * (1 + tol):
