@@ -2,7 +2,7 @@
 
     python analysis/fig_predictor.py
     python analysis/fig_predictor.py --report predictor/h200_report
-    python analysis/fig_predictor.py --predictor predictor/h200.joblib --profiles profiles/h200-bs64.parquet
+    python analysis/fig_predictor.py --predictor predictor/h200.json.gz --profiles profiles/h200-bs64.parquet
 
 Without arguments it draws every evaluation report under predictor/ (folders holding the
 out-of-fold predictions_layers.parquet that `dynpipe predictor eval ... -o DIR` writes) into
@@ -29,7 +29,9 @@ HERE = Path(__file__).resolve().parent
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--report", type=Path, nargs="*", default=None, help="report folders")
-    p.add_argument("--predictor", type=Path, default=None, help="a saved predictor (.joblib)")
+    p.add_argument(
+        "--predictor", type=Path, default=None, help="a saved predictor (.json or .json.gz)"
+    )
     p.add_argument("--profiles", type=Path, nargs="*", default=[], help="profile datasets")
     p.add_argument("--out", type=Path, default=HERE / "figures", help="folder for figures")
     args = p.parse_args(argv)

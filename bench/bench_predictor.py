@@ -6,7 +6,7 @@ training step. This times it for ``--layers`` layers x ``--devices`` devices (de
 without preparation and with the random-forest baseline for comparison.
 
     python bench/bench_predictor.py                                # synthetic-data predictor
-    python bench/bench_predictor.py --predictor predictor/cpu.joblib
+    python bench/bench_predictor.py --predictor predictor/cpu.json.gz
     python bench/bench_predictor.py --layers 400 --devices 16 --threads 1
 """
 

@@ -148,9 +148,9 @@ def _num_layers(cfg: list[str]) -> int:
 
 # ---- report ---------------------------------------------------------------------------
 def _read(path: Path) -> tuple[list[dict], list[dict]]:
-    from dynpipe.runtime.runlog import read_log
+    from dynpipe.runtime.records import read_dicts
 
-    recs = read_log(path)
+    recs = read_dicts(path)
     steps = {r["step"]: r for r in recs if r["type"] == "step"}  # a relaunch rewrites none
     events = [r for r in recs if r["type"] == "event"]
     return [steps[k] for k in sorted(steps)], events
@@ -200,10 +200,10 @@ def report(a: argparse.Namespace) -> int:
     out: dict[str, Any] = {"config": meta, "phases": {}}
     logs = {s: d / f"{s}.jsonl" for s in SYSTEMS if (d / f"{s}.jsonl").exists()}
     runs = {s: _read(p) for s, p in logs.items()}
-    from dynpipe.runtime.runlog import read_log
+    from dynpipe.runtime.records import read_dicts
 
     for p in logs.values():
-        head = next(r for r in read_log(p) if r["type"] == "header")
+        head = next(r for r in read_dicts(p) if r["type"] == "header")
         device = device or head.get("env", {}).get("device_name")
         out.setdefault("revision", head.get("revision"))
     out["device"] = device

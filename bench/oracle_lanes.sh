@@ -4,14 +4,14 @@
 #   bash bench/oracle_lanes.sh OUTDIR LANE [LANE ...]
 # LANE: GPUS=EXP+EXP+...   EXP: CONFIG:INTERFERERS:STAGES[:SYSTEMS]   e.g.
 #   0,1=vgg16-b128:gemm:1+resnet50-b256:copy:0  2,3=gpt-w2048:gemm:0:sweep,static,adaptive
-# A lane of 4 GPUs runs 4 stages. PREDICTOR (default predictor/h200.joblib), STEPS, ONSET,
-# END, LANE_TIMEOUT (seconds) and DEVICE (cuda; cpu checks the script on a CPU machine,
+# A lane of 4 GPUs runs 4 stages. PREDICTOR (default predictor/h200.json.gz), STEPS, ONSET,
+# END, SWEEP_WINDOWS, SWEEP_PLANS, LANE_TIMEOUT (seconds) and DEVICE (cuda; cpu checks the script on a CPU machine,
 # a lane's "GPUS" then only counting its stages) are read from the environment. Logs and reports land in
 # OUTDIR/<config>-<interferers>-s<stages>/ and OUTDIR/oracle-logs.tgz.
 set -u
 O=$1; shift
 mkdir -p "$O"
-P=${PREDICTOR:-predictor/h200.joblib}
+P=${PREDICTOR:-predictor/h200.json.gz}
 lane() {  # gpus, experiments
   local gpus=$1 exps=$2 n
   n=$(echo "$gpus" | tr ',' '\n' | wc -l)
@@ -21,13 +21,14 @@ lane() {  # gpus, experiments
     CUDA_VISIBLE_DEVICES=$gpus python3 bench/oracle.py run --config "$cfg" --interferer "$kinds" \
       --stage "$stages" --nproc "$n" --device "${DEVICE:-cuda}" --steps "${STEPS:-150}" --onset "${ONSET:-40}" \
       --end "${END:-100}" --predictor "$P" --ckpt "/tmp/ckpt-$cfg-$gpus" \
+      --sweep-windows "${SWEEP_WINDOWS:-3}" --sweep-plans "${SWEEP_PLANS:-12}" \
       --systems "${systems:-sweep,static,measured,adaptive,restart}" -o "$d"
     python3 bench/oracle.py report "$d" -o "$d/report.json"
   done
 }
 pids=()
 for spec in "$@"; do
-  timeout "${LANE_TIMEOUT:-560}" bash -c "$(declare -f lane); O='$O' P='$P' STEPS='${STEPS:-}' ONSET='${ONSET:-}' END='${END:-}' DEVICE='${DEVICE:-}' lane '${spec%%=*}' '${spec#*=}'" > "$O/lane-${spec%%=*}.txt" 2>&1 &
+  timeout "${LANE_TIMEOUT:-560}" bash -c "$(declare -f lane); O='$O' P='$P' STEPS='${STEPS:-}' ONSET='${ONSET:-}' END='${END:-}' DEVICE='${DEVICE:-}' SWEEP_WINDOWS='${SWEEP_WINDOWS:-}' SWEEP_PLANS='${SWEEP_PLANS:-}' lane '${spec%%=*}' '${spec#*=}'" > "$O/lane-${spec%%=*}.txt" 2>&1 &
   pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p"; done

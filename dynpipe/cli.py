@@ -10,15 +10,31 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
+import threading
 
 from dynpipe.errors import UserError
 
 __all__ = ["build_parser", "main"]
 
+
+class _Terminated(BaseException):
+    """SIGTERM, raised where the main thread is so that ``finally`` blocks clean up."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated(signum)
+
+
 # Order is the order shown in --help.
 _SUBCOMMANDS = (
-    "dynpipe.analysis.demo_cli",
+    "dynpipe.demo.cli",
     "dynpipe.runtime.cli",
     "dynpipe.models.cli",
     "dynpipe.planner.cli",
@@ -56,14 +72,23 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    if threading.current_thread() is threading.main_thread():
+        # One line and a clean-up on SIGTERM, like Ctrl-C (subcommands that handle signals
+        # themselves, such as training workers, install their own handlers over this one).
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(args.func(args) or 0)
     except UserError as exc:
         print(f"dynpipe {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"dynpipe {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, _Terminated) as exc:
+        signum = exc.signum if isinstance(exc, _Terminated) else signal.SIGINT
+        # A training worker stopped before it could handle signals itself says nothing: its
+        # launcher reports the stop in one line for the whole job.
+        if not (args.command == "train" and "RANK" in os.environ):
+            what = "terminated" if signum == signal.SIGTERM else "interrupted"
+            print(f"dynpipe {args.command}: {what}", file=sys.stderr)
+        return 128 + int(signum)
 
 
 if __name__ == "__main__":

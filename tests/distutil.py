@@ -1,7 +1,8 @@
 """Run a function on N real processes with a gloo process group, with a hard timeout.
 
 ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, each creating the
-default group and calling ``fn(rank, world_size, *args)``. Return values come back through
+default group and calling ``fn(rank, world_size, *args)``. The group's store is hosted by the
+calling process, as torchrun's agent hosts it, so it outlives any one rank. Return values come back through
 files; an exception on any rank fails the test with that rank's traceback; a run that
 exceeds ``timeout_s`` kills every process and fails (no test can hang).
 """
@@ -44,9 +45,9 @@ def _entry(fn, rank, world, port, out_dir, pg_timeout_s, args):
     torch.set_num_threads(1)
     result: dict[str, Any]
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s)
-        )
+        timeout = datetime.timedelta(seconds=pg_timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         value = fn(rank, world, *args)
         result = {"ok": True, "value": value}
     except BaseException as exc:  # reported to the parent, which fails the test
@@ -75,8 +76,20 @@ def run_ranks(
     expect_failure: bool = False,
 ) -> list[dict[str, Any]]:
     """Results per rank: ``{"ok": True, "value": ...}`` or ``{"ok": False, "error": ...}``."""
+    import datetime
+
+    import torch.distributed as dist
+
     ctx = mp.get_context("spawn")
-    port = free_port()
+    server = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=pg_timeout_s),
+        wait_for_workers=False,
+    )
+    port = server.port
     with tempfile.TemporaryDirectory() as out:
         procs = [
             ctx.Process(target=_entry, args=(fn, r, world_size, port, out, pg_timeout_s, args))

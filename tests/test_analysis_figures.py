@@ -193,7 +193,7 @@ def predictor_files(tmp_path_factory):
     write_profiles(other, d / "other.parquet", meta=meta)
     small = {"n_estimators": 30, "max_depth": 3, "n_jobs": 1}
     pred = fit_predictor(load_profiles(d / "train.parquet"), estimator="xgb", params=small)
-    save_predictor(pred, d / "p.joblib")
+    save_predictor(pred, d / "p.json")
     ev = evaluate(
         train,
         estimators={
@@ -226,19 +226,19 @@ def test_predictor_from_report(predictor_files, tmp_path) -> None:
 
 def test_predictor_from_profiles_says_in_sample(predictor_files) -> None:
     d = predictor_files
-    same = predictions_from_predictor(d / "p.joblib", profiles=[d / "train.parquet"])
+    same = predictions_from_predictor(d / "p.json", profiles=[d / "train.parquet"])
     assert "in-sample" in same.source
-    new = predictions_from_predictor(d / "p.joblib", profiles=[d / "other.parquet"])
+    new = predictions_from_predictor(d / "p.json", profiles=[d / "other.parquet"])
     assert "not fit on" in new.source
     # A file its training metadata lists, among others: still flagged as in-sample.
     mixed = [d / "other.parquet", d / "train.parquet"]
-    part = predictions_from_predictor(d / "p.joblib", profiles=mixed)
+    part = predictions_from_predictor(d / "p.json", profiles=mixed)
     assert "train.parquet (in-sample" in part.source
     f = new.frame
     assert len(f) > 0 and np.all(f["predicted_ms"] > 0) and np.all(f["measured_ms"] > 0)
     _labelled(plot_predictor(new), words=("Synthetic GPU",))
     with pytest.raises(UserError, match="--profiles"):
-        predictions_from_predictor(d / "p.joblib", profiles=[])
+        predictions_from_predictor(d / "p.json", profiles=[])
 
 
 def test_cli_predictor_and_errors(predictor_files, tmp_path, capsys) -> None:
@@ -307,5 +307,5 @@ def test_predictor_script(predictor_files, tmp_path) -> None:
     mod = _script("fig_predictor")
     assert mod.main(["--report", str(predictor_files / "report"), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "predictor_report.png").stat().st_size > 10_000
-    args = ["--predictor", str(predictor_files / "p.joblib"), "--out", str(tmp_path)]
+    args = ["--predictor", str(predictor_files / "p.json"), "--out", str(tmp_path)]
     assert mod.main(args) == 2  # a predictor alone has nothing to be scored on

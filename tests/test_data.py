@@ -193,7 +193,8 @@ def test_text_windows_give_next_byte_targets(text_file) -> None:
     model = get_model("gpt", **{**TINY["gpt"], "vocab": 256})
     src = get_data("text", model=model, path=str(text_file))
     data = text_file.read_bytes()
-    assert src.num_samples == (len(data) - 17) // 16 + 1
+    cut = len(data) - len(data) // 10  # the last tenth is held out
+    assert src.num_samples == (cut - 17) // 16 + 1
     x, y = src.batch(0, 4)
     assert x.shape == y.shape == (4, 16) and x.dtype == torch.long
     assert torch.equal(x[:, 1:], y[:, :-1])
@@ -201,6 +202,12 @@ def test_text_windows_give_next_byte_targets(text_file) -> None:
         assert bytes(row.tolist()) == data[i * 16 : i * 16 + 16]
     assert _equal((x, y), get_data("text", model=model, path=str(text_file)).batch(0, 4))
     assert src.model_kwargs("gpt") == {"vocab": 256}
+    # The held-out windows lie in the last tenth, none crossing the cut.
+    test = get_data("text", model=model, path=str(text_file), split="test")
+    assert test.num_samples == (len(data) - cut - 17) // 16 + 1
+    xt, _ = test.batch(0, 3)
+    for i, row in zip(test.indices(0, 3).tolist(), xt, strict=True):
+        assert bytes(row.tolist()) == data[cut + i * 16 : cut + i * 16 + 16]
 
 
 def test_text_for_bert_is_masked(text_file) -> None:
@@ -218,8 +225,13 @@ def test_text_errors_name_the_numbers(text_file, tmp_path) -> None:
         get_data("text", path=str(tmp_path / "missing.txt"))
     short = tmp_path / "short.txt"
     short.write_text("abc")
-    with pytest.raises(UserError, match=r"3 bytes .* needs 17"):
+    with pytest.raises(UserError, match=r"3 bytes.* needs 17"):
         get_data("text", path=str(short), seq_len=16)
+    # 160 bytes hold windows for training, but their held-out tenth (16 bytes) holds none.
+    short.write_text("x" * 160)
+    assert get_data("text", path=str(short), seq_len=16).num_samples == 8
+    with pytest.raises(UserError, match=r"test split of .* has 16 bytes but one window .* 17"):
+        get_data("text", path=str(short), seq_len=16, split="test")
     with pytest.raises(UserError, match="vocab=256"):
         get_data("text", path=str(text_file), model=get_model("gpt", **TINY["gpt"]))
     with pytest.raises(UserError, match="use --model gpt or bert"):
@@ -346,7 +358,12 @@ def test_imagefolder_reads_resizes_and_is_deterministic(tmp_path) -> None:
             Image.new("RGB", (40 + i, 30), colour).save(tmp_path / f"class{c}" / f"{i}.png")
     model = get_model("resnet50", width_mult=1 / 16, image_size=32, num_classes=2)
     src = get_data("imagefolder", model=model, path=str(tmp_path), augment=True)
-    assert src.num_samples == 6 and src.model_kwargs("resnet50") == {
+    held = get_data("imagefolder", model=model, path=str(tmp_path), split="test", augment=True)
+    # Without train/ and val/ folders, a fixed tenth (at least one image) is held out.
+    assert held.num_samples == 1 and not held.augment
+    train_ids, test_ids = set(src._ids.tolist()), set(held._ids.tolist())
+    assert not train_ids & test_ids and len(train_ids | test_ids) == 6
+    assert src.num_samples == 5 and src.model_kwargs("resnet50") == {
         "image_size": 32,
         "num_classes": 2,
     }
@@ -368,9 +385,122 @@ def test_imagefolder_missing_folder_is_a_user_error(tmp_path) -> None:
 def test_get_data_rejects_unknown_names_options_and_paths(tmp_path) -> None:
     with pytest.raises(UserError, match="choose one of synthetic, digits"):
         get_data("mnist")
-    with pytest.raises(UserError, match="no option bogus; its options are split"):
+    with pytest.raises(UserError, match="no option bogus; its options are none"):
         get_data("digits", bogus=1)
+    with pytest.raises(UserError, match=r"splits train, test \(test: held out\); got split='val'"):
+        get_data("digits", split="val")
     with pytest.raises(UserError, match="not read from disk"):
         get_data("digits", path=str(tmp_path))
     with pytest.raises(UserError, match="step >= 0"):
         get_data("digits").batch(-1, 4)
+
+
+# -- held-out splits -------------------------------------------------------------------------
+
+
+def test_synthetic_test_split_is_other_samples_of_the_same_task() -> None:
+    model = get_model("mlp", **TINY["mlp"])
+    train = get_data("synthetic", model=model, seed=5)
+    test = get_data("synthetic", model=model, seed=5, split="test")
+    assert test.split == "test" and test.num_samples is None
+    a, b = train.batch(3, 64), test.batch(3, 64)
+    assert not torch.equal(a[0], b[0])
+    assert _equal(b, get_data("synthetic", model=model, seed=5, split="test").batch(3, 64))
+    # Same distribution: one teacher labels both splits, so a classifier fit on the training
+    # samples' prototypes labels held-out samples as well as training ones.
+    protos = train._prototypes(5, 12)
+    for x, y in (a, b):
+        assert torch.equal(torch.cdist(x, protos).argmin(dim=1) % 5, y)
+
+
+def test_digits_and_cifar_test_splits_are_their_own_held_out_sets(tmp_path, monkeypatch) -> None:
+    train, test = get_data("digits"), get_data("digits", split="test")
+    rows = {tuple(r.tolist()) for r in train.batch(0, train.num_samples)[0]}
+    held = test.batch(0, test.num_samples)[0]
+    assert sum(tuple(r.tolist()) in rows for r in held) < 0.05 * len(held)  # a few duplicates
+    assert _equal(test.batch(2, 16), get_data("digits", split="test").batch(2, 16))
+    _stand_in_torchvision(monkeypatch, 30)
+    _fake_cifar(tmp_path)
+    ctest = get_data("cifar10", path=str(tmp_path), split="test")
+    assert ctest.num_samples == 10 and not ctest.augment
+
+
+def test_imagefolder_reads_train_and_val_folders(tmp_path) -> None:
+    pytest.importorskip("torchvision")
+    from PIL import Image
+
+    for split, n in (("train", 4), ("val", 2)):
+        for c in ("cat", "dog"):
+            (tmp_path / split / c).mkdir(parents=True)
+            for i in range(n):
+                Image.new("RGB", (20, 20), "red").save(tmp_path / split / c / f"{i}.png")
+    assert get_data("imagefolder", path=str(tmp_path), image_size=16).num_samples == 8
+    test = get_data("imagefolder", path=str(tmp_path), image_size=16, split="test")
+    assert test.num_samples == 4 and test.num_classes == 2
+    (tmp_path / "val" / "emu").mkdir()
+    Image.new("RGB", (20, 20), "red").save(tmp_path / "val" / "emu" / "0.png")
+    with pytest.raises(UserError, match="same class folders"):
+        get_data("imagefolder", path=str(tmp_path), image_size=16, split="test")
+
+
+def _fake_stdlib(root) -> dict[str, bytes]:
+    files = {
+        "abc.py": b"import os\n" * 30,
+        "json/__init__.py": b"def loads(s):\n    return s\n" * 20,
+        "json/decoder.py": b"class Decoder:\n    pass\n" * 25,
+        "zipfile.py": b"# zip\n" * 40,
+        "test/test_abc.py": b"skipped: the test suite is not library source\n",
+        "site-packages/pkg/mod.py": b"skipped: third-party\n",
+        "README.txt": b"skipped: not .py\n",
+    }
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return files
+
+
+def test_pystdlib_gathers_library_sources_in_sorted_order_split_by_file(tmp_path) -> None:
+    from dynpipe.data.text import PyStdlibSource, _held_out, stdlib_files
+
+    files = _fake_stdlib(tmp_path)
+    found = [p.relative_to(tmp_path).as_posix() for p in stdlib_files(tmp_path)]
+    assert found == ["abc.py", "json/__init__.py", "json/decoder.py", "zipfile.py"]
+    src = PyStdlibSource(root=str(tmp_path), seq_len=8, split="train")
+    kept = [f for f in found if not _held_out(f)]
+    assert bytes(src._bytes) == b"".join(files[f] + b"\n" for f in kept)
+    assert src.files == len(kept) and str(src.files) in src.describe()
+    again = PyStdlibSource(root=str(tmp_path), seq_len=8)
+    assert _equal(src.batch(4, 6), again.batch(4, 6)) and src.digest == again.digest
+
+
+def test_pystdlib_of_this_python_trains_gpt_with_a_held_out_tenth() -> None:
+    import pickle
+    import sysconfig
+    from pathlib import Path
+
+    from dynpipe.data.text import _held_out, stdlib_files
+
+    model = get_model("gpt", **{**TINY["gpt"], "vocab": 256})
+    assert get_data("pystdlib").model_kwargs("gpt") == {"vocab": 256}
+    train = get_data("pystdlib", model=model)
+    test = get_data("pystdlib", model=model, split="test")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    rels = [p.relative_to(root).as_posix() for p in stdlib_files(root)]
+    held = [r for r in rels if _held_out(r)]
+    assert train.files + test.files == len(rels) > 100 and test.files == len(held)
+    assert 0.05 < len(held) / len(rels) < 0.15
+    x, y = test.batch(0, 4)
+    assert x.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])
+    assert bytes(x[0].tolist()) in bytes(test._bytes)
+    # Loader workers rebuild the corpus rather than receive it.
+    assert len(pickle.dumps(train)) < 100_000
+    assert _equal(pickle.loads(pickle.dumps(train)).batch(9, 4), train.batch(9, 4))
+    with pytest.raises(UserError, match="not read from disk"):
+        get_data("pystdlib", path="somewhere")
+
+
+def test_digits_held_out_pixels_stay_on_a_sane_scale() -> None:
+    # Pixels constant in the training split must not blow up held-out images that use them.
+    test = get_data("digits", split="test")
+    x, _ = test.batch(0, test.num_samples)
+    assert float(x.abs().max()) < 100

@@ -57,7 +57,7 @@ def test_memory_too_small_is_one_line_with_exit_2(capsys) -> None:
         (["--stages", "2", "--batch-size", "10", "--microbatches", "4"], "does not split into 4"),
         (["--stages", "2", "--slowdown", "1,2,3"], "3 factors for 2 stages"),
         (["--stages", "2", "--memory-gb", "1,2,3"], "3 values for 2 stages"),
-        (["--stages", "2", "--predictor", "x.joblib"], "needs --telemetry"),
+        (["--stages", "2", "--predictor", "x.json"], "needs --telemetry"),
         (["--stages", "2", "--conditions", "none"], "needs --profile"),
         (["--stages", "2", "--migration-ms-per-gb", "5"], "give --current"),
     ],
@@ -120,7 +120,7 @@ def test_profile_and_predictor_inputs(tmp_path, capsys) -> None:
 
     # A learned predictor: a busy device 1 must get less work than a quiet one.
     pred = fit_predictor(synthetic_profiles(models=("mlp_a",), seed=0), estimator="ridge")
-    path = save_predictor(pred, tmp_path / "p.joblib")
+    path = save_predictor(pred, tmp_path / "p.json")
     quiet = dict.fromkeys(pred.schema.telemetry, 0.0)
     busy = {**quiet, "tel_other_util": 95.0, "tel_other_procs": 2.0, "tel_other_mem_util": 60.0}
     loads = {}

@@ -232,13 +232,18 @@ def test_booster_pickles_as_xgboost_json_not_a_pickled_object(xy):
 # ---------------------------------------------------------------- persistence
 
 
+@pytest.mark.parametrize("suffix", [".json", ".json.gz"])
 @pytest.mark.parametrize("kind", ["xgb", "rf", "ridge"])
-def test_save_load_round_trip_gives_identical_predictions(kind, df, tmp_path):
+def test_save_load_round_trip_gives_identical_predictions(kind, suffix, df, tmp_path):
     params = {"xgb": SMALL_XGB, "rf": {"n_estimators": 15, "n_jobs": 1}, "ridge": {}}[kind]
     pred = fit_predictor(df, estimator=kind, params=params)
-    path = save_predictor(pred, tmp_path / f"{kind}.joblib")
+    path = save_predictor(pred, tmp_path / f"{kind}{suffix}")
     back = load_predictor(path)
+    # Plain JSON: the estimator comes back from numbers, not from pickled objects.
+    assert b"\x80" not in (path.read_bytes() if suffix == ".json" else b"")
     np.testing.assert_array_equal(back.predict_slowdown(df), pred.predict_slowdown(df))
+    again = load_predictor(save_predictor(back, tmp_path / f"again{suffix}"))
+    np.testing.assert_array_equal(again.predict_slowdown(df), pred.predict_slowdown(df))
     assert back.schema == pred.schema
     assert back.data_fingerprint == dataset_fingerprint(df)
     assert {"xgboost", "scikit-learn", "numpy", "pandas"} <= set(back.versions)
@@ -246,7 +251,7 @@ def test_save_load_round_trip_gives_identical_predictions(kind, df, tmp_path):
 
 
 def test_load_refuses_mismatched_features_by_name(predictor, tmp_path):
-    path = save_predictor(predictor, tmp_path / "p.joblib")
+    path = save_predictor(predictor, tmp_path / "p.json")
     names = [n for n in predictor.schema.names if n != "tel_power_w"] + ["tel_fan_rpm"]
     with pytest.raises(UserError, match="missing tel_power_w; extra tel_fan_rpm") as info:
         load_predictor(path, expect_features=names)
@@ -258,13 +263,69 @@ def test_load_refuses_non_predictor_files(tmp_path):
     import joblib
 
     with pytest.raises(UserError, match="does not exist"):
-        load_predictor(tmp_path / "nope.joblib")
+        load_predictor(tmp_path / "nope.json")
+    (tmp_path / "other.json").write_text('{"hello": 1}')
+    with pytest.raises(UserError, match="not a dynpipe predictor"):
+        load_predictor(tmp_path / "other.json")
+    (tmp_path / "junk.json").write_bytes(b"not json at all")
+    with pytest.raises(UserError, match="not a dynpipe predictor"):
+        load_predictor(tmp_path / "junk.json")
+    (tmp_path / "bad.json").write_text('{"format": "dynpipe-predictor", "format_version": 2')
+    with pytest.raises(UserError, match="not valid JSON"):
+        load_predictor(tmp_path / "bad.json")
+    with pytest.raises(UserError, match=r"name it p\.json"):
+        save_predictor(None, tmp_path / "p.joblib")  # type: ignore[arg-type]
     joblib.dump({"hello": 1}, tmp_path / "other.joblib")
     with pytest.raises(UserError, match="not a dynpipe predictor"):
-        load_predictor(tmp_path / "other.joblib")
-    (tmp_path / "junk.joblib").write_bytes(b"not a pickle")
-    with pytest.raises(UserError, match="cannot read predictor"):
-        load_predictor(tmp_path / "junk.joblib")
+        load_predictor(tmp_path / "other.joblib", allow_pickle=True)
+
+
+class _RunsCode:
+    """Unpickling this calls ``Path.touch``: the proof that a pickle runs code when loaded."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        from pathlib import Path
+
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_a_pickled_predictor_is_refused_without_running_it(tmp_path, predictor, df, capsys):
+    """A crafted .joblib runs code when unpickled: without --allow-pickle nothing reads it
+    (show, eval, train --predictor all go through load_predictor)."""
+    import joblib
+
+    from dynpipe.cli import main
+
+    marker = tmp_path / "ran"
+    joblib.dump({"format": "dynpipe-predictor", "x": _RunsCode(str(marker))}, tmp_path / "p.joblib")
+    for argv in (
+        ["predictor", "show", str(tmp_path / "p.joblib")],
+        ["train", "--adapt", "adaptive", "--predictor", str(tmp_path / "p.joblib")],
+        ["predictor", "convert", str(tmp_path / "p.joblib"), "-o", str(tmp_path / "n.json")],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "runs any code" in err, err
+        assert not marker.exists()
+    # An old predictor you trust converts once, explicitly; the JSON file then loads as is.
+    old = {
+        "format": "dynpipe-predictor",
+        "format_version": 1,
+        "estimator_name": "xgb",
+        "estimator": predictor.estimator,
+        "schema": predictor.schema.to_dict(),
+        "data_fingerprint": predictor.data_fingerprint,
+        "versions": predictor.versions,
+    }
+    joblib.dump(old, tmp_path / "old.joblib")
+    argv = ["predictor", "convert", str(tmp_path / "old.joblib"), "-o", str(tmp_path / "n.json")]
+    assert main([*argv, "--allow-pickle"]) == 0
+    back = load_predictor(tmp_path / "n.json")
+    X = predictor.features(df)
+    np.testing.assert_array_equal(back.estimator.predict(X), predictor.estimator.predict(X))
 
 
 def test_fingerprint_is_content_hash(df):

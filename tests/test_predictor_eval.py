@@ -186,7 +186,7 @@ def test_cli_fit_show_eval(tmp_path, capsys):
         synthetic_profiles(models=("mlp_b", "gpt_b"), conditions=conds, seed=1),
         tmp_path / "other.parquet",
     )
-    out = tmp_path / "p.joblib"
+    out = tmp_path / "p.json.gz"
     common = ["--n-jobs", "1", "--folds", "3", "--splits", "condition,model"]
     rc = main(
         [
@@ -236,7 +236,7 @@ def test_cli_fit_show_eval(tmp_path, capsys):
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
-    assert main(["predictor", "show", str(tmp_path / "missing.joblib")]) == 2
+    assert main(["predictor", "show", str(tmp_path / "missing.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "does not exist" in err
     train = _write(synthetic_profiles(models=("mlp_a",), seed=0), tmp_path / "t.parquet")
@@ -246,7 +246,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
             "fit",
             train,
             "-o",
-            str(tmp_path / "x.joblib"),
+            str(tmp_path / "x.json"),
             "--report",
             str(tmp_path / "r"),
             "--stages",

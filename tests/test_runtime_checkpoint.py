@@ -31,7 +31,7 @@ def _engine(world: int, opt: str):
 
 
 def _write(rank: int, world: int, ckpt: str, opt: str) -> dict:
-    from dynpipe.runtime.checkpoint import save_checkpoint
+    from dynpipe.runtime.checkpointer import save_checkpoint
 
     eng = _engine(world, opt)
     for s in range(SAVE_AT):

@@ -26,12 +26,16 @@ __all__ = [
     "plot_migration",
     "plot_phases",
     "plot_predictor",
+    "plot_scaling",
     "plot_step_time",
     "plot_throughput",
+    "plot_time_to_accuracy",
     "predictions_from_predictor",
     "predictions_from_report",
     "run_bubbles",
+    "scaling_table",
     "throughput",
+    "time_to_accuracy_table",
     "time_to_target",
     "write_summary",
 ]
@@ -58,6 +62,10 @@ _WHERE = {
     "predictions_from_predictor": "accuracy",
     "predictions_from_report": "accuracy",
     "write_summary": "summary",
+    "plot_time_to_accuracy": "convergence",
+    "time_to_accuracy_table": "convergence",
+    "plot_scaling": "scaling",
+    "scaling_table": "scaling",
 }
 
 

@@ -4,7 +4,7 @@
     dynpipe figures analysis/logs/vgg16-heavy/ -o figures/ --partitions partitions/
     dynpipe figures --label static=a.jsonl --label dynpipe=b.jsonl -o figures/
     dynpipe figures -o figures/ --predictor predictor/cpu_report            # eval report
-    dynpipe figures -o figures/ --predictor predictor/cpu.joblib --profiles profiles/cpu.parquet
+    dynpipe figures -o figures/ --predictor predictor/cpu.json.gz --profiles profiles/cpu.parquet
 
 A figure whose inputs are missing is skipped with a one-line note saying what it needs.
 """
@@ -50,7 +50,7 @@ def register(subparsers: Any) -> None:
         "--predictor",
         default=None,
         metavar="X",
-        help="a predictor evaluation report folder, or a saved predictor (.joblib, "
+        help="a predictor evaluation report folder, or a saved predictor (.json[.gz], "
         "with --profiles)",
     )
     p.add_argument(
@@ -64,7 +64,16 @@ def register(subparsers: Any) -> None:
         "--target-loss",
         type=float,
         default=None,
-        help="loss for time-to-target (default: the --quantile every run reaches)",
+        help="loss for time-to-target (default: the --quantile every run reaches); with "
+        "eval records, also the eval loss the time-to-accuracy figure measures",
+    )
+    p.add_argument(
+        "--target-accuracy",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="held-out accuracy for the time-to-accuracy figure, e.g. 0.9 (default: the "
+        "best accuracy every run reaches)",
     )
     p.add_argument(
         "--quantile",
@@ -97,7 +106,16 @@ def _labels(items: list[str]) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from dynpipe.analysis import accuracy, bars, bubbles, logs, summary, timeline
+    from dynpipe.analysis import (
+        accuracy,
+        bars,
+        bubbles,
+        convergence,
+        logs,
+        scaling,
+        summary,
+        timeline,
+    )
     from dynpipe.errors import UserError
 
     labels = _labels(args.label)
@@ -138,6 +156,22 @@ def run(args: argparse.Namespace) -> int:
         "busy_fraction", no_runs, lambda: timeline.plot_busy_fraction(runs, out=out, smooth=smooth)
     )
     draw("migration", no_runs, lambda: bars.plot_migration(runs, out=out))
+    no_evals = no_runs or (
+        None
+        if any(not r.evals.empty for r in runs)
+        else "needs eval records (train with --eval-every N)"
+    )
+    draw(
+        "time_to_accuracy",
+        no_evals,
+        lambda: convergence.plot_time_to_accuracy(
+            [r for r in runs if not r.evals.empty],
+            out=out,
+            target_accuracy=args.target_accuracy,
+            target_loss=args.target_loss,
+        ),
+    )
+    draw("scaling", no_runs, lambda: scaling.plot_scaling(runs, out=out, warmup=args.warmup))
 
     def bubble_fig() -> None:
         import pandas as pd
@@ -160,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
 
     def predictor_fig() -> None:
         x = Path(args.predictor)
-        if x.is_dir() or x.suffix == ".json":
+        if x.is_dir() or x.name == "report.json":
             preds = accuracy.predictions_from_report(x)
         else:
             preds = accuracy.predictions_from_predictor(x, profiles=args.profiles)
@@ -182,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
                 quantile=args.quantile,
                 smooth=smooth,
                 warmup=args.warmup,
+                target_accuracy=args.target_accuracy,
             )
         )
     for p in written:

@@ -24,7 +24,7 @@ import pandas as pd
 
 from dynpipe.analysis.phases import Window, assign_phases, interference_windows
 from dynpipe.errors import UserError
-from dynpipe.runtime.records import EVENTS, Event, Header, Step, read_log
+from dynpipe.runtime.records import EVENTS, Eval, Event, Header, Step, read_log
 
 __all__ = [
     "Run",
@@ -52,6 +52,10 @@ class Run:
         wait_ms, busy`` (= (fwd + bwd) / step_ms of that step).
     events: one row per event record: ``event, step, time, elapsed_s, segment, record``
         (the ``records.Event``).
+    evals: one row per evaluation on the held-out split (``--eval-every``): ``step`` (steps
+        trained), ``segment, time, elapsed_s`` (when the record was written, right after
+        the evaluation), ``loss, accuracy, perplexity, samples, batches, eval_ms``; empty
+        for a run that never evaluated.
     headers: the header of every process launch, in order.
     windows: interference windows, in onset order.
     """
@@ -70,6 +74,7 @@ class Run:
     steps: pd.DataFrame = field(repr=False)
     stages: pd.DataFrame = field(repr=False)
     events: pd.DataFrame = field(repr=False)
+    evals: pd.DataFrame = field(default_factory=lambda: _evals_frame([], [], 0.0), repr=False)
     windows: list[Window] = field(default_factory=list)
     t0: float = 0.0
     redone_steps: int = 0
@@ -151,6 +156,30 @@ def group_experiments(root: str | Path) -> dict[str, list[Path]]:
     return out
 
 
+_EVAL_COLUMNS = ("loss", "accuracy", "perplexity", "samples", "batches", "eval_ms")
+
+
+def _evals_frame(records: list[Eval], segments: list[int], t0: float) -> pd.DataFrame:
+    """Eval records as a frame; a relaunch that evaluated a step again keeps its last one."""
+    frame = pd.DataFrame(
+        {
+            "step": pd.Series([r.step for r in records], dtype="int64"),
+            "segment": pd.Series(segments, dtype="int64"),
+            "time": pd.Series([r.time for r in records], dtype="float64"),
+            **{
+                c: pd.Series(
+                    [np.nan if getattr(r, c) is None else float(getattr(r, c)) for r in records],
+                    dtype="float64",
+                )
+                for c in _EVAL_COLUMNS
+            },
+        }
+    )
+    frame["elapsed_s"] = frame["time"] - t0
+    frame = frame.drop_duplicates("step", keep="last").sort_values("step", kind="stable")
+    return frame.reset_index(drop=True)
+
+
 def _mode(header: Header) -> str:
     adapt = header.config.get("adapt") or {}
     return str(adapt.get("mode", "static")) if isinstance(adapt, Mapping) else "static"
@@ -186,6 +215,8 @@ def load_run(path: str | Path, *, label: str | None = None) -> Run:
     ev_recs: list[Event] = []
     segs: list[int] = []
     ev_segs: list[int] = []
+    eval_recs: list[Eval] = []
+    eval_segs: list[int] = []
     for rec in read_log(path):
         if isinstance(rec, Header):
             headers.append(rec)
@@ -197,6 +228,9 @@ def load_run(path: str | Path, *, label: str | None = None) -> Run:
         elif isinstance(rec, Event):
             ev_recs.append(rec)
             ev_segs.append(len(headers) - 1)
+        elif isinstance(rec, Eval):
+            eval_recs.append(rec)
+            eval_segs.append(len(headers) - 1)
     if not headers:
         raise UserError(
             f"{path} has no header record; is it a run log written by `dynpipe train --log`?"
@@ -274,6 +308,7 @@ def load_run(path: str | Path, *, label: str | None = None) -> Run:
         steps=steps,
         stages=stages,
         events=events,
+        evals=_evals_frame(eval_recs, eval_segs, t0),
         windows=windows,
         t0=t0,
         redone_steps=n_all - len(steps),

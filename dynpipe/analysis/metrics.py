@@ -6,12 +6,15 @@
 - ``throughput``: end to end, samples of the steps kept over the wall time from the first
   step's start to the last step's end, so pauses (migration, relaunch) count against it.
 - ``time_to_target``: wall time until the trailing mean loss first reaches a target.
+- ``eval_metric`` / ``choose_eval_target`` / ``time_to_eval_target``: the same for the
+  held-out evaluations (``eval`` records): accuracy where every run has it, else eval loss.
 - ``migration_costs``: one row per live repartition or restart, with its pause broken down.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -21,11 +24,15 @@ from dynpipe.analysis.phases import PHASES
 from dynpipe.errors import UserError
 
 __all__ = [
+    "EvalTarget",
+    "choose_eval_target",
     "choose_target",
+    "eval_metric",
     "migration_costs",
     "phase_stats",
     "smoothed_loss",
     "throughput",
+    "time_to_eval_target",
     "time_to_target",
 ]
 
@@ -114,6 +121,82 @@ def time_to_target(run: Run, target: float, *, smooth: int = 5) -> float | None:
     loss = smoothed_loss(run, smooth=smooth).to_numpy()
     hit = np.flatnonzero(loss <= target)
     return float(run.steps["elapsed_s"].iloc[hit[0]]) if len(hit) else None
+
+
+@dataclass(frozen=True)
+class EvalTarget:
+    """What time-to-target measures on the eval records: ``metric`` (``accuracy``, higher
+    is better, or ``loss``, lower is better) reaching ``value``; ``how`` says where the
+    value came from, in words, for titles and tables."""
+
+    metric: str
+    value: float
+    how: str
+
+    @property
+    def higher_is_better(self) -> bool:
+        return self.metric == "accuracy"
+
+    def reached(self, values: np.ndarray) -> np.ndarray:
+        return values >= self.value if self.higher_is_better else values <= self.value
+
+    def __str__(self) -> str:
+        shown = f"{self.value:.1%}" if self.metric == "accuracy" else f"{self.value:.4g}"
+        return f"eval {self.metric} {shown} ({self.how})"
+
+
+def _need_evals(runs: Sequence[Run]) -> None:
+    missing = [r.name for r in runs if r.evals.empty]
+    if not runs or missing:
+        raise UserError(
+            f"runs {', '.join(missing) or '(none)'} have no eval records; train with "
+            "--eval-every N to evaluate on the held-out split"
+        )
+
+
+def eval_metric(runs: Sequence[Run]) -> str:
+    """``accuracy`` when every run's evaluations have one, else ``loss``."""
+    _need_evals(runs)
+    have = all(r.evals["accuracy"].notna().any() for r in runs)
+    return "accuracy" if have else "loss"
+
+
+def choose_eval_target(
+    runs: Sequence[Run],
+    *,
+    target_accuracy: float | None = None,
+    target_loss: float | None = None,
+) -> EvalTarget:
+    """The target given, else the best value every run reaches: the lowest of the runs'
+    best accuracies (or the highest of their lowest eval losses)."""
+    metric = eval_metric(runs)
+    if target_accuracy is not None:
+        if metric != "accuracy":
+            raise UserError(
+                "--target-accuracy needs runs that log accuracy (classification, gpt or bert); "
+                "these have eval loss only: use --target-loss"
+            )
+        if not 0 < target_accuracy <= 1:
+            raise UserError(f"--target-accuracy is a fraction in (0, 1], got {target_accuracy}")
+        return EvalTarget("accuracy", float(target_accuracy), "given")
+    if target_loss is not None:
+        return EvalTarget("loss", float(target_loss), "given")
+    if metric == "accuracy":
+        value = min(float(r.evals["accuracy"].max()) for r in runs)
+        return EvalTarget("accuracy", value, "the best accuracy every run reaches")
+    value = max(float(r.evals["loss"].min()) for r in runs)
+    return EvalTarget("loss", value, "the lowest eval loss every run reaches")
+
+
+def time_to_eval_target(run: Run, target: EvalTarget) -> tuple[float, int] | None:
+    """Wall seconds since the run's start, and steps trained, at its first evaluation that
+    reaches ``target``; None if none does."""
+    ev = run.evals
+    hit = np.flatnonzero(target.reached(ev[target.metric].to_numpy(dtype=float)))
+    if not len(hit):
+        return None
+    row = ev.iloc[hit[0]]
+    return float(row["elapsed_s"]), int(row["step"])
 
 
 def migration_costs(runs: Sequence[Run]) -> pd.DataFrame:

@@ -78,6 +78,7 @@ def render_summary(
     quantile: float = 0.1,
     smooth: int = 5,
     warmup: int = 2,
+    target_accuracy: float | None = None,
 ) -> str:
     per_run = run_table(runs, target=target, quantile=quantile, smooth=smooth)
     phases = pd.concat([phase_stats(r, warmup=warmup) for r in runs], ignore_index=True)
@@ -167,6 +168,7 @@ def render_summary(
             for r in phases.itertuples()
         ],
     )
+    lines += _accuracy_section(runs, target_accuracy=target_accuracy, target_loss=target)
     moves = migration_costs(runs)
     if len(moves):
         lines += [
@@ -208,6 +210,48 @@ def render_summary(
             ],
         )
     return "\n".join(lines) + "\n"
+
+
+def _accuracy_section(
+    runs: Sequence[Run], *, target_accuracy: float | None, target_loss: float | None
+) -> list[str]:
+    """Time to the held-out target per run and its ratio to the static run (runs that
+    logged evaluations only)."""
+    from dynpipe.analysis.convergence import time_to_accuracy_table
+
+    evaluated = [r for r in runs if not r.evals.empty]
+    if not evaluated:
+        return []
+    table, tgt = time_to_accuracy_table(
+        evaluated, target_accuracy=target_accuracy, target_loss=target_loss
+    )
+    final = "final accuracy" if tgt.metric == "accuracy" else "final eval loss"
+    fmt = ".2%" if tgt.metric == "accuracy" else ".4f"
+    lines = [
+        "",
+        "## Time to accuracy",
+        "",
+        f"Held-out evaluations (`eval` records). Target: {tgt}. Time: wall seconds from the "
+        "run's start to its first evaluation at the target; vs static: the static run's time "
+        "(same model and interference) over this run's (> 1: sooner).",
+        "",
+    ]
+    lines += _table(
+        ["run", "model", "condition", "time to target (s)", "steps", "vs static", final],
+        [
+            [
+                r.run,
+                r.model,
+                r.condition,
+                _num(r.time_s, ".1f"),
+                "–" if r.step is None or pd.isna(r.step) else str(int(r.step)),
+                _num(r.vs_static, ".2f"),
+                f"{_num(r.final, fmt)} (step {r.final_step})",
+            ]
+            for r in table.itertuples()
+        ],
+    )
+    return lines
 
 
 def write_summary(runs: Sequence[Run], path: str | Path, **kwargs: object) -> Path:

@@ -7,7 +7,11 @@
 
 Sources: ``synthetic`` (shaped to any model), ``digits`` (scikit-learn, bundled),
 ``cifar10`` and ``imagefolder`` (local folders, through torchvision), ``text`` (a local
-file as bytes). Nothing is ever downloaded.
+file as bytes), ``pystdlib`` (this Python's own standard library sources as bytes: real
+text on any machine with Python). Nothing is ever downloaded.
+
+Each has a ``train`` and a held-out ``test`` split (``get_data(..., split="test")``), which
+``dynpipe train --eval-every`` evaluates on.
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from dynpipe.data.base import BatchSource, IndexedSource, derive_seed, generator
+from dynpipe.data.base import SPLITS, BatchSource, IndexedSource, derive_seed, generator
 from dynpipe.errors import UserError
 from dynpipe.models.base import LayeredModel
 
 __all__ = [
     "SOURCES",
+    "SPLITS",
     "BatchSource",
     "IndexedSource",
     "derive_seed",
@@ -54,6 +59,7 @@ def _synthetic(
     model: LayeredModel | None,
     path: str | None,
     seed: int,
+    split: str = "train",
     task: str = "auto",
     noise: float = 0.05,
     mask_prob: float = 0.15,
@@ -76,6 +82,7 @@ def _synthetic(
         noise=noise,
         mask_prob=mask_prob,
         model_name=model.name if model is not None else "",
+        split=split,
     )
 
 
@@ -108,13 +115,26 @@ def _imagefolder(
     model: LayeredModel | None,
     path: str | None,
     seed: int,
+    split: str = "train",
     image_size: int | None = None,
     augment: bool = False,
 ) -> BatchSource:
     from dynpipe.data.vision import ImageFolderSource
 
     size = image_size or _image_size(model, 224)
-    return ImageFolderSource(path=path, image_size=size, augment=augment, seed=seed)
+    return ImageFolderSource(path=path, split=split, image_size=size, augment=augment, seed=seed)
+
+
+def _token_options(
+    model: LayeredModel | None, seq_len: int | None, task: str | None
+) -> dict[str, Any]:
+    from dynpipe.data.text import BYTE_VOCAB
+
+    spec = model.input_spec if model is not None else None
+    if seq_len is None:
+        seq_len = int(spec.shape[0]) if spec is not None and len(spec.shape) == 1 else 256
+    vocab = spec.vocab if spec is not None and spec.vocab is not None else BYTE_VOCAB
+    return {"seq_len": seq_len, "task": task or _token_task(model, "lm"), "vocab": vocab}
 
 
 def _text(
@@ -122,23 +142,37 @@ def _text(
     model: LayeredModel | None,
     path: str | None,
     seed: int,
+    split: str = "train",
     seq_len: int | None = None,
     task: str | None = None,
     mask_prob: float = 0.15,
 ) -> BatchSource:
-    from dynpipe.data.text import BYTE_VOCAB, TextSource
+    from dynpipe.data.text import TextSource
 
-    spec = model.input_spec if model is not None else None
-    if seq_len is None:
-        seq_len = int(spec.shape[0]) if spec is not None and len(spec.shape) == 1 else 256
-    vocab = spec.vocab if spec is not None and spec.vocab is not None else BYTE_VOCAB
     return TextSource(
         path=path,
-        seq_len=seq_len,
-        task=task or _token_task(model, "lm"),
-        vocab=vocab,
+        split=split,
         mask_prob=mask_prob,
         seed=seed,
+        **_token_options(model, seq_len, task),
+    )
+
+
+def _pystdlib(
+    *,
+    model: LayeredModel | None,
+    path: str | None,
+    seed: int,
+    split: str = "train",
+    seq_len: int | None = None,
+    task: str | None = None,
+    mask_prob: float = 0.15,
+) -> BatchSource:
+    from dynpipe.data.text import PyStdlibSource
+
+    _no_path("pystdlib", path)
+    return PyStdlibSource(
+        split=split, mask_prob=mask_prob, seed=seed, **_token_options(model, seq_len, task)
     )
 
 
@@ -148,6 +182,7 @@ SOURCES: dict[str, Callable[..., BatchSource]] = {
     "cifar10": _cifar10,
     "imagefolder": _imagefolder,
     "text": _text,
+    "pystdlib": _pystdlib,
 }
 
 
@@ -156,7 +191,7 @@ def _check_fits(source: Any, model: LayeredModel) -> None:
     shape = getattr(source, "sample_shape", None)
     if shape is None:
         return
-    tokens = source.name == "text"
+    tokens = source.name in ("text", "pystdlib")
     if tokens == spec.dtype.is_floating_point or tuple(shape) != tuple(spec.shape):
         kind = "tokens" if tokens else "features"
         raise UserError(
@@ -178,14 +213,20 @@ def get_data(
     model: LayeredModel | None = None,
     path: str | None = None,
     seed: int = 0,
+    split: str = "train",
     **options: Any,
 ) -> BatchSource:
-    """The data source ``name``, shaped to ``model`` when given (shapes are checked)."""
+    """The data source ``name``, shaped to ``model`` when given (shapes are checked).
+
+    split: ``train``, or ``test`` for the held-out samples evaluation reads.
+    """
     if name not in SOURCES:
         raise UserError(f"unknown data {name!r}; choose one of {', '.join(SOURCES)}")
     factory = SOURCES[name]
     allowed = [
-        p for p in inspect.signature(factory).parameters if p not in ("model", "path", "seed")
+        p
+        for p in inspect.signature(factory).parameters
+        if p not in ("model", "path", "seed", "split")
     ]
     unknown = sorted(set(options) - set(allowed))
     if unknown:
@@ -193,7 +234,11 @@ def get_data(
             f"{name} data takes no option {', '.join(unknown)}; its options are "
             f"{', '.join(allowed) or 'none'}"
         )
-    source = factory(model=model, path=path, seed=seed, **options)
+    if split not in SPLITS:
+        raise UserError(
+            f"{name} data has splits {', '.join(SPLITS)} (test: held out); got split={split!r}"
+        )
+    source = factory(model=model, path=path, seed=seed, split=split, **options)
     if model is not None:
         _check_fits(source, model)
     return source

@@ -6,6 +6,11 @@ run resumed or repartitioned at step ``s`` continues with exactly the data it wo
 seen. Finite datasets are read in a fresh seeded permutation each epoch; sample ``p`` of
 the stream (``p = step * batch_size + j``) is sample ``p mod N`` of epoch ``p // N``'s
 permutation, so a batch may straddle two epochs.
+
+Every source has two splits: ``train`` and ``test``, the held-out samples evaluation reads
+(``dynpipe train --eval-every``). A batch is a pure function of ``(seed, split, step,
+batch_size)``; the two splits never share a sample (an endless synthetic stream draws its
+test samples from a generator of their own, from the same distribution).
 """
 
 from __future__ import annotations
@@ -18,10 +23,14 @@ import torch
 
 from dynpipe.errors import UserError
 
+SPLITS = ("train", "test")  # test: the held-out split evaluation reads
+
 __all__ = [
+    "SPLITS",
     "BatchSource",
     "IndexedSource",
     "check_batch_args",
+    "check_split",
     "derive_seed",
     "generator",
     "zoo_model_kwargs",
@@ -33,6 +42,7 @@ class BatchSource(Protocol):
     """The runtime's view of a data set."""
 
     name: str
+    split: str  # "train" or "test" (held out)
     num_samples: int | None  # samples per epoch; None for an endless synthetic stream
 
     def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,6 +73,13 @@ def check_batch_args(name: str, step: int, batch_size: int) -> None:
         )
 
 
+def check_split(name: str, split: str) -> None:
+    if split not in SPLITS:
+        raise UserError(
+            f"{name} split must be one of {', '.join(SPLITS)} (test: held out), got {split!r}"
+        )
+
+
 def zoo_model_kwargs(source: str, model_name: str, *, fits: dict[str, dict], gives: str) -> dict:
     """``fits[model_name]`` for a zoo model that can take this data.
 
@@ -86,22 +103,30 @@ class IndexedSource:
     """A finite data set of ``num_samples`` samples read in a seeded permutation per epoch.
 
     Subclasses set ``name`` and implement ``_fetch(ids, gen)``: the samples with those
-    indices, where ``gen`` is seeded by ``(seed, step)`` for augmentation or masking.
+    indices, where ``gen`` is seeded by ``(seed, split, step)`` for augmentation or masking.
+    ``num_samples`` counts the samples of this source's ``split`` only.
     """
 
     name: str = "indexed"
     _CACHED_EPOCHS = 2  # a batch straddles at most two epochs
 
-    def __init__(self, *, num_samples: int, seed: int) -> None:
+    def __init__(self, *, num_samples: int, seed: int, split: str = "train") -> None:
+        check_split(self.name, split)
         if num_samples < 1:
-            raise UserError(f"{self.name}: the data set is empty")
+            raise UserError(f"{self.name}: the {split} split is empty")
         self.num_samples: int | None = num_samples
         self.seed = seed
+        self.split = split
         self._perms: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    def _generator(self, *parts: int | str) -> torch.Generator:
+        # The training split keeps the seeds it always had, so its batches do not change.
+        where = (self.name,) if self.split == "train" else (self.name, self.split)
+        return generator(self.seed, *where, *parts)
 
     def _perm(self, epoch: int) -> torch.Tensor:
         if epoch not in self._perms:
-            g = generator(self.seed, self.name, "epoch", epoch)
+            g = self._generator("epoch", epoch)
             self._perms[epoch] = torch.randperm(self._n, generator=g)
             while len(self._perms) > self._CACHED_EPOCHS:
                 self._perms.popitem(last=False)
@@ -129,10 +154,10 @@ class IndexedSource:
 
     def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids = self.indices(step, batch_size)
-        return self._fetch(ids, generator(self.seed, self.name, "step", step, batch_size))
+        return self._fetch(ids, self._generator("step", step, batch_size))
 
     def _fetch(self, ids: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.num_samples} samples, seed={self.seed})"
+        return f"{type(self).__name__}({self.split}, {self.num_samples} samples, seed={self.seed})"

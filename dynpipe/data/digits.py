@@ -1,16 +1,16 @@
 """``digits``: scikit-learn's bundled 8x8 handwritten digits (1797 images, no download).
 
 Each image is 64 features, standardised with the training split's per-pixel mean and
-standard deviation. The train/test split (80/20) is fixed, independent of the data seed,
-so changing the seed reshuffles the order but never moves a sample between splits.
+standard deviation. The train/test split (80/20; ``test`` is the held-out split) is fixed,
+independent of the data seed, so changing the seed reshuffles the order but never moves a
+sample between splits.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dynpipe.data.base import IndexedSource, zoo_model_kwargs
-from dynpipe.errors import UserError
+from dynpipe.data.base import IndexedSource, check_split, zoo_model_kwargs
 
 __all__ = ["DigitsSource"]
 
@@ -26,8 +26,7 @@ class DigitsSource(IndexedSource):
     def __init__(self, *, split: str = "train", seed: int = 0) -> None:
         from sklearn.datasets import load_digits
 
-        if split not in ("train", "test"):
-            raise UserError(f"digits split must be 'train' or 'test', got {split!r}")
+        check_split(self.name, split)
         x_np, y_np = load_digits(return_X_y=True)
         x = torch.as_tensor(x_np, dtype=torch.float32)
         y = torch.as_tensor(y_np, dtype=torch.long)
@@ -35,13 +34,15 @@ class DigitsSource(IndexedSource):
         n_test = round(len(x) * _TEST_FRACTION)
         train, test = order[n_test:], order[:n_test]
         mean = x[train].mean(dim=0)
-        # Border pixels are always 0 in the training split: leave them at 0, not 0/0.
-        std = x[train].std(dim=0).clamp_min(1e-6)
+        # A few border pixels are always 0 in the training split. Their training values stay
+        # 0 whatever they are divided by; a held-out image inked there must not be divided
+        # by a tiny std (logits in the thousands), so such pixels keep their raw scale.
+        std = x[train].std(dim=0)
+        std = torch.where(std > 0, std, torch.ones_like(std))
         keep = train if split == "train" else test
-        self.split = split
         self._x = ((x[keep] - mean) / std).contiguous()
         self._y = y[keep].contiguous()
-        super().__init__(num_samples=len(keep), seed=seed)
+        super().__init__(num_samples=len(keep), seed=seed, split=split)
 
     def _fetch(self, ids: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         return self._x[ids], self._y[ids]

@@ -11,6 +11,9 @@ training curves without a data set on disk:
 - token inputs, token targets: sequences follow ``next = (a * prev + b) mod V`` with a few
   random tokens (next-token prediction, or masked prediction for an MLM model);
 - token inputs, class targets: the teacher acts on the bag of tokens.
+
+The held-out split (``test``) draws its samples from generators of its own, with the same
+prototypes, teacher and rule: different samples from the same distribution.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dynpipe.data.base import check_batch_args, generator
+from dynpipe.data.base import check_batch_args, check_split, generator
 from dynpipe.data.masking import mask_tokens
 from dynpipe.errors import UserError
 from dynpipe.models.base import InputSpec, LayeredModel
@@ -51,7 +54,7 @@ def token_task(model: LayeredModel) -> str:
 
 
 class SyntheticSource:
-    """Batches for ``spec`` generated from ``(seed, step)``; ``num_samples`` is None."""
+    """Batches for ``spec`` generated from ``(seed, split, step)``; ``num_samples`` is None."""
 
     name = "synthetic"
     num_samples: int | None = None
@@ -65,8 +68,11 @@ class SyntheticSource:
         noise: float = 0.05,
         mask_prob: float = 0.15,
         model_name: str = "",
+        split: str = "train",
     ) -> None:
+        check_split(self.name, split)
         self.spec = spec
+        self.split = split
         self.seed = seed
         self.noise = noise
         self.mask_prob = mask_prob
@@ -80,7 +86,7 @@ class SyntheticSource:
 
     def __repr__(self) -> str:
         shape = "unbound" if self.spec is None else "x".join(map(str, self.spec.shape))
-        return f"SyntheticSource({self.task}, {shape}, seed={self.seed})"
+        return f"SyntheticSource({self.task}, {shape}, {self.split}, seed={self.seed})"
 
     def model_kwargs(self, model_name: str) -> dict:
         return {}  # shaped to whatever model it feeds
@@ -116,7 +122,9 @@ class SyntheticSource:
                 "get_data('synthetic', model=model)"
             )
         check_batch_args(self.name, step, batch_size)
-        gen = generator(self.seed, self.name, "step", step, batch_size)
+        # Only the samples' generator knows the split: the distribution is shared.
+        where = (self.name,) if self.split == "train" else (self.name, self.split)
+        gen = generator(self.seed, *where, "step", step, batch_size)
         if self.task in ("lm", "mlm"):
             return self._tokens(gen, batch_size)
         if self.spec.dtype.is_floating_point:

@@ -2,7 +2,9 @@
 
 Nothing is downloaded: a missing folder is a one-line error saying what belongs there.
 Images become float tensors normalised with the data set's usual channel mean and std.
-Training augmentation (random crop with 4-pixel padding and horizontal flip for CIFAR-10,
+Held-out split (``test``): CIFAR-10's own test batch; for an image folder, its ``val/`` (or
+``test/``) sub-folder next to ``train/`` when it has them, else a fixed tenth of its images
+(chosen independently of the data seed). Training augmentation (random crop with 4-pixel padding and horizontal flip for CIFAR-10,
 horizontal flip for image folders) is drawn from a generator seeded by ``(seed, step)``, so
 every rank still sees the same batch.
 """
@@ -15,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dynpipe.data.base import IndexedSource, zoo_model_kwargs
+from dynpipe.data.base import IndexedSource, check_split, generator, zoo_model_kwargs
 from dynpipe.errors import UserError
 
 __all__ = [
@@ -34,6 +36,9 @@ CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+_HELD_OUT_DIRS = ("val", "test")  # an image folder's held-out sub-folder, next to train/
+_TEST_FRACTION = 0.1  # held out of an image folder without one
+_SPLIT_SEED = 0
 _CIFAR_DIR = "cifar-10-batches-py"
 _CIFAR_FILES = (
     "data_batch_1",
@@ -117,21 +122,19 @@ class Cifar10Source(IndexedSource):
         augment: bool | None = None,
         seed: int = 0,
     ) -> None:
-        if split not in ("train", "test"):
-            raise UserError(f"cifar10 split must be 'train' or 'test', got {split!r}")
+        check_split(self.name, split)
         root = cifar_root(path)
         tv = _torchvision("cifar10")
         try:
             ds = tv.datasets.CIFAR10(str(root), train=split == "train", download=False)
         except RuntimeError as exc:  # torchvision's integrity check
             raise UserError(f"cifar10: {root / _CIFAR_DIR} is unreadable ({exc})") from None
-        self.split = split
         self.image_size = image_size
         self.augment = split == "train" if augment is None else augment
         self.sample_shape = (3, image_size, image_size)
         self._x = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()  # N, C, H, W
         self._y = torch.as_tensor(ds.targets, dtype=torch.long)
-        super().__init__(num_samples=len(self._y), seed=seed)
+        super().__init__(num_samples=len(self._y), seed=seed, split=split)
 
     def _fetch(self, ids: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         x = self._x[ids].float().div_(255)
@@ -152,7 +155,11 @@ class Cifar10Source(IndexedSource):
 
 
 class ImageFolderSource(IndexedSource):
-    """``root/<class>/<image>`` files decoded per batch, resized and centre-cropped."""
+    """``root/<class>/<image>`` files decoded per batch, resized and centre-cropped.
+
+    With ``root/train/`` and ``root/val/`` (or ``root/test/``), each split reads its own
+    sub-folder; otherwise the held-out split is a fixed tenth of the images.
+    """
 
     name = "imagefolder"
 
@@ -160,10 +167,12 @@ class ImageFolderSource(IndexedSource):
         self,
         *,
         path: str | None,
+        split: str = "train",
         image_size: int = 224,
         augment: bool = False,
         seed: int = 0,
     ) -> None:
+        check_split(self.name, split)
         if path is None or not Path(path).expanduser().is_dir():
             raise UserError(
                 f"imagefolder: {path!r} is not a folder; give a folder with one sub-folder of "
@@ -174,18 +183,35 @@ class ImageFolderSource(IndexedSource):
         # Resize the short side to 256/224 of the crop, then centre-crop: the ImageNet recipe.
         resize = round(image_size * 256 / 224)
         transform = t.Compose([t.Resize(resize), t.CenterCrop(image_size), t.ToTensor()])
-        try:
-            self._ds = tv.datasets.ImageFolder(str(Path(path).expanduser()), transform=transform)
-        except (FileNotFoundError, RuntimeError) as exc:
-            raise UserError(f"imagefolder: cannot read {path}: {exc}") from None
+        root = Path(path).expanduser()
+        held = next((root / d for d in _HELD_OUT_DIRS if (root / d).is_dir()), None)
+        split_dirs = (root / "train").is_dir() and held is not None
+        folder = (root / "train" if split == "train" else held) if split_dirs else root
+        assert folder is not None
+        self._ds = _image_folder(tv, folder, transform)
+        if split_dirs:
+            classes = self._ds.classes
+            train_classes = sorted(d.name for d in (root / "train").iterdir() if d.is_dir())
+            if split != "train" and classes != train_classes:
+                raise UserError(
+                    f"imagefolder: {folder} has classes {classes[:5]}... but {root / 'train'} "
+                    f"has {train_classes[:5]}...; give both splits the same class folders"
+                )
+            self._ids = torch.arange(len(self._ds))
+        else:
+            # A fixed tenth, whatever the data seed: a reseeded run never trains on test images.
+            order = torch.randperm(len(self._ds), generator=generator(_SPLIT_SEED, "imagefolder"))
+            n_test = max(1, round(len(order) * _TEST_FRACTION))
+            self._ids = (order[n_test:] if split == "train" else order[:n_test]).sort().values
+        self.path = str(root)
         self.image_size = image_size
-        self.augment = augment
+        self.augment = augment and split == "train"
         self.num_classes = len(self._ds.classes)
         self.sample_shape = (3, image_size, image_size)
-        super().__init__(num_samples=len(self._ds), seed=seed)
+        super().__init__(num_samples=len(self._ids), seed=seed, split=split)
 
     def _fetch(self, ids: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        samples = [self._ds[i] for i in ids.tolist()]
+        samples = [self._ds[i] for i in self._ids[ids].tolist()]
         x = torch.stack([img for img, _ in samples])
         y = torch.tensor([label for _, label in samples], dtype=torch.long)
         if self.augment:
@@ -194,6 +220,13 @@ class ImageFolderSource(IndexedSource):
 
     def model_kwargs(self, model_name: str) -> dict:
         return _image_kwargs(self.name, model_name, self.image_size, self.num_classes)
+
+
+def _image_folder(tv: Any, folder: Path, transform: Any) -> Any:
+    try:
+        return tv.datasets.ImageFolder(str(folder), transform=transform)
+    except (FileNotFoundError, RuntimeError) as exc:
+        raise UserError(f"imagefolder: cannot read {folder}: {exc}") from None
 
 
 def _image_kwargs(source: str, model_name: str, image_size: int, num_classes: int) -> dict:

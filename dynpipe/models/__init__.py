@@ -102,11 +102,61 @@ def _call_user_factory(factory: Callable[..., Any], config: dict[str, Any]) -> A
         return factory(**kwargs)
 
 
+def _settings(config: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v!r}" for k, v in config.items() if k != "seed") or "its defaults"
+
+
+def _check_config(name: str, factory: Callable[..., Any], config: dict[str, Any]) -> None:
+    """Refuse settings the factory does not take, and values whose type differs from the
+    setting's default (``depth=abc`` for an int), in one line naming the setting."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return  # a builtin or C factory: nothing to check against
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        takes = [
+            n
+            for n, p in params.items()
+            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        ]
+        unknown = [k for k in config if k not in params and k != "seed"]
+        if unknown:
+            raise UserError(
+                f"model {name} has no setting {unknown[0]!r}; it takes "
+                f"{', '.join(t for t in takes if t != 'seed') or 'no settings'}"
+            )
+    for key, value in config.items():
+        p = params.get(key)
+        if p is None or p.default is inspect.Parameter.empty or p.default is None:
+            continue
+        want = type(p.default)
+        if want is bool:
+            ok = isinstance(value, bool)
+        elif want is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif want is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif want in (str, tuple, list):
+            ok = isinstance(value, (tuple, list) if want is not str else str)
+        else:
+            continue
+        if not ok:
+            kind = {bool: "True or False", int: "an integer", float: "a number"}.get(
+                want, "a string" if want is str else "a list"
+            )
+            raise UserError(
+                f"model {name} setting {key} takes {kind} (its default is {p.default!r}), got "
+                f"{value!r}; e.g. {key}={p.default!r}"
+            )
+
+
 def get_model(name: str, **config: Any) -> LayeredModel:
     """A zoo model by name, or a user factory given as ``package.module:factory``.
 
     The factory returns a ``LayeredModel`` or an ``nn.Sequential`` (whose children become
     the layers; give it an ``input_spec`` attribute so data and shapes can be inferred).
+    Unknown settings, values of the wrong type and values the factory rejects (``depth=0``)
+    raise ``UserError``.
     """
     if ":" in name:
         mod_name, _, attr = name.partition(":")
@@ -117,12 +167,18 @@ def get_model(name: str, **config: Any) -> LayeredModel:
                 f"cannot load model factory {name!r}: {exc}; give it as package.module:function "
                 "importable from the current directory or PYTHONPATH"
             ) from None
-        made = _call_user_factory(factory, config)
+        if not callable(factory):
+            raise UserError(f"model factory {name!r} is a {type(factory).__name__}, not a function")
+        _check_config(name, factory, config)
+        try:
+            made = _call_user_factory(factory, config)
+            if isinstance(made, nn.Sequential):
+                made = _from_sequential(attr, made, int(config.get("seed", 0)))
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"cannot build model {name} with {_settings(config)}: {exc}") from None
         if isinstance(made, LayeredModel):
             return made
-        if isinstance(made, nn.Sequential):
-            return _from_sequential(attr, made, int(config.get("seed", 0)))
-        raise TypeError(
+        raise UserError(
             f"model factory {name!r} returned {type(made).__name__}; return an nn.Sequential "
             "or a dynpipe.models.LayeredModel"
         )
@@ -132,4 +188,8 @@ def get_model(name: str, **config: Any) -> LayeredModel:
             f"unknown model {name!r}; choose one of {', '.join(ZOO)} "
             "or give your own as package.module:factory (see `dynpipe models`)"
         )
-    return ZOO[name](**config)
+    _check_config(name, ZOO[name], config)
+    try:
+        return ZOO[name](**config)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"cannot build model {name} with {_settings(config)}: {exc}") from None

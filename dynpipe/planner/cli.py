@@ -5,7 +5,7 @@
     dynpipe plan --model gpt --stages 4 --profile profiles/h100.parquet \\
         --conditions none,none,gemm@0.5x2,none --memory-gb 16
     dynpipe plan --model gpt --stages 4 --profile profiles/h100.parquet \\
-        --predictor predictor/xgb.joblib --telemetry now.json            # predicted slowdowns
+        --predictor predictor/xgb.json.gz --telemetry now.json            # predicted slowdowns
     dynpipe plan --model gpt --stages 4 --slowdown 2:3 \\
         --current partitions/gpt-4.json --migration-ms-per-gb 5         # pay for moving layers
     dynpipe plan --model vgg16 --gpus 4 --batch-size 256 --link-gbs 300 \\

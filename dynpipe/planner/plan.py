@@ -381,9 +381,19 @@ class Plan:
             if fields.get("shares") is not None:
                 fields["shares"] = tuple(fields["shares"])
             fields["dropped"] = tuple(fields.get("dropped") or ())
-            return cls(stages=stages, **fields)
-        except (KeyError, TypeError) as exc:
+            plan = cls(stages=stages, **fields)
+        except (KeyError, TypeError, AttributeError) as exc:
             raise PlanError(f"malformed plan ({exc}); regenerate it with `dynpipe plan`") from None
+        for i, st in enumerate(plan.stages):
+            for name in ("start", "stop", "rank"):
+                v = getattr(st, name)
+                if not isinstance(v, int) or isinstance(v, bool):
+                    raise PlanError(
+                        f"malformed plan: stage {i} has {name} {v!r} ({type(v).__name__}), not "
+                        f"an integer; write it as {name}: {v if isinstance(v, str) else 0} "
+                        "without quotes, or regenerate it with `dynpipe plan`"
+                    )
+        return plan
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)

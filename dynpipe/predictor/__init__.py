@@ -7,7 +7,7 @@ turns every device's current telemetry into per-layer forward/backward times for
 including the ones the device does not hold now, which measuring its current stage cannot tell.
 
 Names are imported lazily so ``dynpipe --help`` does not pay for pandas, scikit-learn and
-xgboost. Loading a saved predictor unpickles it: load only files you trust.
+xgboost. A saved predictor is a JSON file (``io``): loading one runs no code.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """``dynpipe predictor``: fit, evaluate and inspect the layer slowdown predictor.
 
-    dynpipe predictor fit profiles/cpu.parquet -o predictor/cpu.joblib            # xgboost
-    dynpipe predictor fit profiles/*.parquet -o predictor/rf.joblib --estimator rf
-    dynpipe predictor fit profiles/cpu.parquet -o predictor/cpu.joblib --report predictor/cpu_report
-    dynpipe predictor eval predictor/cpu.joblib profiles/cpu.parquet -o predictor/cpu_report
-    dynpipe predictor show predictor/cpu.joblib
+    dynpipe predictor fit profiles/cpu.parquet -o predictor/cpu.json.gz           # xgboost
+    dynpipe predictor fit profiles/*.parquet -o predictor/rf.json --estimator rf
+    dynpipe predictor fit profiles/cpu.parquet -o predictor/cpu.json.gz --report predictor/cpu_report
+    dynpipe predictor eval predictor/cpu.json.gz profiles/cpu.parquet -o predictor/cpu_report
+    dynpipe predictor show predictor/cpu.json.gz
+    dynpipe predictor convert old.joblib -o new.json.gz --allow-pickle   # a trusted old file
 
 ``eval`` re-fits the predictor's configuration inside grouped cross-validation (held-out
 conditions, models, interferer kinds) next to random forest, ridge, stage-mean and
@@ -12,7 +13,9 @@ no-interference baselines on the same folds, and writes report.json, report.md,
 pred_vs_measured.png and the raw out-of-fold predictions to ``-o DIR``. On profiles that the
 predictor was not trained on it also scores the saved predictor as shipped, without refitting.
 
-Predictor files are joblib pickles: loading one runs code, so load only files you trust.
+Predictor files are JSON (``.json``, or ``.json.gz`` compressed): numbers and strings only, so
+loading one runs no code. Older versions wrote joblib pickles, which do; ``convert`` reads one
+only with ``--allow-pickle``, for a file you trust.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def register(subparsers: Any) -> None:
         "--output",
         required=True,
         metavar="PATH",
-        help="where to write the predictor, e.g. predictor/cpu.joblib",
+        help="where to write the predictor (.json or .json.gz), e.g. predictor/cpu.json.gz",
     )
     fit.add_argument(
         "--estimator",
@@ -115,7 +118,7 @@ def register(subparsers: Any) -> None:
         description="Grouped cross-validation of the predictor's configuration "
         "and the baselines on the same folds; report as JSON, markdown and PNG.",
     )
-    ev.add_argument("predictor", metavar="PREDICTOR", help="saved predictor (.joblib, trusted)")
+    ev.add_argument("predictor", metavar="PREDICTOR", help="saved predictor (.json or .json.gz)")
     ev.add_argument(
         "profiles",
         nargs="+",
@@ -134,8 +137,26 @@ def register(subparsers: Any) -> None:
         help="print a saved predictor's schema, provenance and report",
         description="Print a saved predictor's schema, provenance and accuracy.",
     )
-    show.add_argument("predictor", metavar="PREDICTOR", help="saved predictor (.joblib, trusted)")
+    show.add_argument("predictor", metavar="PREDICTOR", help="saved predictor (.json or .json.gz)")
     show.set_defaults(func=run)
+
+    conv = sub.add_parser(
+        "convert",
+        help="rewrite an older joblib predictor as JSON (reads a pickle: trusted files only)",
+        description="Read a predictor an older dynpipe saved as a joblib pickle and write it as "
+        "JSON. Unpickling runs any code the file holds, so this needs --allow-pickle and a "
+        "file you trained or trust; the JSON file it writes is safe to load anywhere.",
+    )
+    conv.add_argument("predictor", metavar="OLD", help="predictor saved as .joblib")
+    conv.add_argument(
+        "-o", "--output", required=True, metavar="NEW", help="JSON file to write (.json[.gz])"
+    )
+    conv.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="unpickle OLD although that runs any code it holds (only for files you trust)",
+    )
+    conv.set_defaults(func=run)
 
 
 def _ints(text: str, *, flag: str) -> tuple[int, ...]:
@@ -316,5 +337,15 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from dynpipe.predictor.io import load_predictor, save_predictor
+
+    pred = load_predictor(args.predictor, allow_pickle=args.allow_pickle)
+    path = save_predictor(pred, args.output)
+    print(f"converted {args.predictor} -> {path} ({pred!r})")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
-    return {"fit": _fit, "eval": _eval, "show": _show}[args.action](args)
+    actions = {"fit": _fit, "eval": _eval, "show": _show, "convert": _convert}
+    return actions[args.action](args)

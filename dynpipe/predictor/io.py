@@ -1,19 +1,24 @@
-"""A trained predictor as one file: estimator, feature schema and provenance.
+"""A trained predictor as one JSON file: estimator, feature schema and provenance.
 
-``save_predictor`` writes a joblib file holding a plain dict: the fitted estimator (the xgboost
-booster inside it in xgboost's JSON model format, not a pickled xgboost object), the feature
-schema, the library versions it was trained with, a fingerprint of its training data (SHA-256
-of the dataset content) and, when evaluated, its accuracy summary.
+``save_predictor`` writes one JSON document (gzip-compressed when the name ends in
+``.json.gz``): the fitted estimator as plain numbers (an xgboost model in xgboost's own JSON
+model format; forests and ridge models as their arrays, see ``codec``), the feature schema,
+the library versions it was trained with, a fingerprint of its training data (SHA-256 of the
+dataset content) and, when evaluated, its accuracy summary.
 
-Security: joblib and pickle files run code when loaded. ``load_predictor`` is as safe as the
-file it is given: load only predictors you trained or got from a source you trust, never one
-downloaded from an untrusted place.
+Reading JSON can only make numbers and strings, so a predictor file from anywhere is safe
+to load. Predictors saved by older versions as joblib pickles (``.joblib``) run code when
+unpickled: ``load_predictor`` refuses them unless ``allow_pickle=True`` is passed, which
+``dynpipe predictor convert OLD.joblib -o NEW.json --allow-pickle`` does once, for a file you
+trust.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import gzip
 import hashlib
+import json
 import platform
 import warnings
 from collections.abc import Iterable
@@ -29,6 +34,7 @@ from dynpipe.predictor.features import FeatureSchema, extract_features
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "SUFFIXES",
     "Predictor",
     "dataset_fingerprint",
     "library_versions",
@@ -37,7 +43,8 @@ __all__ = [
 ]
 
 FORMAT = "dynpipe-predictor"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+SUFFIXES = (".json", ".json.gz")
 # Rows are sorted by these (where present) before hashing, so the fingerprint does not depend
 # on row order or on the order the files were given.
 _ID_COLUMNS = (
@@ -137,16 +144,20 @@ def library_versions() -> dict[str, str]:
 
 
 def save_predictor(predictor: Predictor, path: str | Path) -> Path:
-    """Write ``predictor`` to ``path`` (joblib, compressed); returns the path."""
-    import joblib
+    """Write ``predictor`` to ``path`` (``.json``, or ``.json.gz`` compressed); returns it."""
+    from dynpipe.predictor.codec import encode_estimator
 
     path = Path(path)
+    if not path.name.endswith(SUFFIXES):
+        raise UserError(
+            f"predictor files are JSON: name it {path.with_suffix('.json').name} or "
+            f"{path.with_suffix('.json.gz').name}, not {path.name}"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
-    artifact = {
+    doc = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "estimator_name": predictor.estimator_name,
-        "estimator": predictor.estimator,
         "schema": predictor.schema.to_dict(),
         "data_fingerprint": predictor.data_fingerprint,
         "versions": predictor.versions,
@@ -154,45 +165,122 @@ def save_predictor(predictor: Predictor, path: str | Path) -> Path:
         "report": predictor.report,
         "created": predictor.created
         or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        # Last, so the metadata above reads first in the file.
+        "estimator": encode_estimator(predictor.estimator),
     }
-    joblib.dump(artifact, path, compress=3)
+    text = json.dumps(doc, default=_jsonable).encode()
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(gzip.compress(text, mtime=0) if path.name.endswith(".gz") else text)
+    tmp.replace(path)
     return path
+
+
+def _jsonable(obj: object) -> object:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise TypeError(f"{type(obj).__name__} is not JSON data")
 
 
 def _minor(version: str) -> str:
     return ".".join(version.split(".")[:2])
 
 
-def load_predictor(path: str | Path, *, expect_features: Iterable[str] | None = None) -> Predictor:
-    """Read a predictor saved by ``save_predictor``. Only load files you trust (see module doc).
+def _read_document(path: Path, *, allow_pickle: bool) -> dict:
+    raw = path.read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as exc:
+            raise UserError(
+                f"predictor {path} is a damaged gzip file ({exc}); refit it with "
+                "`dynpipe predictor fit`"
+            ) from None
+    if raw.lstrip()[:1] == b"{":
+        try:
+            return json.loads(raw.decode())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise UserError(
+                f"predictor {path} is not valid JSON ({str(exc)[:80]}); refit it with "
+                "`dynpipe predictor fit`"
+            ) from None
+    pickled = raw[:1] in (b"\x80", b"x") or path.suffix in (".joblib", ".pkl", ".pickle")
+    if not pickled:
+        raise UserError(
+            f"{path} is not a dynpipe predictor (a JSON file from `dynpipe predictor fit`); "
+            "train one with `dynpipe predictor fit`"
+        )
+    if not allow_pickle:
+        raise UserError(
+            f"{path} is a pickle (joblib) predictor from an older dynpipe: loading it runs any "
+            "code it holds; if you trust it, convert it once with `dynpipe predictor convert "
+            f"{path} -o {path.with_suffix('.json.gz')} --allow-pickle`, else refit"
+        )
+    import joblib
+
+    try:
+        artifact = joblib.load(path)
+    except Exception as exc:  # any unpickling failure means "not a predictor we can read"
+        raise UserError(
+            f"cannot read predictor {path}: {type(exc).__name__}: {exc}; refit it with "
+            "`dynpipe predictor fit`"
+        ) from None
+    if not isinstance(artifact, dict) or artifact.get("format") != FORMAT:
+        raise UserError(
+            f"{path} is not a dynpipe predictor file; train one with `dynpipe predictor fit`"
+        )
+    # Format 1: the same fields, with the fitted estimator object itself.
+    return {**artifact, "format_version": FORMAT_VERSION, "estimator": artifact["estimator"]}
+
+
+def load_predictor(
+    path: str | Path,
+    *,
+    expect_features: Iterable[str] | None = None,
+    allow_pickle: bool = False,
+) -> Predictor:
+    """Read a predictor saved by ``save_predictor``.
 
     ``expect_features``: the feature columns the caller will provide; a mismatch with the
-    predictor's schema is refused with the missing and extra names.
+    predictor's schema is refused with the missing and extra names. ``allow_pickle``: also
+    read an older joblib predictor, which runs any code the file holds (trusted files only).
     """
-    import joblib
+    from dynpipe.predictor.codec import decode_estimator
 
     path = Path(path)
     if not path.is_file():
         raise UserError(
             f"predictor file {path} does not exist; train one with `dynpipe predictor fit`"
         )
-    try:
-        artifact = joblib.load(path)
-    except Exception as exc:  # any unpickling failure means "not a predictor we can read"
-        raise UserError(
-            f"cannot read predictor {path}: {type(exc).__name__}: {exc}; refit it with `dynpipe predictor fit`"
-        ) from None
+    artifact = _read_document(path, allow_pickle=allow_pickle)
     if not isinstance(artifact, dict) or artifact.get("format") != FORMAT:
         raise UserError(
             f"{path} is not a dynpipe predictor file; train one with `dynpipe predictor fit`"
         )
-    version = int(artifact.get("format_version", 0))
+    version = artifact.get("format_version", 0)
     if version != FORMAT_VERSION:
         raise UserError(
-            f"{path} has predictor format {version} but this dynpipe reads format {FORMAT_VERSION}; "
-            "refit it with `dynpipe predictor fit`"
+            f"{path} has predictor format {version!r} but this dynpipe reads format "
+            f"{FORMAT_VERSION}; refit it with `dynpipe predictor fit`"
         )
-    saved = artifact.get("versions", {})
+    try:
+        estimator = artifact["estimator"]
+        if isinstance(estimator, dict):
+            estimator = decode_estimator(estimator)
+        schema = FeatureSchema.from_dict(artifact["schema"])
+        saved = dict(artifact.get("versions") or {})
+        fields = {
+            "estimator_name": str(artifact["estimator_name"]),
+            "data_fingerprint": str(artifact["data_fingerprint"]),
+            "training": dict(artifact.get("training") or {}),
+            "report": artifact.get("report"),
+            "created": str(artifact.get("created", "")),
+        }
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UserError(
+            f"predictor {path} lacks or garbles {exc}; refit it with `dynpipe predictor fit`"
+        ) from None
     now = library_versions()
     drift = [
         f"{lib} {saved[lib]} -> {now[lib]}"
@@ -205,16 +293,7 @@ def load_predictor(path: str | Path, *, expect_features: Iterable[str] | None = 
             "predictions may differ slightly, refit to be sure",
             stacklevel=2,
         )
-    predictor = Predictor(
-        estimator=artifact["estimator"],
-        schema=FeatureSchema.from_dict(artifact["schema"]),
-        estimator_name=str(artifact["estimator_name"]),
-        data_fingerprint=str(artifact["data_fingerprint"]),
-        versions=dict(saved),
-        training=dict(artifact.get("training") or {}),
-        report=artifact.get("report"),
-        created=str(artifact.get("created", "")),
-    )
+    predictor = Predictor(estimator=estimator, schema=schema, versions=saved, **fields)
     if expect_features is not None:
         predictor.schema.check_names(expect_features, what=f"features for predictor {path.name}")
     return predictor

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
-__all__ = ["ADAPT_FLAGS", "OPTIM_FLAGS", "add_train_args", "config_from_args", "register"]
+__all__ = [
+    "ADAPT_FLAGS",
+    "OPTIM_FLAGS",
+    "add_train_args",
+    "config_from_args",
+    "preflight",
+    "register",
+]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,7 +35,20 @@ _GROUPS = (
     ("pipeline", ("plan", "stages", "dp", "schedule", "microbatches", "bf16", "timing")),
     ("optimisation", ("steps", "batch_size", "seed")),
     ("adaptation", ("scenario", "predictor", "telemetry")),
-    ("logs and checkpoints", ("log", "log_every", "save_every", "save_dir", "resume", "progress")),
+    (
+        "logs and checkpoints",
+        (
+            "log",
+            "log_every",
+            "save_every",
+            "save_dir",
+            "keep_checkpoints",
+            "resume",
+            "max_restarts",
+            "progress",
+        ),
+    ),
+    ("evaluation", ("eval_every", "eval_batches")),
 )
 # Set by hand (``--model-arg``), or config dataclasses of their own.
 _NOT_FLAGS = ("model_args", "optim", "adapt")
@@ -109,14 +130,57 @@ def config_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _worker(cfg, args)
+        from dynpipe.runtime.train import RESTART_EXIT
+
+        rc = _worker(cfg, args)
+        if rc not in (0, RESTART_EXIT):
+            # A failed or stopped worker exits now: a background checkpoint write blocked on a
+            # dead peer must not hold the process (and the agent's relaunch) until it times out.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
+        return rc
     return _launcher(cfg, args)
+
+
+def preflight(cfg, model, plan, *, check_resume: bool = True) -> None:
+    """Check every input a run reads besides the model and plan before any process group
+    exists: the predictor and its feature schema, the scenario, the checkpoint to resume."""
+    if cfg.predictor:
+        from dynpipe.devices import TELEMETRY_COLUMNS
+        from dynpipe.predictor import load_predictor
+
+        pred = load_predictor(cfg.predictor)
+        pred.schema.check_telemetry(
+            TELEMETRY_COLUMNS, what=f"the telemetry dynpipe train samples (for {cfg.predictor})"
+        )
+    if cfg.scenario:
+        from dynpipe.runtime.scenario import load_scenario
+
+        load_scenario(cfg.scenario, num_stages=plan.num_stages, dp=plan.dp)
+    if check_resume and cfg.resume and cfg.resume != "auto":
+        from dynpipe.errors import UserError
+        from dynpipe.runtime.checkpoint import check_checkpoint
+
+        layers = model.build_range(0, len(model), device="meta")  # shapes only, no memory
+        shapes = {
+            f"{name}.{k}": tuple(v.shape)
+            for name, layer in layers.items()
+            for k, v in layer.state_dict().items()
+        }
+        info = check_checkpoint(cfg.resume, model_shapes=shapes)
+        if info.meta.get("model_fingerprint") not in (None, model.fingerprint()):
+            raise UserError(
+                f"checkpoint {info.path} is for a different layer list of "
+                f"{info.meta.get('model')} (fingerprint mismatch); resume with the model config "
+                "it was written with"
+            )
 
 
 def _launcher(cfg, args: argparse.Namespace) -> int:
     """Validate everything that needs no process group, then start the workers."""
     from dynpipe.errors import UserError
-    from dynpipe.runtime.train import build_model_and_data, resolve_plan
+    from dynpipe.runtime.train import build_model_and_data, checkpoint_dir, resolve_plan
 
     model, _ = build_model_and_data(cfg)
     if args.nproc is not None and args.nproc < 1:
@@ -130,14 +194,21 @@ def _launcher(cfg, args: argparse.Namespace) -> int:
             nproc = plan.num_stages * (cfg.dp or plan.dp)
         else:
             nproc = (cfg.stages or 1) * (cfg.dp or 1)
-    resolve_plan(cfg, model, nproc)  # a mismatch is reported here, before any worker starts
+    plan = resolve_plan(cfg, model, nproc)  # a mismatch is reported here, before any worker
+    preflight(cfg, model, plan)
     if args.device.startswith("cuda"):
         import torch
 
-        if torch.cuda.device_count() < nproc:
+        n = torch.cuda.device_count()
+        if n == 0:
             raise UserError(
-                f"{nproc} workers need {nproc} GPUs but {torch.cuda.device_count()} are visible; "
-                f"use --nproc {torch.cuda.device_count()} with a matching plan, or --device cpu"
+                "--device cuda was asked for but no CUDA device is visible here; use --device "
+                "cpu (or --device auto, which picks the GPUs when there are some)"
+            )
+        if n < nproc:
+            raise UserError(
+                f"{nproc} workers need {nproc} GPUs but {n} are visible; use --nproc {n} with "
+                "a matching plan, or --device cpu"
             )
     from dynpipe.runtime.launch import launch_local
 
@@ -149,17 +220,25 @@ def _launcher(cfg, args: argparse.Namespace) -> int:
         from dynpipe.runtime.train import default_log_path
 
         words += ["--log", default_log_path(cfg)]
+        cfg = dataclasses.replace(cfg, log=words[-1])
     # The restart baseline relaunches the workers after each decision: let the agent do so.
-    restarts = max(1, cfg.steps) if cfg.adapt.mode == "restart" else 0
-    return launch_local(words, nproc=nproc, max_restarts=restarts)
+    restarts = cfg.max_restarts + (max(1, cfg.steps) if cfg.adapt.mode == "restart" else 0)
+    return launch_local(
+        words, nproc=nproc, max_restarts=restarts, checkpoint_dir=checkpoint_dir(cfg)
+    )
 
 
 def _worker(cfg, args: argparse.Namespace) -> int:
     from dynpipe.errors import UserError
+    from dynpipe.runtime.signals import Stopped, StopRequest, bind_to_parent
     from dynpipe.runtime.topology import Topology, destroy, init_distributed
     from dynpipe.runtime.train import build_model_and_data, resolve_plan, train
 
+    stop = StopRequest().install()
     topo = Topology.from_env(device=args.device, timeout_s=args.timeout)
+    stop.rank = topo.rank
+    if topo.run_id is not None:
+        bind_to_parent()  # the agent that started us dies: so do we
     quiet = topo.rank != topo.world_size - 1
     if args.pin_cores and hasattr(os, "sched_setaffinity"):
         import torch
@@ -169,22 +248,33 @@ def _worker(cfg, args: argparse.Namespace) -> int:
         torch.set_num_threads(1)
     try:
         model, _ = build_model_and_data(cfg)
-        resolve_plan(cfg, model, topo.world_size)  # before any collective
+        plan = resolve_plan(cfg, model, topo.world_size)  # before any collective
+        preflight(cfg, model, plan, check_resume=False)
         init_distributed(topo)
-        train(cfg, topo=topo)
+        train(cfg, topo=topo, stop=stop)
         return 0
+    except Stopped as exc:  # stopped for a signal: the launcher says so, in one line
+        return int(exc.code)
     except SystemExit as exc:  # RestartRequested: checkpoint written, relaunch wanted
         return int(exc.code or 0)
     except UserError as exc:
+        if stop.requested:
+            return 128 + (stop.signum or 15)
         # Every rank sees the same bad input; one of them says so.
         if not quiet:
             print(f"dynpipe train: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
+        from dynpipe.runtime.checkpoint import CheckpointError
         from dynpipe.runtime.health import StageFailure
         from dynpipe.runtime.migrate import MigrationError
 
-        if not isinstance(exc, (StageFailure, MigrationError)):
+        if stop.requested and not isinstance(exc, (StageFailure, MigrationError)):
+            # A peer that stopped first closed its connections: a consequence of the stop.
+            # (A failed step is reported: the agent also signals the survivors of a crash.)
+            return 128 + (stop.signum or 15)
+
+        if not isinstance(exc, (StageFailure, MigrationError, CheckpointError)):
             import traceback
 
             traceback.print_exc()  # not a known failure mode: the stack is what helps

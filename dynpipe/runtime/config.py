@@ -27,7 +27,8 @@ class TrainConfig:
 
     model: zoo name or package.module:factory.
     model_args: the model's keyword config (``--model-arg KEY=VALUE``).
-    data: the data source: synthetic, digits, cifar10, imagefolder or text.
+    data: the data source: synthetic, digits, cifar10, imagefolder, text or pystdlib (this
+        Python's standard library sources as bytes, for gpt/bert).
     data_path: local dataset path (real datasets are read from here only, never downloaded).
     data_workers: processes loading batches ahead on the first and last stage's ranks
         (0: in the training process; unset: on CUDA up to 4, within this host's cores per
@@ -53,14 +54,25 @@ class TrainConfig:
         runs/<model>-<time>/log.jsonl).
     log_every: steps between the gathers of per-stage timings (one small collective).
     save_every: checkpoint every N steps (0: never).
-    save_dir: folder checkpoints are written into.
-    resume: checkpoint folder to resume from.
+    save_dir: checkpoint folder: every save a fresh ckpt-<step>-<id> subfolder there,
+        published atomically (``dynpipe.runtime.checkpoint``).
+    keep_checkpoints: published checkpoints kept in save_dir (older ones are deleted).
+    resume: checkpoint folder (or a save_dir: its newest) to resume from under this run's
+        plan; "auto": the newest in save_dir under the plan and adaptation state it was saved
+        with, or a fresh start when there is none.
+    max_restarts: relaunch the workers up to N times when one dies, each time resuming from
+        the run's newest checkpoint (needs save_every and save_dir; implies --resume auto).
     progress: the progress bar.
     adapt: repartitioning policy (``static`` never repartitions); its ``monitor_every``
         replaces ``log_every`` when adapting, since one gather serves both.
     scenario: interference scenario TOML (``recipes/scenarios/``).
-    predictor: trained slowdown predictor (.joblib), for ``--adapt adaptive``.
+    predictor: trained slowdown predictor (.json or .json.gz from ``dynpipe predictor
+        fit``), for ``--adapt adaptive`` or ``restart``.
     telemetry: device telemetry sampled in a side thread and gathered with stage times.
+    eval_every: evaluate on the held-out split every N steps and after the last (0: never),
+        logging ``eval`` records: loss, top-1 accuracy, perplexity for gpt/bert.
+    eval_batches: batches (of ``batch_size``) per evaluation (unset: the held-out split
+        once, at most 50; 10 for synthetic data).
     """
 
     model: str = "mlp"
@@ -84,12 +96,16 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 0
     save_dir: str | None = None
+    keep_checkpoints: int = field(default=3, metadata={"metavar": "N"})
     resume: str | None = None
+    max_restarts: int = field(default=0, metadata={"metavar": "N"})
     progress: bool = True
     adapt: AdaptConfig = field(default_factory=lambda: AdaptConfig(mode="static"))
     scenario: str | None = None
     predictor: str | None = None
     telemetry: bool = True
+    eval_every: int = field(default=0, metadata={"metavar": "N"})
+    eval_batches: int | None = field(default=None, metadata={"metavar": "N"})
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -107,6 +123,32 @@ class TrainConfig:
             raise UserError(f"--dp must be >= 1 (pipeline replicas), got {self.dp}")
         if self.log_every < 1:
             raise UserError(f"--log-every must be >= 1, got {self.log_every}")
+        if self.eval_every < 0 or (self.eval_batches is not None and self.eval_batches < 1):
+            raise UserError(
+                f"--eval-every must be >= 0 (0: no evaluation) and --eval-batches >= 1, got "
+                f"{self.eval_every} and {self.eval_batches}"
+            )
+        if self.microbatches is not None and self.microbatches < 1:
+            raise UserError(
+                f"--microbatches must be >= 1, got {self.microbatches}; leave it out for the "
+                "plan's (or 4)"
+            )
+        if self.keep_checkpoints < 1:
+            raise UserError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.max_restarts < 0:
+            raise UserError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.max_restarts and not (self.save_dir and self.save_every):
+            raise UserError(
+                f"--max-restarts {self.max_restarts} needs --save-every K --save-dir DIR: a "
+                "relaunch resumes from the newest checkpoint, and without one it would start over"
+            )
+        if self.resume == "auto" and not self.save_dir:
+            raise UserError("--resume auto needs --save-dir DIR, the folder it resumes from")
+        if self.predictor and self.adapt.mode not in ("adaptive", "restart"):
+            raise UserError(
+                f"--predictor is read only by --adapt adaptive or restart, not --adapt "
+                f"{self.adapt.mode}; drop --predictor or use --adapt adaptive"
+            )
         if self.adapt.mode == "restart" and not (self.save_dir or self.log):
             raise UserError(
                 "--adapt restart needs --save-dir or --log: relaunched workers must "

@@ -14,13 +14,25 @@ step's microbatch count: with any batch shares the update is the full batch's. T
 and the global gradient-norm clipping stay one small all-reduce over every rank: each
 replica's last stage adds its microbatches' loss sum, and replica 0 alone fills the norm
 slots (every replica holds the same averaged gradients after the reduce).
+
+Evaluation (``evaluate``) runs held-out batches through the same stage and schedule with
+torch's forward-only mode of that schedule, ``schedule.eval(...)`` (torch.distributed.
+pipelining switches the schedule's backward off for the call, and its stage re-prepares
+its receive buffers without ``requires_grad``), under ``torch.no_grad()`` and with every
+layer in eval mode (BatchNorm statistics, no dropout), restored afterwards. Using the
+schedule itself rather than a forward loop of our own keeps one P2P path for training and
+evaluation, the same microbatches in the same order, and whatever stage the engine holds
+after a repartition: the rebuilt schedule is the one evaluated. The last stage turns each
+microbatch's output and loss into sums (``eval_sums``) that the single-process reference
+computes the same way, so a pipelined evaluation is bit-identical to an unsplit one on CPU.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -38,16 +50,22 @@ from dynpipe.runtime.topology import Topology
 
 __all__ = [
     "EngineConfig",
+    "EvalResult",
     "NonFiniteLoss",
     "PipelineEngine",
     "StepResult",
     "check_batch",
     "clip_coefficient",
+    "eval_result",
+    "eval_sums",
     "fill_grad_norms",
     "param_slots",
 ]
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+_IGNORE_INDEX = -100  # targets a loss leaves out (masked-LM positions that were not chosen)
+
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class NonFiniteLoss(UserError):
@@ -86,6 +104,75 @@ class StepResult:
     step_ms: float
     timing: StepTiming
     end_time: float = 0.0
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """A forward-only pass over held-out batches; every rank gets the same numbers.
+
+    loss: mean loss per counted target: per sample for classification, per token for
+        gpt/bert (masked-LM counts its chosen positions only).
+    accuracy: top-1 accuracy over the counted targets (next-token or masked-token accuracy
+        for gpt/bert); None for float (regression) targets.
+    perplexity: ``exp(loss)`` for token models, else None.
+    batches / samples / targets: what was evaluated; eval_ms: its wall time on this rank.
+    """
+
+    loss: float
+    accuracy: float | None
+    perplexity: float | None
+    batches: int
+    samples: int
+    targets: int
+    eval_ms: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def eval_sums(
+    outputs: list[torch.Tensor], targets: list[torch.Tensor], losses: list[torch.Tensor]
+) -> tuple[float, int, int, int]:
+    """Summed loss, correct top-1 predictions, counted targets and samples of the
+    microbatches of one evaluated batch (outputs, targets and losses per microbatch).
+
+    A model's loss is a mean over the targets it counts, so loss times count sums exactly
+    over microbatches of any size. The sums are taken in microbatch order in double
+    precision, the same way wherever they are computed.
+    """
+    loss_sum, correct, counted, samples = 0.0, 0, 0, 0
+    for out, y, loss in zip(outputs, targets, losses, strict=True):
+        if y.dtype.is_floating_point:
+            n = y.numel()
+        else:
+            mask = y != _IGNORE_INDEX
+            n = int(mask.sum())
+            if out.shape[:-1] == y.shape:
+                correct += int(((out.argmax(dim=-1) == y) & mask).sum())
+        loss_sum += float(loss) * n
+        counted += n
+        samples += int(y.shape[0])
+    return loss_sum, correct, counted, samples
+
+
+def eval_result(
+    sums: torch.Tensor, *, model: LayeredModel, batches: int, eval_ms: float
+) -> EvalResult:
+    """``EvalResult`` from ``[loss_sum, correct, counted, samples]``."""
+    loss_sum, correct, counted, samples = sums.tolist()
+    spec = model.input_spec
+    classes = not spec.target_dtype.is_floating_point
+    loss = loss_sum / counted if counted else float("nan")
+    tokens = classes and len(spec.target_shape) > 0
+    return EvalResult(
+        loss=loss,
+        accuracy=correct / counted if classes and counted else None,
+        perplexity=(math.exp(loss) if loss < 700 else math.inf) if tokens else None,
+        batches=batches,
+        samples=int(samples),
+        targets=int(counted),
+        eval_ms=eval_ms,
+    )
 
 
 def param_slots(model: LayeredModel) -> dict[str, int]:
@@ -365,6 +452,78 @@ class PipelineEngine:
         a = self.plan.replica_slice(self.mesh.replica)[0]
         size = self.config.batch_size // self.plan.total_microbatches
         return t[a * size : (a + self.microbatches) * size]
+
+    # ---- evaluation --------------------------------------------------------------------
+    def evaluate(self, batches: Iterable[Batch | None]) -> EvalResult:
+        """Forward-only pass of the pipeline over held-out ``batches``; no gradient, no update.
+
+        Every rank passes the same number of entries, each a whole batch of the training
+        batch size (the stage's P2P buffers have the training microbatch shapes); only the
+        first stage reads inputs and only the last targets, so a middle stage passes Nones.
+        Layers are in eval mode for the pass and get their modes back after it; the stage
+        timers are off (an evaluation is not a training step's compute), but emulated
+        interference still stretches it.
+        """
+        if not hasattr(self.schedule, "eval"):
+            raise UserError(
+                f"torch {torch.__version__} has no forward-only pipeline schedule "
+                "(PipelineSchedule.eval); install a newer torch to evaluate"
+            )
+        dev = self.topo.device
+        modes = [(m, m.training) for m in self.module.modules()]
+        timing, self.timer.enabled = self.timer.enabled, False
+        sums = torch.zeros(4, dtype=torch.float64)
+        count = 0
+        t0 = time.perf_counter()
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                for batch in batches:
+                    self._eval_batch(batch, sums, dev)
+                    count += 1
+        finally:
+            for m, mode in modes:
+                m.train(mode)
+            self.timer.enabled = timing
+        vec = sums.to(dev)
+        if self.topo.world_size > 1:
+            # The last stage holds the sums, the others zeros: adding them is exact. With
+            # replicas, every replica's last stage holds the sums of its share.
+            group = None if self.mesh.dp > 1 else self.group
+            dist.all_reduce(vec, group=group)
+        ms = (time.perf_counter() - t0) * 1e3
+        return eval_result(vec.cpu(), model=self.model, batches=count, eval_ms=ms)
+
+    def _eval_batch(self, batch: Batch | None, sums: torch.Tensor, dev: torch.device) -> None:
+        x, y = batch if batch is not None else (None, None)
+        for t in (x, y):
+            if t is not None and t.shape[0] != self.config.batch_size:
+                raise UserError(
+                    f"an evaluation batch has {t.shape[0]} samples but the pipeline runs "
+                    f"batches of {self.config.batch_size}; evaluate batches of the training "
+                    "batch size"
+                )
+        if self.mesh.dp > 1:
+            # Each replica evaluates its share of the batch (a replica partial reduce leaves
+            # out evaluates nothing: the result is the mean over the samples evaluated).
+            if self.dropped:
+                return
+            x, y = self._share(x), self._share(y)
+        losses: list[torch.Tensor] = []
+        if self.is_last:
+            y = y.to(dev, non_blocking=True)
+        if self.is_first and self.is_last:
+            out = self.schedule.eval(x.to(dev), target=y, losses=losses)
+        elif self.is_first:
+            self.schedule.eval(x.to(dev, non_blocking=True))
+        elif self.is_last:
+            out = self.schedule.eval(target=y, losses=losses)
+        else:
+            self.schedule.eval()
+        if self.is_last:
+            m = self.microbatches if self.mesh.dp > 1 else self.plan.microbatches
+            part = eval_sums(list(out.tensor_split(m)), list(y.tensor_split(m)), losses)
+            sums += torch.tensor(part, dtype=torch.float64)
 
     # ---- state by name -----------------------------------------------------------------
     def model_state(self) -> dict[str, torch.Tensor]:

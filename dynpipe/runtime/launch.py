@@ -3,39 +3,75 @@
 ``dynpipe train --nproc N ...`` re-runs the same command line as N workers on this node
 (``python -m dynpipe train ...`` with ``RANK``/``WORLD_SIZE`` set by the agent). For several
 nodes, users call ``torchrun`` themselves with the same arguments (see the README).
+
+The agent relaunches every worker when one dies, up to ``max_restarts`` times; each relaunch
+resumes from the run's newest checkpoint (``dynpipe.runtime.train``). SIGTERM / SIGINT /
+SIGHUP to the launcher reach the workers through the agent, which waits ``SHUTDOWN_S`` for
+them to stop (at an agreed step, after a final checkpoint) before killing them; the
+launcher then prints one line and exits with 128 + the signal number.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
 import uuid
+from pathlib import Path
 
-__all__ = ["launch_local"]
+__all__ = ["SHUTDOWN_S", "launch_local"]
+
+# How long the agent waits for stopping workers before it kills them; the workers give up
+# on their final checkpoint a few seconds earlier (signals.GRACE_S).
+SHUTDOWN_S = 30
 
 
-def launch_local(argv: list[str], *, nproc: int, max_restarts: int = 0) -> int:
+def launch_local(
+    argv: list[str],
+    *,
+    nproc: int,
+    max_restarts: int = 0,
+    checkpoint_dir: str | Path | None = None,
+) -> int:
     """Run ``dynpipe train argv`` as ``nproc`` workers; returns the job's exit status.
 
     The agent's own failure report (a table per failed rank) is replaced by one line: each
     worker already printed its error, and the first failing rank is named here.
+    ``checkpoint_dir``: where the run saves, to name its final checkpoint after a stop.
     """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # torch's elastic loggers each carry their own level: quiet every one of them.
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed")]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    run_id = f"dynpipe-{uuid.uuid4().hex[:8]}"
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
-        run_id=f"dynpipe-{uuid.uuid4().hex[:8]}",
+        run_id=run_id,
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
         max_restarts=max_restarts,
         monitor_interval=0.2,
+        # No log folder at all (torch's default leaves an empty torchelastic_* in the temp
+        # directory on every launch): each worker prints its own errors to the console.
+        logs_specs=DefaultLogsSpecs(log_dir=os.devnull),
+        shutdown_timeout=SHUTDOWN_S,
     )
     try:
         elastic_launch(config, sys.executable)("-m", "dynpipe", "train", *argv)
+    except SignalException as exc:
+        sig = signal.Signals(exc.sigval)
+        print(
+            f"dynpipe train: stopped by {sig.name}; {_final_checkpoint(checkpoint_dir, run_id)}",
+            file=sys.stderr,
+        )
+        return 128 + int(sig)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         codes = sorted({f.exitcode for f in exc.failures.values()})
@@ -43,10 +79,30 @@ def launch_local(argv: list[str], *, nproc: int, max_restarts: int = 0) -> int:
         # stopping the remaining workers after that.
         if 2 in codes and set(codes) <= {2, -15}:
             return 2
+        tried = f" after {max_restarts} relaunches" if max_restarts else ""
+        if failure.exitcode < 0:
+            # Killed from outside (the OOM killer, a scheduler, a user): it printed nothing.
+            how = f"was killed by {signal.Signals(-failure.exitcode).name}"
+            hint = "" if max_restarts else "; --max-restarts N relaunches the workers"
+        else:
+            how, hint = f"exited with code {failure.exitcode}", "; its error is printed above"
         print(
-            f"dynpipe train: {len(exc.failures)} of {nproc} workers failed; first: rank {rank} "
-            f"with exit code {failure.exitcode} (exit codes {codes}); its error is printed above",
+            f"dynpipe train: {len(exc.failures)} of {nproc} workers failed{tried}; first: rank "
+            f"{rank} {how} (exit codes {codes}){hint}",
             file=sys.stderr,
         )
         return 2 if failure.exitcode == 2 else 1
     return 0
+
+
+def _final_checkpoint(directory: str | Path | None, run_id: str) -> str:
+    if directory is None:
+        return "no checkpoint written (no --save-dir)"
+    from dynpipe.runtime.checkpoint import newest_checkpoint
+
+    info = newest_checkpoint(directory, run_id=run_id)
+    if info is None:
+        return f"no checkpoint of this run in {directory}"
+    if str(info.meta.get("reason", "")).startswith("stop:"):
+        return f"final checkpoint {info.path} (step {info.step})"
+    return f"no final checkpoint; the newest is {info.path} (step {info.step})"

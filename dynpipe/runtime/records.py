@@ -5,6 +5,7 @@ A run log is JSONL, one record per line, each with ``type`` and wall-clock ``tim
 - ``header``: one per process launch (config, plan, world size, versions, devices);
 - ``step``: one per training step, with every stage's forward / backward / wait time;
 - ``telemetry``: one per gather window, every rank's device telemetry means;
+- ``eval``: one per evaluation on the held-out split (``--eval-every``);
 - ``event``: something that happened at a step, named by one of ``EVENTS``.
 
 Writers build these records (``RunLog.record``, ``RunLog.event``); every reader (the
@@ -39,6 +40,7 @@ __all__ = [
     "EVENTS",
     "RECORD_TYPES",
     "SCHEMA_VERSION",
+    "Eval",
     "Event",
     "EventSpec",
     "Header",
@@ -262,6 +264,28 @@ class LayerTimes(Record):
     replicas: tuple[dict[str, Any], ...] = field(default=(), metadata={"omit_empty": True})
 
 
+@record_type("eval")
+@dataclass(frozen=True, kw_only=True)
+class Eval(Record):
+    """One forward-only pass over the held-out split, after ``step`` training steps (written
+    just after it, so ``time`` is when it ended).
+
+    loss: mean per counted target (per sample; per token for gpt/bert); accuracy: top-1 over
+    the counted targets (None for float targets); perplexity: ``exp(loss)`` for token models
+    (else None); batches / samples / targets: what was evaluated; eval_ms: its wall time.
+    """
+
+    step: int
+    split: str = "test"
+    loss: float | None = None
+    accuracy: float | None = None
+    perplexity: float | None = None
+    batches: int = 0
+    samples: int = 0
+    targets: int = 0
+    eval_ms: float | None = None
+
+
 @dataclass(frozen=True)
 class EventSpec:
     """An event name, what it means, and the keys every record of it carries.
@@ -348,7 +372,31 @@ EVENTS: dict[str, EventSpec] = {
             ("step", "pause_ms"),
         ),
         EventSpec(
-            "checkpoint", "a checkpoint of the state after `step - 1` written", ("step", "path")
+            "checkpoint",
+            "a checkpoint of the state after `step - 1` published at `path` (older logs: "
+            "written); newer ones carry its `save_id`, `bytes`, the training thread's "
+            "`stall_ms`, `write_ms` until publication and the marker's `marker_sha256`",
+            ("step", "path"),
+        ),
+        EventSpec(
+            "checkpoint_skipped",
+            "an automatic resume passed over the checkpoint at `path`: `reason` says what "
+            "failed its verification",
+            ("path", "reason"),
+        ),
+        EventSpec(
+            "recovered",
+            "a relaunch after a worker died (`attempt` of torchrun's agent) resumed at `step`: "
+            "the run had reached `reached_step`, so `steps_lost` are run again (`lost_from`: "
+            "the progress in the launcher's store, or the run log); `down_s` from the last "
+            "step before the failure",
+            ("step", "attempt", "steps_lost", "reached_step", "lost_from"),
+        ),
+        EventSpec(
+            "stopped",
+            "a signal (`signal`) stopped every rank before `step`; `checkpoint`: the final "
+            "checkpoint written there, or null",
+            ("step", "signal", "checkpoint"),
         ),
         EventSpec("end", "the run finished `step` steps under `plan`", ("step", "plan")),
     )
@@ -458,6 +506,10 @@ class LogRecords:
     def layer_times(self) -> list[LayerTimes]:
         return self.of_type(LayerTimes)
 
+    @property
+    def evals(self) -> list[Eval]:
+        return self.of_type(Eval)
+
     def events(self, *names: str) -> list[Event]:
         """Every event, or those named (each name must be in ``EVENTS``)."""
         unknown = [n for n in names if n not in EVENTS]
@@ -473,7 +525,9 @@ def read_log(path: str | Path) -> LogRecords:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"run log {path} does not exist; write one with `dynpipe train --log FILE`")
-    with path.open() as fh:
+    # Undecodable bytes become replacement characters: such a line is not JSON and is skipped
+    # like a torn one, so a binary file reads as a log without records.
+    with path.open(errors="replace") as fh:
         records = tuple(_parse_lines(fh, source=path))
     return LogRecords(path=path, records=records)
 

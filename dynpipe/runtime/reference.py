@@ -16,13 +16,23 @@ computes (``a + b`` is commutative; with more replicas the reduce's own order de
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from dynpipe.models.base import LayeredModel
-from dynpipe.runtime.engine import NonFiniteLoss, clip_coefficient, fill_grad_norms, param_slots
+from dynpipe.runtime.engine import (
+    EvalResult,
+    NonFiniteLoss,
+    clip_coefficient,
+    eval_result,
+    eval_sums,
+    fill_grad_norms,
+    param_slots,
+)
 from dynpipe.runtime.optim import OptimConfig, build_optimizer, export_state, lr_at
 
 if TYPE_CHECKING:
@@ -123,6 +133,29 @@ class ReferenceTrainer:
                 p.grad.div_(counted)
         assert loss_sum is not None
         return float(loss_sum / counted)
+
+    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> EvalResult:
+        """The unsplit model's evaluation: each batch in the pipeline's microbatches, layers
+        in eval mode, no gradient; summed exactly as ``PipelineEngine.evaluate`` sums."""
+        modes = [(m, m.training) for m in self.layers.modules()]
+        self.layers.eval()
+        sums = torch.zeros(4, dtype=torch.float64)
+        count = 0
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                for batch in batches:
+                    x, y = (t.to(self.device) for t in batch)
+                    xs, ys = x.tensor_split(self.microbatches), y.tensor_split(self.microbatches)
+                    outs = [self.forward(xm) for xm in xs]
+                    losses = [self.model.loss_fn(o, ym) for o, ym in zip(outs, ys, strict=True)]
+                    sums += torch.tensor(eval_sums(outs, list(ys), losses), dtype=torch.float64)
+                    count += 1
+        finally:
+            for m, mode in modes:
+                m.train(mode)
+        ms = (time.perf_counter() - t0) * 1e3
+        return eval_result(sums, model=self.model, batches=count, eval_ms=ms)
 
     def train(self, data: BatchSource, *, steps: int, start: int = 0) -> list[float]:
         return [self.step(s, data.batch(s, self.batch_size)) for s in range(start, start + steps)]

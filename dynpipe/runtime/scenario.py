@@ -85,8 +85,12 @@ class Scenario:
         return on
 
 
-def load_scenario(path: str | Path, *, num_stages: int | None = None, dp: int = 1) -> Scenario:
-    """``num_stages`` / ``dp``: the run's pipeline length and replicas, checked against."""
+def load_scenario(
+    path: str | Path, *, num_stages: int | None = None, dp: int = 1, device: str = "cpu"
+) -> Scenario:
+    """A scenario file, checked against the pipeline (``num_stages``, ``dp`` replicas) and
+    the device type: emulated interference stretches layer times on the host clock, which
+    on CUDA would only delay kernel launches, so it is refused there."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"scenario file {p} does not exist; see recipes/scenarios/ for examples")
@@ -97,7 +101,10 @@ def load_scenario(path: str | Path, *, num_stages: int | None = None, dp: int = 
     events = []
     from dynpipe.devices.interfere import KINDS
 
-    for i, raw in enumerate(doc.get("events", [])):
+    raw_events = doc.get("events", [])
+    if not isinstance(raw_events, list) or not all(isinstance(e, dict) for e in raw_events):
+        raise UserError(f"scenario {p}: events must be [[events]] tables; see runtime/scenarios/")
+    for i, raw in enumerate(raw_events):
         keys = {"step", "action", "stage", "kind", "intensity", "count", "factor", "replica"}
         unknown = set(raw) - keys - {"rank"}
         if unknown:
@@ -111,7 +118,12 @@ def load_scenario(path: str | Path, *, num_stages: int | None = None, dp: int = 
                 f"scenario {p} event {i}: unknown kind {kind!r}; use emulate or one of "
                 f"{', '.join(KINDS)}"
             )
-        rank = int(raw["rank"]) if "rank" in raw else None
+        if "step" not in raw:
+            raise UserError(f"scenario {p} event {i} needs step = N (>= 0)")
+        step = _number(p, i, raw, "step", int, None)
+        if step < 0:
+            raise UserError(f"scenario {p} event {i} needs step = N (>= 0), got {step}")
+        rank = _number(p, i, raw, "rank", int, None) if "rank" in raw else None
         world = None if num_stages is None else num_stages * dp
         if rank is not None and (rank < 0 or (world is not None and rank >= world)):
             raise UserError(
@@ -122,37 +134,65 @@ def load_scenario(path: str | Path, *, num_stages: int | None = None, dp: int = 
             raise UserError(
                 f"scenario {p} event {i} names both a rank and a stage or replica; give one"
             )
-        replica = int(raw.get("replica", 0))
+        replica = _number(p, i, raw, "replica", int, 0)
         if replica < 0 or replica >= dp:
             raise UserError(
                 f"scenario {p} event {i}: replica {replica} is not a replica of this run "
                 f"({dp} replica{'s' if dp > 1 else ''}); use 0–{dp - 1}"
             )
-        stage = int(raw.get("stage", -1 if rank is None else 0))
+        stage = _number(p, i, raw, "stage", int, -1 if rank is None else 0)
         if stage < 0 or (num_stages is not None and stage >= num_stages):
             raise UserError(
                 f"scenario {p} event {i}: stage {stage} is not a stage of this "
                 f"{num_stages}-stage pipeline; use 0–{(num_stages or 1) - 1}"
             )
-        if "step" not in raw or int(raw["step"]) < 0:
-            raise UserError(f"scenario {p} event {i} needs step = N (>= 0)")
-        factor = float(raw.get("factor", 3.0))
+        factor = _number(p, i, raw, "factor", float, 3.0)
         if kind == "emulate" and factor < 1:
             raise UserError(f"scenario {p} event {i}: emulate factor {factor} must be >= 1")
+        if kind == "emulate" and action == "start" and device.startswith("cuda"):
+            raise UserError(
+                f'scenario {p} event {i}: kind = "emulate" is CPU only (it would only delay '
+                "kernel launches on a GPU); on CUDA use a real interferer: "
+                f"{', '.join(k for k in KINDS if k not in ('spin', 'membw'))}"
+            )
         events.append(
             ScenarioEvent(
-                step=int(raw["step"]),
+                step=step,
                 action=action,
                 stage=stage,
                 kind=kind,
-                intensity=float(raw.get("intensity", 1.0)),
-                count=int(raw.get("count", 1)),
+                intensity=_number(p, i, raw, "intensity", float, 1.0),
+                count=_number(p, i, raw, "count", int, 1),
                 factor=factor,
                 replica=replica,
                 rank=rank,
             )
         )
     return Scenario(name=str(doc.get("name", p.stem)), events=tuple(events))
+
+
+_EXAMPLE = {
+    "step": 30,
+    "stage": 1,
+    "factor": 3.0,
+    "intensity": 1.0,
+    "count": 1,
+    "replica": 1,
+    "rank": 3,
+}
+
+
+def _number(path: Path, i: int, raw: dict[str, Any], key: str, kind: type, default: Any) -> Any:
+    """``raw[key]`` as an int or float (a TOML string such as "soon" is refused)."""
+    value = raw.get(key, default)
+    ok = isinstance(value, int) if kind is int else isinstance(value, (int, float))
+    if not ok or isinstance(value, bool):
+        what = "an integer" if kind is int else "a number"
+        raise UserError(
+            f"scenario {path} event {i}: {key} must be {what}, got {value!r}; write it "
+            f"without quotes, e.g. {key} = {_EXAMPLE[key]}"
+        )
+    return kind(value)
 
 
 class ScenarioRunner:

@@ -32,6 +32,7 @@ class Topology:
         ``MASTER_PORT``); None when there is none (one process).
     agent_store: the store is hosted by torchrun's agent (it outlives relaunches), not by
         rank 0's process group.
+    run_id: torchrun's id of the job, the same for every relaunch (None outside torchrun).
     """
 
     rank: int
@@ -44,6 +45,7 @@ class Topology:
     store_host: str | None = None
     store_port: int | None = None
     agent_store: bool = False
+    run_id: str | None = None
 
     @property
     def is_cuda(self) -> bool:
@@ -106,6 +108,7 @@ class Topology:
             store_host=env.get("MASTER_ADDR") if port else None,
             store_port=int(port) if port else None,
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            run_id=env.get("TORCHELASTIC_RUN_ID"),
         )
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import time
 from collections.abc import Callable
@@ -28,19 +27,35 @@ from dynpipe.runtime.adapt.loop import Adapter
 from dynpipe.runtime.adapt.make import make_policy, warm_bytes
 from dynpipe.runtime.adapt.policy import Policy
 from dynpipe.runtime.adapt.window import Window
-from dynpipe.runtime.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from dynpipe.runtime.checkpoint import (
+    CheckpointCorrupt,
+    find_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    read_marker,
+)
+from dynpipe.runtime.checkpointer import Checkpointer, SaveRecord
 from dynpipe.runtime.config import TrainConfig
 from dynpipe.runtime.engine import EngineConfig, NonFiniteLoss, PipelineEngine, StepResult
-from dynpipe.runtime.health import Heartbeat, StageFailure
+from dynpipe.runtime.health import Heartbeat, StageFailure, read_progress
 from dynpipe.runtime.mesh import Mesh, init_mesh
-from dynpipe.runtime.records import LayerTimes, ReplicaTiming, StageTiming, Step, Telemetry
+from dynpipe.runtime.records import (
+    LayerTimes,
+    ReplicaTiming,
+    StageTiming,
+    Step,
+    Telemetry,
+    read_log,
+)
 from dynpipe.runtime.runlog import RunLog, code_revision, environment
+from dynpipe.runtime.signals import Stopped, StopRequest
 from dynpipe.runtime.topology import Topology
 
 __all__ = [
     "RESTART_EXIT",
     "RestartRequested",
     "build_model_and_data",
+    "checkpoint_dir",
     "default_log_path",
     "resolve_plan",
     "train",
@@ -349,21 +364,21 @@ def _restart(
     *,
     cfg: TrainConfig,
     initial_plan: Plan,
+    ckpt: Checkpointer,
 ) -> NoReturn:
     """The restart baseline: checkpoint under the old plan, then exit to be relaunched."""
-    meta_extra = {
-        "restart_plan": new_plan.to_dict(),
-        "controller": adapter.state(),
-        "initial_plan": initial_plan.to_dict(),
-        "decided_time": time.time(),
-    }
+    extra = {"restart_plan": new_plan.to_dict(), "decided_time": time.time()}
     _save(
+        ckpt,
         adapter.engine,
         cfg,
         topo=adapter.topo,
         step=step,
-        path=_restart_dir(cfg),
-        extra=meta_extra,
+        reason="restart",
+        initial_plan=initial_plan,
+        adapter=adapter,
+        extra=extra,
+        block=True,
     )
     if adapter.log is not None:
         adapter.log.event(
@@ -374,8 +389,99 @@ def _restart(
 
 
 def _restart_dir(cfg: TrainConfig) -> Path:
-    base = Path(cfg.save_dir) if cfg.save_dir else Path(cfg.log or default_log_path(cfg)).parent
-    return base / "restart"
+    """Where the restart baseline's checkpoints go: ``--save-dir``, else beside the log."""
+    if cfg.save_dir:
+        return Path(cfg.save_dir)
+    return Path(cfg.log or default_log_path(cfg)).parent / "restart"
+
+
+def checkpoint_dir(cfg: TrainConfig) -> Path | None:
+    """The folder a run's checkpoints go to (None: it writes none)."""
+    return _restart_dir(cfg) if (cfg.save_dir or cfg.adapt.mode == "restart") else None
+
+
+def _checkpointer(cfg: TrainConfig, topo: Topology) -> Checkpointer | None:
+    root = checkpoint_dir(cfg)
+    if root is None:
+        return None
+    return Checkpointer(
+        root,
+        rank=topo.rank,
+        keep=cfg.keep_checkpoints,
+        run_id=topo.run_id,
+        timeout_s=topo.timeout_s,
+    )
+
+
+def _resume_candidates(cfg: TrainConfig, topo: Topology) -> list[tuple[Path, bool]]:
+    """Checkpoints to resume from, in order of preference, each with whether the run
+    continues under the plan and adaptation state saved in it (automatic resumes do)."""
+    out: list[tuple[Path, bool]] = []
+    root = checkpoint_dir(cfg)
+    if topo.restart_attempt > 0 and root is not None:
+        # A relaunch continues its own run: the newest checkpoint this run published.
+        done, _ = list_checkpoints(root)
+        out += [(i.path, True) for i in reversed(done) if i.run_id == topo.run_id]
+    mode = cfg.resume or ("auto" if cfg.max_restarts else None)
+    if mode == "auto" and root is not None:
+        done, _ = list_checkpoints(root)
+        out += [(i.path, True) for i in reversed(done)]
+    elif mode and mode != "auto":
+        out.append((find_checkpoint(mode), False))
+    seen: set[Path] = set()
+    return [(p, a) for p, a in out if not (p in seen or seen.add(p))]
+
+
+def _checkpoint_plan(meta: dict[str, Any], model: LayeredModel, world_size: int) -> Plan | None:
+    """The plan a checkpoint's run was under (the restart baseline's: the one it decided)."""
+    try:
+        plan = Plan.from_dict(meta.get("restart_plan") or meta["plan"])
+        plan.validate(model, world_size)
+        return plan
+    except (UserError, KeyError, TypeError):
+        return None  # saved for another world size: the command line's plan then
+
+
+def _open(
+    cfg: TrainConfig, model: LayeredModel, plan: Plan, topo: Topology, *, mesh: Mesh | None = None
+) -> tuple[PipelineEngine, int, dict[str, Any] | None, list[tuple[str, str]]]:
+    """The engine, the first step to run, the automatic resume's checkpoint meta (None on a
+    fresh start or a ``--resume PATH``), and the checkpoints skipped as unusable.
+
+    ``mesh``: the run's replicas; a checkpoint's plan for another number of replicas is not
+    resumed under (the command line's plan is)."""
+
+    def build(p: Plan) -> PipelineEngine:
+        return PipelineEngine(
+            model,
+            p,
+            topo=topo,
+            config=EngineConfig(
+                batch_size=cfg.batch_size, optim=cfg.optim, bf16=cfg.bf16, timing=cfg.timing
+            ),
+            mesh=mesh,
+        )
+
+    engine: PipelineEngine | None = None
+    skipped: list[tuple[str, str]] = []
+    candidates = _resume_candidates(cfg, topo)
+    for i, (path, automatic) in enumerate(candidates):
+        try:
+            meta = read_marker(path).meta
+            want = (_checkpoint_plan(meta, model, topo.world_size) if automatic else None) or plan
+            if want.dp != plan.dp:
+                want = plan
+            if engine is None or engine.plan != want:
+                engine = build(want)
+            start = _resume(engine, path, topo=topo)
+            return engine, start, (meta if automatic else None), skipped
+        except CheckpointCorrupt as exc:
+            if not automatic or i + 1 == len(candidates):
+                raise
+            skipped.append((str(path), str(exc)))  # an older checkpoint may still be good
+    if engine is None or engine.plan != plan:
+        engine = build(plan)
+    return engine, 0, None, skipped
 
 
 def train(
@@ -384,42 +490,35 @@ def train(
     topo: Topology,
     on_step: Callable[[PipelineEngine, StepResult], None] | None = None,
     policy: Policy | None = None,
+    stop: StopRequest | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg.steps`` steps on this rank; returns a summary (losses, final step).
 
     ``policy``: the adaptation policy (default: the one ``cfg.adapt`` names; tests and
     benchmarks inject their own). Every rank must be given an equivalent one.
+    ``stop``: signals seen by this worker; when one arrives, every rank stops at the same
+    step, after a final checkpoint if the run has a checkpoint folder (``Stopped`` is raised).
     """
     torch.manual_seed(cfg.seed)
     model, data = build_model_and_data(cfg)
     plan = resolve_plan(cfg, model, topo.world_size)
-    initial_plan = plan
-    resume, restart_meta = cfg.resume, None
-    if topo.restart_attempt > 0 and (_restart_dir(cfg) / "dynpipe.json").is_file():
-        # Restart baseline: this process is the relaunch; continue under the decided plan.
-        resume = str(_restart_dir(cfg))
-        restart_meta = json.loads((Path(find_checkpoint(resume)) / "dynpipe.json").read_text())
-        plan = Plan.from_dict(restart_meta["restart_plan"])
-        initial_plan = Plan.from_dict(
-            restart_meta.get("initial_plan", restart_meta["restart_plan"])
-        )
+    ckpt = _checkpointer(cfg, topo)
+    # The mesh of the run's replicas (collective); every plan of the run keeps its dp.
     mesh = init_mesh(topo, dp=plan.dp)
-    engine = PipelineEngine(
-        model,
-        plan,
-        topo=topo,
-        config=EngineConfig(
-            batch_size=cfg.batch_size, optim=cfg.optim, bf16=cfg.bf16, timing=cfg.timing
-        ),
-        mesh=mesh,
+    engine, start, meta, skipped = _open(cfg, model, plan, topo, mesh=mesh)
+    plan = engine.plan
+    initial_plan = (
+        Plan.from_dict(meta["initial_plan"]) if meta and meta.get("initial_plan") else plan
     )
-    start = 0
-    if resume:
-        start = _resume(engine, resume, topo=topo)
     writer = mesh.replica == 0 and engine.is_last
+    progress_key = f"dynpipe/progress/{topo.run_id}" if topo.run_id else None
     log = None
     if writer:
-        log = RunLog(cfg.log or default_log_path(cfg), append=bool(resume))
+        log_path = cfg.log or default_log_path(cfg)
+        lost = (
+            _steps_lost(progress_key, log_path, start, topo=topo) if topo.restart_attempt else None
+        )
+        log = RunLog(log_path, append=bool(cfg.resume or topo.restart_attempt or start))
         log.header(
             config=cfg.to_dict(),
             plan=plan.to_dict(),
@@ -429,12 +528,17 @@ def train(
             revision=code_revision(),
             start_step=start,
         )
-        if restart_meta is not None:
+        for path, why in skipped:
+            log.event("checkpoint_skipped", path=path, reason=why)
+        planned = meta is not None and "restart_plan" in meta and not (lost and lost["steps_lost"])
+        if planned:
             log.event(
                 "resumed",
                 step=start,
-                pause_ms=round((time.time() - restart_meta["decided_time"]) * 1e3, 3),
+                pause_ms=round((time.time() - meta["decided_time"]) * 1e3, 3),
             )
+        elif lost is not None:
+            log.event("recovered", attempt=topo.restart_attempt, step=start, **lost)
     mb = cfg.batch_size // plan.total_microbatches
     if policy is None:
         policy = make_policy(
@@ -455,18 +559,28 @@ def train(
             engine=engine,
             topo=topo,
             log=log,
-            restart=functools.partial(_restart, cfg=cfg, initial_plan=initial_plan),
+            restart=functools.partial(_restart, cfg=cfg, initial_plan=initial_plan, ckpt=ckpt),
             warm_bytes=warm_bytes(model, microbatch_size=mb, cuda=topo.is_cuda),
         )
-        if restart_meta is not None:
-            adapter.load_state(restart_meta.get("controller", {}))
-            pause_ms = (time.time() - restart_meta["decided_time"]) * 1e3
-            moved = sum(t.nbytes or 0 for t in diff(Plan.from_dict(restart_meta["plan"]), plan))
-            policy.applied(step=start, pause_ms=pause_ms, moved_bytes=moved)
+        if meta is not None and meta.get("adapt_state") is not None:
+            adapter.load_state(meta["adapt_state"])
+            if "restart_plan" in meta:
+                pause_ms = (time.time() - meta["decided_time"]) * 1e3
+                moved = sum(t.nbytes or 0 for t in diff(Plan.from_dict(meta["plan"]), plan))
+                policy.applied(step=start, pause_ms=pause_ms, moved_bytes=moved)
+    save = functools.partial(
+        _save, ckpt, engine, cfg, topo=topo, initial_plan=initial_plan, adapter=adapter
+    )
+    evaluator = _evaluator(cfg, model, topo)
     runner = _scenario_runner(cfg, engine=engine, topo=topo, targets=initial_plan.ranks)
     sampler = _sampler(cfg, topo)
     bar = _progress(cfg, start) if writer and cfg.progress else None
-    beat = Heartbeat(topo=topo).start()
+    beat = Heartbeat(
+        topo=topo,
+        progress_key=progress_key if writer else None,
+        on_store_lost=stop.store_lost if stop is not None else None,
+        store_lost_after_s=topo.timeout_s,
+    ).start()
     if adapter is not None:
         adapter.beat = beat
     losses: list[float] = []
@@ -495,7 +609,12 @@ def train(
         if runner is not None:
             runner.prepare()
             runner.resume_at(start)
+        saved = start  # the step of the last checkpoint started (the resumed one at first)
         for step in range(start, cfg.steps):
+            if stop is not None and stop.at_boundary(step, agree=True):
+                if stop.consistent:
+                    steplog.flush()  # every rank stops here: the steps so far reach the log
+                _stop(stop, ckpt, save, log, step=step, saved=saved)
             if runner is not None:
                 for rec in runner.apply(step):
                     if log is not None:
@@ -519,14 +638,22 @@ def train(
                 got = steplog.flush(sampler.window() if sampler else None)
                 if adapter is not None and got is not None and step + 1 < cfg.steps:
                     adapter.window(_window(got, engine.plan, telemetry=sampler is not None))
+            if evaluator is not None and evaluator.due(step):
+                evaluator.run(engine, step=step, topo=topo, log=log)
             if bar is not None:
                 bar.update(1)
                 split = "|".join(str(len(st)) for st in engine.plan.stages)
                 bar.set_postfix(loss=f"{res.loss:.4f}", ms=f"{res.step_ms:.0f}", split=split)
+            beat.progress(step + 1)
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
-                _save(engine, cfg, topo=topo, step=step + 1)
-                if log is not None:
-                    log.event("checkpoint", step=step + 1, path=str(_ckpt_dir(cfg, step + 1)))
+                save(step=step + 1, reason="periodic")
+                saved = step + 1
+            if ckpt is not None:
+                _log_saves(log, ckpt.drain())
+        if stop is not None and stop.requested:
+            _stop(stop, ckpt, save, log, step=cfg.steps, saved=saved)
+        if ckpt is not None:
+            _log_saves(log, ckpt.wait())
         if log is not None:
             log.event("end", step=cfg.steps, plan=engine.plan.to_dict())
     finally:
@@ -550,6 +677,25 @@ def train(
     }
 
 
+def _evaluator(cfg: TrainConfig, model: LayeredModel, topo: Topology):
+    if not cfg.eval_every:
+        return None
+    from dynpipe.data import get_data
+    from dynpipe.runtime.evaluation import Evaluator, eval_batch_count
+
+    held_out = get_data(cfg.data, model=model, path=cfg.data_path, seed=cfg.seed, split="test")
+    count = eval_batch_count(held_out, batch_size=cfg.batch_size, batches=cfg.eval_batches)
+    workers = cfg.data_workers if cfg.data_workers is not None else _auto_workers(topo)
+    return Evaluator(
+        source=held_out,
+        every=cfg.eval_every,
+        steps=cfg.steps,
+        batch_size=cfg.batch_size,
+        batches=count,
+        workers=workers,
+    )
+
+
 def _scenario_runner(
     cfg: TrainConfig, *, engine: PipelineEngine, topo: Topology, targets: list[int]
 ):
@@ -557,8 +703,10 @@ def _scenario_runner(
         return None
     from dynpipe.runtime.scenario import ScenarioRunner, load_scenario
 
-    scenario = load_scenario(cfg.scenario, num_stages=engine.plan.num_stages, dp=engine.mesh.dp)
     device = f"cuda:{topo.device.index}" if topo.is_cuda else "cpu"
+    scenario = load_scenario(
+        cfg.scenario, num_stages=engine.plan.num_stages, dp=engine.mesh.dp, device=device
+    )
     return ScenarioRunner(
         scenario,
         rank=topo.rank,
@@ -599,23 +747,31 @@ def _failure(
     )
 
 
-def _ckpt_dir(cfg: TrainConfig, step: int) -> Path:
-    return Path(cfg.save_dir or "checkpoints") / f"step_{step:08d}"
-
-
 def _save(
+    ckpt: Checkpointer | None,
     engine: PipelineEngine,
     cfg: TrainConfig,
     *,
     topo: Topology,
     step: int,
-    path: Path | None = None,
+    reason: str,
+    initial_plan: Plan,
+    adapter: Adapter | None,
     extra: dict[str, Any] | None = None,
+    block: bool = False,
 ) -> Path:
+    """Checkpoint this rank's state after ``step`` steps (collective), with what a resume
+    needs to continue as this run would have: the plan, the initial plan (scenario targets)
+    and the adaptation state."""
+    if ckpt is None:
+        raise UserError("--save-every needs --save-dir DIR to write checkpoints into")
     meta = {
         **(extra or {}),
         "step": step,
+        "reason": reason,
         "plan": engine.plan.to_dict(),
+        "initial_plan": initial_plan.to_dict(),
+        "adapt_state": adapter.state() if adapter is not None else None,
         "config": cfg.to_dict(),
         "model": engine.model.name,
         "model_fingerprint": engine.model.fingerprint(),
@@ -625,16 +781,81 @@ def _save(
     # Replicas hold identical copies: replica 0's are written (keys are layer names, so
     # the checkpoint loads under any dp x pp shape, or into one process).
     mine = engine.mesh.replica == 0
-    return save_checkpoint(
-        path or _ckpt_dir(cfg, step),
+    return ckpt.save(
+        step=step,
         model_state=engine.model_state() if mine else {},
         optim_state=engine.optim_state() if mine else {},
         meta=meta,
-        rank=topo.rank,
+        block=block,
     )
 
 
-def _resume(engine: PipelineEngine, path: str, *, topo: Topology) -> int:
+def _log_saves(log: RunLog | None, records: list[SaveRecord]) -> None:
+    for r in records:
+        if log is not None:
+            log.event(
+                "checkpoint",
+                step=r.step,
+                path=str(r.path),
+                save_id=r.save_id,
+                bytes=r.bytes,
+                stall_ms=round(r.stall_ms, 3),
+                write_ms=round(r.write_ms, 3),
+                marker_sha256=r.marker_sha256,
+            )
+
+
+def _stop(
+    stop: StopRequest,
+    ckpt: Checkpointer | None,
+    save: Callable[..., Path],
+    log: RunLog | None,
+    *,
+    step: int,
+    saved: int,
+) -> NoReturn:
+    """Stop for a signal before ``step``: final checkpoint (unless one of this step is
+    already under way), then ``Stopped`` on every rank."""
+    path = None
+    if ckpt is not None and stop.consistent:
+        if saved != step:
+            save(step=step, reason=f"stop:{stop.name}", block=True)
+        records = ckpt.wait()
+        _log_saves(log, records)
+        path = str(records[-1].path) if records else None
+    if log is not None:
+        log.event("stopped", step=step, signal=stop.name, checkpoint=path)
+    raise Stopped(stop.signum or 15)
+
+
+def _steps_lost(
+    progress_key: str | None, log_path: str, start: int, *, topo: Topology
+) -> dict[str, Any]:
+    """How far the run had got before this relaunch, and so how many steps it redoes: from
+    the progress the previous attempt published in the launcher's store, else its run log."""
+    got = read_progress(progress_key, topo=topo) if progress_key else None
+    if got is not None:
+        done, when = got
+        return {
+            "steps_lost": max(0, done - start),
+            "reached_step": done,
+            "lost_from": "store",
+            "down_s": round(time.time() - when, 3),
+        }
+    done = start
+    if Path(log_path).is_file():
+        steps = [r.step for r in read_log(log_path).steps]
+        done = max(steps, default=start - 1) + 1
+    return {"steps_lost": max(0, done - start), "reached_step": done, "lost_from": "log"}
+
+
+def _resume(engine: PipelineEngine, path: str | Path, *, topo: Topology) -> int:
+    meta = read_marker(path).meta
+    if meta.get("model_fingerprint") not in (None, engine.model.fingerprint()):
+        raise UserError(
+            f"checkpoint {path} is for a different layer list of {meta.get('model')} "
+            "(fingerprint mismatch); resume with the model config it was written with"
+        )
     opt, meta = load_checkpoint(
         path,
         model_state=engine.model_state(),
@@ -642,11 +863,6 @@ def _resume(engine: PipelineEngine, path: str, *, topo: Topology) -> int:
         rank=topo.rank,
         device=topo.device,
     )
-    if meta.get("model_fingerprint") not in (None, engine.model.fingerprint()):
-        raise UserError(
-            f"checkpoint {path} is for a different layer list of {meta.get('model')} "
-            "(fingerprint mismatch); resume with the model config it was written with"
-        )
     from dynpipe.runtime.optim import import_state
 
     import_state(engine.optimizer, engine.named_params, opt)

@@ -79,9 +79,13 @@ class CostEstimates:
         # Per rank, a change not yet confirmed: (direction, per-layer averages and stage
         # overhead from before it).
         self._suspect: list[tuple | None] = [None] * num_ranks
-        # Counts changes of conditions: a rank's reading moving beyond its threshold. Two
+        # Names the conditions: a new one when a rank's reading moves beyond its threshold
+        # (confirmed), the old one again when every rank is back to how it ran then. Two
         # windows of the same regime ran under the same conditions.
         self.regime = 0
+        self._regimes = 1
+        self._regime_loads: dict[int, tuple[np.ndarray, int]] = {}  # id -> (sum, count)
+        self._calibrating = True
 
     @property
     def num_layers(self) -> int:
@@ -170,20 +174,27 @@ class CostEstimates:
                 n[r] = max(1.0, float(self.n[held].min()))
         return self.noise() / np.sqrt(n)
 
-    def update(self, w: Window) -> None:
+    def update(self, w: Window, *, changed: bool = False) -> None:
         """Fold one trusted window into the running per-layer costs.
 
         A rank's reading is its stage's whole time per microbatch (its layers that stayed,
         plus the stage's overhead) over the running average of the same: interference that
         stalls a stage between its layers (a GPU time-sliced with another process hands the
         device back between kernels) shows in the overhead, not in any layer.
+        ``changed``: the caller saw conditions change (the steps jumped): every rank's
+        averages start afresh from this window, a new regime at once.
         """
         mf, mb, of, ob = self._measure(w)
         self._within(w)
         limit = self.threshold()
+        changed_now = bool(changed)
+        if changed:
+            self._suspect = [None] * len(self._suspect)
         for (a, b), r in zip(w.bounds, w.ranks, strict=True):
             held = slice(a, b)
             stay = (self.owner[held] == r) & np.isfinite(self.run_f[held])
+            if changed:
+                stay[:] = False
             new = float((mf[held] + mb[held])[stay].sum()) + of[r] + ob[r]
             old = float((self.run_f[held] + self.run_b[held])[stay].sum())
             old += self.over_f[r] + self.over_b[r]
@@ -191,8 +202,12 @@ class CostEstimates:
             history = list(self.steps[r])
             if stay.all() and ratio > 0:
                 self.steps[r] = [*history, float(np.log(ratio))][-_NOISE_KEEP:]
-            if self._suspect[r] is not None:
+            if changed:
+                pass
+            elif self._suspect[r] is not None:
+                regime = self.regime
                 stay = self._confirm(r, a, b, mf, mb, of[r] + ob[r], limit[r], stay)
+                changed_now |= self.regime != regime
             elif abs(ratio - 1.0) > limit[r]:
                 # The device seems to have changed speed: its averages start afresh at once
                 # (an onset is followed in one window), but the change counts as a change of
@@ -215,7 +230,9 @@ class CostEstimates:
             self.over_b[r] += k * (ob[r] - self.over_b[r])
             self.n[held] += 1
             self.owner[held] = r
-        if self.regime == 0 and not any(x is not None for x in self._suspect):
+        if changed_now:
+            self._calibrating = False
+        if self._calibrating and not any(x is not None for x in self._suspect):
             # Until conditions first change, the running averages are the clean costs.
             self.clean_f, self.clean_b = self.run_f.copy(), self.run_b.copy()
             self.clean_of, self.clean_ob = self.over_f.copy(), self.over_b.copy()
@@ -239,6 +256,21 @@ class CostEstimates:
             total += self.clean_of[r] + self.clean_ob[r]
             run = self.run_f[a:b].sum() + self.run_b[a:b].sum() + self.over_f[r] + self.over_b[r]
             self.load[r] = float(run / max(total, 1e-12))
+        if changed_now:
+            self.regime = self._name_regime(limit)
+        total, count = self._regime_loads.get(self.regime, (np.zeros_like(self.load), 0))
+        self._regime_loads[self.regime] = (total + self.load, count + 1)
+
+    def _name_regime(self, limit: np.ndarray) -> int:
+        """The regime conditions changed to: an earlier one whose ranks all ran within
+        ``limit`` of how they run now (an interferer gone: the clean conditions again), else
+        a new one."""
+        for rid, (total, count) in self._regime_loads.items():
+            then = total / max(count, 1)
+            if np.all(np.abs(self.load / np.maximum(then, 1e-9) - 1.0) <= limit):
+                return rid
+        self._regimes += 1
+        return self._regimes - 1
 
     def _confirm(
         self,
@@ -260,14 +292,14 @@ class CostEstimates:
         this = self.steps[r][-1:] if len(self.steps[r]) > len(history) + 1 else []
         common = [i for i in range(a, b) if i in snap and self.owner[i] == r]
         if not common:
-            self.regime += 1  # nothing left to compare with: count it as a change
+            self.regime = -1  # nothing left to compare with: count it as a change (named later)
             self.steps[r] = history
             return stay
         before = sum(snap[i][0] + snap[i][1] for i in common) + sf + sb
         now = float(sum(mf[i] + mb[i] for i in common)) + over
         change = now / max(before, 1e-12) - 1.0
         if abs(change) > limit and np.sign(change) == sign:
-            self.regime += 1
+            self.regime = -1  # a change (named once every rank is read)
             self.steps[r] = history + this
             return stay
         for i in common:
@@ -345,6 +377,11 @@ class CostEstimates:
         out["calibrated"] = self.calibrated
         out["steps"] = self.steps
         out["regime"] = self.regime
+        out["regimes"] = self._regimes
+        out["regime_loads"] = {
+            str(k): [_jsonable(t), c] for k, (t, c) in self._regime_loads.items()
+        }
+        out["calibrating"] = self._calibrating
         return out
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -353,6 +390,14 @@ class CostEstimates:
                 self.calibrated = bool(v)
             elif k == "regime":
                 self.regime = int(v)
+            elif k == "regimes":
+                self._regimes = int(v)
+            elif k == "calibrating":
+                self._calibrating = bool(v)
+            elif k == "regime_loads":
+                self._regime_loads = {
+                    int(rid): (np.array(t, float), int(c)) for rid, (t, c) in v.items()
+                }
             elif k == "steps":
                 self.steps = [list(map(float, xs)) for xs in v]
             elif k == "owner":

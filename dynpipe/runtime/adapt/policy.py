@@ -7,10 +7,17 @@ controller simulator drive the same code, and tests inject their own.
 ``Controller`` (``measured``, ``adaptive``, ``restart``) plans from measured per-layer costs
 (``CostEstimates``): the exact planner on the current estimates gives the best split; it is
 taken when its predicted gain is at least ``min_gain`` and pays back the measured pause
-within ``horizon_steps``. A measured step time outranks the model (``PlanMemory``): a plan
-measured clearly faster under the same conditions is moved back to, one measured no better
-is not tried again while conditions hold. Each move is judged on the first trusted window
-after it; a verdict across an onset or an end is logged as such and changes nothing.
+within ``horizon_steps``. The step time is what the model answers to:
+
+- a plan measured clearly faster under the same conditions, recently, is moved back to
+  (``PlanMemory``);
+- each move is judged on the first trusted window after it (``MoveRecord``), beyond what the
+  two windows' noise could make; one measured slower across a change of conditions has the
+  plan it left measured again under the new ones, so an onset neither undoes nor bars it;
+- the model is not acted on before it has predicted one window, nor when its estimates
+  moved and the steps did not follow (launch-bound timers); a move must promise more than
+  the last moves fell short of their promises (a model its timers mislead stops moving
+  layers), until the steps show new conditions.
 
 ``SweepPolicy`` (benchmarks) visits every split in turn so that one launch measures every
 static plan under the same conditions: the oracle the adaptive runs are judged against.
@@ -162,6 +169,7 @@ def predicted_step_ms(
 
 
 _MISSES = 16  # the model's misses remembered for its tracking error
+_SHORTFALLS = 3  # moves whose shortfall against their promise is remembered
 
 
 class Controller:
@@ -204,6 +212,7 @@ class Controller:
         # the model's recent misses (see ``tracking_error``).
         self._seen: tuple[Bounds, float, float] | None = None
         self._misses: list[float] = []
+        self._shortfalls: list[float] = []  # of the last moves (see ``required_gain``)
 
     def describe(self) -> str:
         how = (
@@ -222,30 +231,61 @@ class Controller:
         if self.settle > 0:
             self.settle -= 1
             return None
-        self.est.update(window)
+        # Steps that jump beyond their noise under an unchanged plan are a change of
+        # conditions whatever the timers say (launch-bound timers can hide one in noise).
+        prev = self._seen
+        changed = (
+            prev is not None
+            and prev[0] == window.bounds
+            and abs(np.log(window.median_step_ms / max(prev[2], 1e-9)))
+            > np.log1p(self._step_noise_limit(window))
+        )
+        self.est.update(window, changed=changed)
+        if changed:
+            # Promises broken under the old conditions say little about the model's view of
+            # new ones (its timers may well be sound there).
+            self._shortfalls = []
         slow = tuple(float(x) for x in self.est.load)
         here = window.median_step_ms
         regime = self.est.regime
         self.memory.add(window.bounds, regime, here)
         judged = None
         if self.last is not None and self.last.verdict is None and self.last.pause_ms is not None:
-            self.last.judge(here, slow, regime=regime, tol=self.config.min_gain)
+            noise = window.step_noise
+            self.last.judge(here, slow, regime=regime, tol=self.config.min_gain, after_noise=noise)
             judged = self.last.to_dict()
-        decision = self._decide(window, slow)
+            if self.last.model:
+                # How far the steps fell short of what the model promised (0 if they did
+                # better, or within the two windows' noise), whatever else changed: a
+                # broken promise counts against it.
+                kept = np.log(self.last.after_ms / max(self.last.before_ms, 1e-9))
+                promised = np.log(self.last.predicted_ms / max(self.last.model_before_ms, 1e-9))
+                short = float(kept - promised) - self.last.noise(noise)
+                self._shortfalls = [*self._shortfalls, max(0.0, short)]
+                self._shortfalls = self._shortfalls[-_SHORTFALLS:]
+        decision = self._decide(window, slow, self.last if judged is not None else None)
         decision.judged = judged
         return decision
 
-    def _decide(self, w: Window, slow: tuple[float, ...]) -> Decision:
+    def _decide(
+        self, w: Window, slow: tuple[float, ...], judged: MoveRecord | None = None
+    ) -> Decision:
+        """``judged``: the move this window just judged, if any."""
         cfg = self.config
         costs = self.cost_model(w)
         kw = {"schedule": w.schedule, "microbatches": w.microbatches}
         cur = predicted_step_ms(costs, w.bounds, **kw)
         regime = self.est.regime
-        here = self.memory.measured(w.bounds, regime) or w.median_step_ms
+        # Plans are compared on measurements of the same conditions and of recent windows
+        # (a machine's background load drifts; an old median says little about now).
+        recent = 2 * cfg.average_windows
+        here = self.memory.measured(w.bounds, regime, last=recent) or w.median_step_ms
         pause = self.pause_ms if self.pause_ms is not None else w.median_step_ms
         prev, self._seen = self._seen, (w.bounds, cur, w.median_step_ms)
 
-        def verdict(reason: str, proposed: float = cur, bounds: Bounds | None = None) -> Decision:
+        def verdict(
+            reason: str, proposed: float = cur, bounds: Bounds | None = None, model: bool = False
+        ) -> Decision:
             nbytes = (
                 0 if bounds is None else moved_bytes(self._state_bytes, w.bounds, bounds, w.ranks)
             )
@@ -259,10 +299,12 @@ class Controller:
                     dst=bounds,
                     reason=reason,
                     before_ms=w.median_step_ms,
+                    before_noise=w.step_noise,
                     model_before_ms=cur,
                     predicted_ms=proposed,
                     slowdown=slow,
                     regime=regime,
+                    model=model,
                 )
             return Decision(
                 step=w.step + 1,
@@ -278,7 +320,25 @@ class Controller:
             )
 
         # A plan measured clearly faster under these conditions: go back to it.
-        best = self.memory.best(regime)
+        # A move measured slower across a change of conditions says nothing about the move:
+        # the plan it left is measured again under the new conditions (an A/B of the two
+        # plans in one regime), so neither an onset nor timers that fake one can leave the
+        # run on a worse plan.
+        last = judged
+        if (
+            last is not None
+            and last.verdict == "conditions changed"
+            and last.after_ms is not None
+            and last.after_ms > last.before_ms * (1 + cfg.min_gain)
+            and last.dst == w.bounds
+            and self.memory.measured(last.src, regime, last=recent) is None
+        ):
+            return verdict(
+                f"{_split(last.src)} measured again: the move from it measured slower "
+                "across a change of conditions",
+                bounds=last.src,
+            )
+        best = self.memory.best(regime, last=recent)
         if (
             best is not None
             and best[0] != w.bounds
@@ -323,14 +383,9 @@ class Controller:
                 f"{cfg.horizon_steps} steps",
                 res.step_ms,
             )
-        known = self.memory.measured(bounds, regime)
-        if known is not None and known >= here * (1 - cfg.min_gain):
-            return verdict(
-                f"{_split(bounds)} measured {known:.2f} ms/step under these conditions, "
-                f"no better than {here:.2f} now",
-                res.step_ms,
-            )
-        return verdict(f"predicted {cur:.2f} -> {res.step_ms:.2f} ms/step", res.step_ms, bounds)
+        return verdict(
+            f"predicted {cur:.2f} -> {res.step_ms:.2f} ms/step", res.step_ms, bounds, model=True
+        )
 
     def tracking_error(self) -> float:
         """Relative standard deviation of the model's misses: how far, window to window,
@@ -340,6 +395,16 @@ class Controller:
             return 0.0
         x = np.asarray(self._misses)
         return float(np.expm1(1.4826 * np.median(np.abs(x - np.median(x)))))
+
+    def _step_noise_limit(self, w: Window) -> float:
+        """A change of the window's median step that is more than noise: ``jump``, or three
+        standard errors of the median (from the spread of the window's steps), or twice the
+        model's tracking error (steps that swing on their own), whichever is most."""
+        k = len(w.step_ms)
+        med = float(np.median(w.step_ms))
+        mad = float(np.median(np.abs(w.step_ms - med)))
+        steps = 3.0 * 1.25 * 1.4826 * mad / max(med, 1e-9) / np.sqrt(k)
+        return max(self.config.jump, steps, 2.0 * self.tracking_error())
 
     def _tolerance(self, w: Window) -> float:
         """How far model and steps may disagree in one window: ``jump``, three tracking
@@ -352,9 +417,12 @@ class Controller:
         return max(self.config.jump, 3.0 * self.tracking_error(), steps)
 
     def required_gain(self) -> float:
-        """The relative gain a model-proposed move needs: ``min_gain``, or twice the model's
-        measured tracking error, if that is more."""
-        return max(self.config.min_gain, 2.0 * self.tracking_error())
+        """The relative gain a model-proposed move needs: ``min_gain``, twice the model's
+        measured tracking error, or what the last moves fell short of their promise by on
+        average, whichever is most: where timers mislead the model (a launch-bound GPU), its
+        promises are measured to be empty and it stops moving layers."""
+        short = float(np.expm1(np.mean(self._shortfalls))) if self._shortfalls else 0.0
+        return max(self.config.min_gain, short)
 
     @property
     def _state_bytes(self) -> np.ndarray:
@@ -406,6 +474,7 @@ class Controller:
             "memory": self.memory.state(),
             "pause_ms": self.pause_ms,
             "misses": self._misses,
+            "shortfalls": self._shortfalls,
             "pending": None if self.pending is None else self.pending.to_dict(),
             "last": None if self.last is None else self.last.to_dict(),
         }
@@ -417,6 +486,7 @@ class Controller:
         self.memory.load_state(state.get("memory", []))
         self.pause_ms = state.get("pause_ms")
         self._misses = [float(x) for x in state.get("misses", [])]
+        self._shortfalls = [float(x) for x in state.get("shortfalls", [])]
         self.pending = MoveRecord.from_dict(state["pending"]) if state.get("pending") else None
         self.last = MoveRecord.from_dict(state["last"]) if state.get("last") else None
 

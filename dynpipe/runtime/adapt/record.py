@@ -1,11 +1,10 @@
 """What the run has measured of its own plans and moves (plain data).
 
-``PlanMemory`` keeps the measured step time of every plan the run has held since conditions
-last changed (a device's reading moving beyond its noise: ``CostEstimates.regime``). A
-measured step time outranks the speed model: a plan measured slower than the current one
-under the same conditions is not moved to again, and one measured clearly faster is moved
-back to. This one rule replaces the undo, the ban on refuted moves and the probes a
-stage-time model needed.
+``PlanMemory`` keeps the measured step time of every plan the run has held, with the regime
+of conditions it ran under (``CostEstimates.regime``). A measured step time outranks the
+speed model: a plan measured clearly faster under the same conditions is moved back to. This
+one rule, with the verdict on each move, replaces the undo, the ban on refuted moves and the
+probes a stage-time model needed.
 
 ``MoveRecord`` is one move from decision to verdict, owned by the policy that decided it:
 the loop that applies the move only fills in what the move cost.
@@ -36,16 +35,24 @@ class PlanMemory:
         self.entries.append((_key(bounds), int(regime), float(step_ms)))
         self.entries = self.entries[-self.keep :]
 
-    def measured(self, bounds: Bounds, regime: int) -> float | None:
-        """Median step time of ``bounds`` over its windows in ``regime``."""
+    def _pick(self, regime: int | None, last: int | None) -> list[tuple[Bounds, int, float]]:
+        entries = self.entries[-last:] if last else self.entries
+        return [e for e in entries if regime is None or e[1] == regime]
+
+    def measured(
+        self, bounds: Bounds, regime: int | None, *, last: int | None = None
+    ) -> float | None:
+        """Median step time of ``bounds`` over its windows in ``regime`` (None: any), among
+        the ``last`` windows recorded (None: all)."""
         key = _key(bounds)
-        ms = [t for b, g, t in self.entries if b == key and g == regime]
+        ms = [t for b, _, t in self._pick(regime, last) if b == key]
         return float(np.median(ms)) if ms else None
 
-    def best(self, regime: int) -> tuple[Bounds, float] | None:
-        """The plan measured fastest in ``regime``, and its step time."""
-        plans = {b for b, g, _ in self.entries if g == regime}
-        scored = [(b, self.measured(b, regime)) for b in plans]
+    def best(self, regime: int | None, *, last: int | None = None) -> tuple[Bounds, float] | None:
+        """The plan measured fastest in ``regime`` (None: any) among the ``last`` windows
+        recorded, and its step time."""
+        plans = {b for b, _, _ in self._pick(regime, last)}
+        scored = [(b, self.measured(b, regime, last=last)) for b in plans]
         scored = [(b, t) for b, t in scored if t is not None]
         return min(scored, key=lambda x: x[1]) if scored else None
 
@@ -67,7 +74,9 @@ class MoveRecord:
     step: the first step under the new plan. before_ms: median step of the window that
     decided it; predicted_ms: the speed model's step time under the new plan (on the same
     scale as its prediction for the old one, ``model_before_ms``). slowdown: per-device
-    slowdowns when decided; regime: the conditions' regime then. verdict: ``faster`` /
+    slowdowns when decided; regime: the conditions' regime then; model: proposed by the speed
+    model (False: chosen by measured step times alone); before_noise: the relative standard
+    error of ``before_ms`` (``Window.step_noise``). verdict: ``faster`` /
     ``no better`` / ``slower`` when the window after it ran in the same regime, else
     ``conditions changed`` (an onset or an end between the two windows says nothing about
     the move).
@@ -82,15 +91,33 @@ class MoveRecord:
     predicted_ms: float
     slowdown: tuple[float, ...]
     regime: int = 0
+    model: bool = True
+    before_noise: float = 0.0
     pause_ms: float | None = None
     moved_bytes: int | None = None
     after_ms: float | None = None
     after_slowdown: tuple[float, ...] | None = None
     verdict: str | None = None
 
-    def judge(self, after_ms: float, slow: Sequence[float], *, regime: int, tol: float) -> str:
-        """Record the first trusted window after the move and return the verdict."""
+    def noise(self, after_noise: float) -> float:
+        """How much of a before/after difference two windows' noise could make (relative:
+        three standard errors of their difference)."""
+        return 3.0 * float(np.hypot(self.before_noise, after_noise))
+
+    def judge(
+        self,
+        after_ms: float,
+        slow: Sequence[float],
+        *,
+        regime: int,
+        tol: float,
+        after_noise: float = 0.0,
+    ) -> str:
+        """Record the first trusted window after the move and return the verdict. A
+        difference counts only beyond ``tol`` and beyond what the two windows' noise could
+        make (``after_noise``: the after window's ``Window.step_noise``)."""
         self.after_ms, self.after_slowdown = float(after_ms), tuple(float(x) for x in slow)
+        tol = max(tol, self.noise(after_noise))
         if regime != self.regime:
             self.verdict = "conditions changed"
         elif after_ms > self.before_ms * (1 + tol):

@@ -558,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=240)
     ap.add_argument("--modes", nargs="+", default=["measured", "adaptive"])
-    ap.add_argument("--predictor", default="predictor/h200.joblib")
+    ap.add_argument("--predictor", default="predictor/h200.json.gz")
     ap.add_argument("--profiles", nargs="+", default=list(DEFAULT_PROFILES))
     ap.add_argument("--logs", default=DEFAULT_LOGS)
     ap.add_argument("-o", "--out", default=None, help="write the summary JSON here")

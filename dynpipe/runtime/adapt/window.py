@@ -88,6 +88,17 @@ class Window:
     def median_step_ms(self) -> float:
         return float(np.median(self.step_ms))
 
+    @property
+    def step_noise(self) -> float:
+        """Relative standard error of ``median_step_ms``, from the spread of the window's
+        steps (about 1.25 x their robust spread over the root of their count)."""
+        k = len(self.step_ms)
+        if k < 2:
+            return 0.0
+        med = float(np.median(self.step_ms))
+        mad = float(np.median(np.abs(self.step_ms - med)))
+        return 1.25 * 1.4826 * mad / max(med, 1e-9) / float(np.sqrt(k))
+
     def stage_medians(self) -> tuple[np.ndarray, np.ndarray]:
         """Per stage, the median forward and backward compute per step: medians, not means,
         so one step stalled by something else on the machine does not look like a slowed

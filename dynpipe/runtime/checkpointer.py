@@ -1,0 +1,317 @@
+"""Writing checkpoints: each save a fresh folder, published atomically, in the background.
+
+``Checkpointer.save`` copies this rank's state (``dcp.async_save`` stages it to CPU memory)
+and returns; a thread then waits for every rank's files, hashes this rank's share of them,
+and rank 0 publishes the folder: rename from its hidden temporary name, then the marker
+``dynpipe.json`` last (see ``dynpipe.runtime.checkpoint`` for the format and the reading
+side). The saves use a gloo group of their own, so their messages never interleave with the
+training's on the default group, on CPU or beside NCCL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from dynpipe.errors import UserError
+from dynpipe.runtime.checkpoint import (
+    FORMAT,
+    FORMAT_VERSION,
+    META_FILE,
+    ONE_PROCESS_WARNING,
+    TMP_PREFIX,
+    CheckpointError,
+    file_sha256,
+    list_checkpoints,
+)
+
+__all__ = ["Checkpointer", "SaveRecord", "save_checkpoint"]
+
+
+def _distributed(group: Any) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+@dataclass
+class SaveRecord:
+    """A finished save, for the run log: where, which step, and what it cost."""
+
+    path: Path
+    step: int
+    save_id: str
+    stall_ms: float  # the training thread was blocked this long
+    write_ms: float  # from the call to publication (overlaps training when async)
+    bytes: int
+    marker_sha256: str
+
+
+class Checkpointer:
+    """Saves of one run into fresh folders of ``directory``, at most one in flight.
+
+    Collective: every rank constructs it at the same point (it creates a gloo group for the
+    saves when a process group exists) and calls ``save`` at the same steps.
+
+    ``keep``: published checkpoints kept in ``directory`` (older ones are deleted after each
+    publication; the newest ``keep`` always stay). ``run_id``: recorded in every marker so a
+    relaunch finds the checkpoints of its own run. ``async_save``: write in the background
+    (the default); ``False`` writes before ``save`` returns.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        rank: int = 0,
+        keep: int = 3,
+        run_id: str | None = None,
+        timeout_s: float = 120.0,
+        async_save: bool = True,
+    ) -> None:
+        if keep < 1:
+            raise UserError(f"--keep-checkpoints must be >= 1, got {keep}")
+        self.directory = Path(directory)
+        self.rank = rank
+        self.keep = keep
+        self.run_id = run_id
+        self.async_save = async_save
+        self.group = None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # The saves' own gloo group: its collectives run in a background thread and must
+            # never interleave with the training's P2P messages on the default group.
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._done: list[SaveRecord] = []
+        self._pending: dict[str, Any] | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def save(
+        self,
+        *,
+        step: int,
+        model_state: dict[str, torch.Tensor],
+        optim_state: dict[str, torch.Tensor],
+        meta: dict[str, Any],
+        block: bool = False,
+    ) -> Path:
+        """Start saving this rank's state for ``step``; returns the folder it will publish.
+
+        The state is copied before this returns, so training may change it at once.
+        """
+        t0 = time.perf_counter()
+        self._join()
+        sid = self._agree_save_id()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = self.directory / f"{TMP_PREFIX}{step:08d}-{sid}"
+        final = self.directory / f"ckpt-{step:08d}-{sid}"
+        sd = {
+            "model": {k: v.detach() for k, v in model_state.items()},
+            "optim": {k: v.detach() for k, v in optim_state.items()},
+            "rng": {f"rank{self.rank}": torch.get_rng_state()},
+        }
+        no_dist = not _distributed(self.group)
+        future = index = None
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=ONE_PROCESS_WARNING)
+            if self.async_save and not block:
+                future = dcp.async_save(
+                    sd, checkpoint_id=str(tmp), process_group=self.group, no_dist=no_dist
+                )
+            else:
+                index = dcp.save(
+                    sd, checkpoint_id=str(tmp), process_group=self.group, no_dist=no_dist
+                )
+        stall_ms = (time.perf_counter() - t0) * 1e3
+        job = {
+            "future": future,
+            "tmp": tmp,
+            "final": final,
+            "step": step,
+            "sid": sid,
+            "meta": meta,
+            "t0": t0,
+            "stall_ms": stall_ms,
+            "index": index,
+        }
+        if future is None:
+            self._finish(job)
+        else:
+            self._thread = threading.Thread(
+                target=self._run, args=(job,), name="dynpipe-checkpoint", daemon=True
+            )
+            self._thread.start()
+        if block:
+            self._join()
+        return final
+
+    def wait(self) -> list[SaveRecord]:
+        """Finish the save in flight (re-raising its error); the saves published since the
+        last ``wait`` or ``drain``."""
+        self._join()
+        return self.drain()
+
+    def drain(self) -> list[SaveRecord]:
+        """The saves published since the last ``wait`` or ``drain`` (never blocks)."""
+        if self._thread is not None and not self._thread.is_alive():
+            self._join()
+        out, self._done = self._done, []
+        return out
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise CheckpointError(f"rank {self.rank}: saving a checkpoint failed: {err}") from err
+
+    def _run(self, job: dict[str, Any]) -> None:
+        try:
+            self._finish(job)
+        except BaseException as exc:  # surfaced to the training thread by wait()
+            self._error = exc
+
+    def _agree_save_id(self) -> str:
+        sid = [uuid.uuid4().hex[:12]]
+        if _distributed(self.group):
+            dist.broadcast_object_list(sid, src=0, group=self.group)
+        return sid[0]
+
+    def _finish(self, job: dict[str, Any]) -> None:
+        """Hash this rank's share of the files, then rank 0 publishes the folder."""
+        if job["future"] is not None:
+            fut = job["future"]
+            index = fut.result() if hasattr(fut, "result") else fut.upload_completion.result()
+        else:
+            index = job["index"]
+        names = sorted({si.relative_path for si in index.storage_data.values()} | {".metadata"})
+        world = dist.get_world_size(self.group) if _distributed(self.group) else 1
+        me = dist.get_rank(self.group) if _distributed(self.group) else 0
+        mine = {
+            n: {"size": (job["tmp"] / n).stat().st_size, "sha256": file_sha256(job["tmp"] / n)}
+            for i, n in enumerate(names)
+            if i % world == me
+        }
+        parts: list[dict | None] = [mine]
+        if world > 1:
+            parts = [None] * world if me == 0 else None  # type: ignore[assignment]
+            dist.gather_object(
+                mine, parts, dst=dist.get_global_rank(self.group, 0), group=self.group
+            )
+        record = None
+        if me == 0:
+            files: dict[str, Any] = {}
+            for p in parts or []:
+                files.update(p or {})
+            record = self._publish(job, files)
+        if world > 1:
+            dist.barrier(group=self.group)
+        if record is None:
+            # Published by rank 0 before the barrier: the run log's writer may be any rank.
+            text = (job["final"] / META_FILE).read_bytes()
+            record = SaveRecord(
+                path=job["final"],
+                step=job["step"],
+                save_id=job["sid"],
+                stall_ms=job["stall_ms"],
+                write_ms=(time.perf_counter() - job["t0"]) * 1e3,
+                bytes=sum(int(f["size"]) for f in json.loads(text)["files"].values()),
+                marker_sha256=hashlib.sha256(text).hexdigest(),
+            )
+        self._done.append(record)
+
+    def _publish(self, job: dict[str, Any], files: dict[str, Any]) -> SaveRecord:
+        done, _ = list_checkpoints(self.directory)
+        seq = 1 + max((i.seq for i in done), default=0)
+        marker = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "save_id": job["sid"],
+            "seq": seq,
+            "step": job["step"],
+            "run_id": self.run_id,
+            "published": time.time(),
+            "files": files,
+            "meta": job["meta"],
+        }
+        os.replace(job["tmp"], job["final"])
+        text = (json.dumps(marker, indent=1, default=str) + "\n").encode()
+        tmp_marker = job["final"] / (META_FILE + ".tmp")
+        with tmp_marker.open("wb") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp_marker, job["final"] / META_FILE)
+        _fsync_dir(job["final"])
+        _fsync_dir(self.directory)
+        self._prune(keep_path=job["final"])
+        return SaveRecord(
+            path=job["final"],
+            step=job["step"],
+            save_id=job["sid"],
+            stall_ms=job["stall_ms"],
+            write_ms=(time.perf_counter() - job["t0"]) * 1e3,
+            bytes=sum(int(f["size"]) for f in files.values()),
+            marker_sha256=hashlib.sha256(text).hexdigest(),
+        )
+
+    def _prune(self, *, keep_path: Path) -> None:
+        """Drop published checkpoints beyond the newest ``keep``, and leftovers of saves that
+        never finished (one job writes into a save folder at a time)."""
+        done, skipped = list_checkpoints(self.directory)
+        for info in done[: max(0, len(done) - self.keep)]:
+            if info.path != keep_path:
+                shutil.rmtree(info.path, ignore_errors=True)
+        for path, _ in skipped:
+            if not (path / META_FILE).exists():
+                shutil.rmtree(path, ignore_errors=True)
+        for tmp in self.directory.glob(f"{TMP_PREFIX}*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    directory: str | Path,
+    *,
+    model_state: dict[str, torch.Tensor],
+    optim_state: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    rank: int = 0,
+    keep: int = 3,
+) -> Path:
+    """Write and publish one checkpoint into ``directory`` before returning (collective when
+    a process group exists); returns its folder."""
+    ckpt = Checkpointer(directory, rank=rank, keep=keep, async_save=False)
+    step = int(meta.get("step", 0))
+    return ckpt.save(
+        step=step, model_state=model_state, optim_state=optim_state, meta=meta, block=True
+    )
