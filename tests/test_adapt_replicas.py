@@ -190,3 +190,26 @@ def test_policy_state_round_trips() -> None:
     again.load_state(policy.state())
     assert again.memory.entries == policy.memory.entries
     assert np.allclose(again.est[1].run_f, policy.est[1].run_f)
+
+
+def test_a_move_that_falls_short_of_its_promise_raises_the_gain_the_next_needs() -> None:
+    policy = ReplicaPolicy(
+        base=BASE, config=AdaptConfig(mode="measured", settle_windows=0), num_stages=2, dp=2
+    )
+    # Clean devices, uneven shares: the model proposes even shares once it has seen this
+    # configuration for a window (conditions do not change in between).
+    cfg = ReplicaConfig(bounds=((0, L // 2), (L // 2, L)), shares=(6, 2))
+    clean = [[1, 1], [1, 1]]
+    first = policy.observe(_window(4, cfg, clean, schedule="gpipe"))
+    before = _window(9, cfg, clean, schedule="gpipe")
+    d = policy.observe(before)
+    assert not first.repartition and d.repartition and d.shares == (4, 4)
+    assert policy.required_gain() == pytest.approx(0.05)
+    policy.applied(step=10, pause_ms=1.0, moved_bytes=0)
+    moved = ReplicaConfig(bounds=d.bounds, shares=d.shares, dropped=d.dropped)
+    # The steps did not get faster at all: the promised gain was not there.
+    after = _window(14, moved, clean, schedule="gpipe")
+    policy.observe(dataclasses.replace(after, step_ms=before.step_ms))
+    promised = d.proposed_ms / d.current_ms
+    assert policy.required_gain() == pytest.approx(1 / promised - 1, rel=1e-6)
+    assert policy.required_gain() > 0.2

@@ -25,12 +25,13 @@ It considers three kinds of move:
   re-measure them, and goes again only if they are still slow.
 
 The rule is the ``Controller``'s: a move is taken when its predicted gain is at least
-``min_gain`` (or twice the model's measured tracking error, if more) and pays back the
-measured pause within ``horizon_steps``; a measured step time outranks the model (a
-configuration measured clearly faster under the same conditions is moved back to, one
-measured no better is not tried again while they hold); and the model is acted on only as
-far as it has tracked the measured steps: not before it has predicted a window of the
-configuration in force, and not when its estimate moved and the job's steps did not.
+``min_gain`` (or what the model's last moves fell short of their promise by, if more) and
+pays back the measured pause within ``horizon_steps``; a measured step time outranks the
+model (a configuration measured clearly faster under the same conditions, in recent
+windows, is moved back to; one measured no better is not tried again while they hold); and
+the model is acted on only as far as it has tracked the measured steps: not before it has
+predicted a window of the configuration in force, and not when its estimate moved and the
+job's steps did not.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from dynpipe.runtime.adapt.window import Window
 __all__ = ["ReplicaConfig", "ReplicaPolicy", "best_shares"]
 
 _MISSES = 16  # the model's misses remembered for its tracking error
+_SHORTFALLS = 4  # the last model-proposed moves whose shortfall raises the gain needed
 
 
 @dataclass(frozen=True)
@@ -112,13 +114,16 @@ class _Memory:
     def add(self, cfg: ReplicaConfig, regime: int, ms: float) -> None:
         self.entries = [*self.entries, (cfg, regime, float(ms))][-self.keep :]
 
-    def measured(self, cfg: ReplicaConfig, regime: int) -> float | None:
-        ms = [t for c, g, t in self.entries if c == cfg and g == regime]
+    def measured(self, cfg: ReplicaConfig, regime: int, *, last: int = 0) -> float | None:
+        """Median over ``cfg``'s windows in ``regime`` (among the ``last`` entries; 0: all)."""
+        pool = self.entries[-last:] if last else self.entries
+        ms = [t for c, g, t in pool if c == cfg and g == regime]
         return float(np.median(ms)) if ms else None
 
-    def best(self, regime: int) -> tuple[ReplicaConfig, float] | None:
-        cfgs = {c for c, g, _ in self.entries if g == regime}
-        scored = [(c, self.measured(c, regime)) for c in cfgs]
+    def best(self, regime: int, *, last: int = 0) -> tuple[ReplicaConfig, float] | None:
+        pool = self.entries[-last:] if last else self.entries
+        cfgs = {c for c, g, _ in pool if g == regime}
+        scored = [(c, self.measured(c, regime, last=last)) for c in cfgs]
         scored = [(c, t) for c, t in scored if t is not None]
         return min(scored, key=lambda x: (x[1], repr(x[0]))) if scored else None
 
@@ -165,6 +170,11 @@ class ReplicaPolicy:
         # model's recent misses (``tracking_error``), as the Controller keeps them.
         self._seen: tuple[ReplicaConfig, float, float] | None = None
         self._misses: list[float] = []
+        # A model-proposed move waiting for its verdict: (regime, promised ratio of the
+        # time per batch after to before, before); and how far recent moves fell short.
+        self._promise: tuple[int, float, float] | None = None
+        self._pending: tuple[int, float, float] | None = None
+        self._shortfalls: list[float] = []
         self._left_out = 0  # steps a replica's share has been left out (partial reduce)
         self._hold = 0  # windows to wait after bringing a left-out replica back
 
@@ -207,7 +217,22 @@ class ReplicaPolicy:
         )
         here = window.median_step_ms / cur.counted_fraction
         self.memory.add(cur, self.regime, here)
+        self._judge(here)
         return self._decide(window, cur, here)
+
+    def _judge(self, here: float) -> None:
+        """The first trusted window after a model-proposed move: what it achieved against
+        what it promised. A change of conditions in between says nothing about the move and
+        clears what earlier moves fell short by (as the ``Controller`` does)."""
+        promise, self._promise = self._promise, None
+        if promise is None:
+            return
+        regime, ratio, before = promise
+        if regime != self.regime:
+            self._shortfalls = []
+            return
+        short = max(0.0, float(np.log(here / max(before, 1e-9)) - np.log(max(ratio, 1e-9))))
+        self._shortfalls = [*self._shortfalls, short][-_SHORTFALLS:]
 
     def _decide(self, w: Window, cur: ReplicaConfig, here: float) -> Decision:
         cfg = self.config
@@ -218,7 +243,14 @@ class ReplicaPolicy:
         prev, self._seen = self._seen, (cur, model_now, w.median_step_ms)
         regime = self.regime
 
-        def verdict(reason: str, proposed: float = model_now, to: ReplicaConfig | None = None):
+        def verdict(
+            reason: str,
+            proposed: float = model_now,
+            to: ReplicaConfig | None = None,
+            promise: float | None = None,
+        ):
+            """``promise``: a model-proposed move's predicted ratio of the time per batch
+            after it to before it (judged on the next trusted window)."""
             nbytes = 0
             if to is not None and to.bounds != cur.bounds:
                 ranks = tuple(range(self.num_stages))
@@ -226,6 +258,7 @@ class ReplicaPolicy:
             if to is not None:
                 # The next window checks the model's promise against the steps.
                 self._seen = (to, model_now, w.median_step_ms)
+                self._pending = None if promise is None else (regime, promise, here)
             return Decision(
                 step=w.step + 1,
                 mode=self.mode_used,
@@ -255,7 +288,10 @@ class ReplicaPolicy:
                 "steps: their share back to re-measure their devices",
                 to=back,
             )
-        best = self.memory.best(regime)
+        # Configurations are compared on measurements of the same conditions and of recent
+        # windows (a machine's background load drifts).
+        recent = 2 * cfg.average_windows
+        best = self.memory.best(regime, last=recent)
         if (
             best is not None
             and best[0] != cur
@@ -296,7 +332,7 @@ class ReplicaPolicy:
                 f"{cfg.horizon_steps} steps",
                 ms,
             )
-        known = self.memory.measured(pick, regime)
+        known = self.memory.measured(pick, regime, last=recent)
         if known is not None and known >= here * (1 - cfg.min_gain):
             return verdict(
                 f"{pick!r} measured {known:.2f} ms per batch under these conditions, no "
@@ -305,7 +341,10 @@ class ReplicaPolicy:
             )
         what = "partial reduce: " if pick.dropped else ""
         return verdict(
-            f"{what}predicted {now:.2f} -> {ms:.2f} ms per batch with {pick!r}", ms, pick
+            f"{what}predicted {now:.2f} -> {ms:.2f} ms per batch with {pick!r}",
+            ms * pick.counted_fraction,
+            pick,
+            promise=ms / max(now, 1e-9),
         )
 
     def tracking_error(self) -> float:
@@ -317,7 +356,10 @@ class ReplicaPolicy:
         return float(np.expm1(1.4826 * np.median(np.abs(x - np.median(x)))))
 
     def required_gain(self) -> float:
-        return max(self.config.min_gain, 2.0 * self.tracking_error())
+        """``min_gain``, or what the last model-proposed moves fell short of their promise
+        by on average, whichever is more (the ``Controller``'s rule)."""
+        short = float(np.expm1(np.mean(self._shortfalls))) if self._shortfalls else 0.0
+        return max(self.config.min_gain, short)
 
     def _tolerance(self, w: Window) -> float:
         k = len(w.step_ms)
@@ -421,6 +463,7 @@ class ReplicaPolicy:
     # ---- after a move ----------------------------------------------------------------------
     def applied(self, *, step: int, pause_ms: float, moved_bytes: int) -> None:
         del step, moved_bytes
+        self._promise, self._pending = self._pending, None
         self.settle = self.config.settle_windows
         p = float(pause_ms)
         self.pause_ms = p if self.pause_ms is None else 0.5 * (self.pause_ms + p)
@@ -435,6 +478,7 @@ class ReplicaPolicy:
             ],
             "pause_ms": self.pause_ms,
             "misses": self._misses,
+            "shortfalls": self._shortfalls,
             "left_out": self._left_out,
         }
 
@@ -458,3 +502,4 @@ class ReplicaPolicy:
         self.pause_ms = state.get("pause_ms")
         self._misses = [float(x) for x in state.get("misses", [])]
         self._left_out = int(state.get("left_out", 0))
+        self._shortfalls = [float(x) for x in state.get("shortfalls", [])]
