@@ -213,3 +213,32 @@ def test_a_move_that_falls_short_of_its_promise_raises_the_gain_the_next_needs()
     promised = d.proposed_ms / d.current_ms
     assert policy.required_gain() == pytest.approx(1 / promised - 1, rel=1e-6)
     assert policy.required_gain() > 0.2
+
+
+def test_layer_moves_stay_within_every_replicas_free_memory() -> None:
+    from dynpipe.planner.evaluate import stage_costs
+
+    half = ((0, L // 2), (L // 2, L))
+    need = stage_costs(BASE, half, schedule="gpipe", microbatches=4).mem_bytes[0]
+    policy = ReplicaPolicy(
+        base=BASE, config=AdaptConfig(mode="measured", settle_windows=0), num_stages=2, dp=2
+    )
+    cfg = ReplicaConfig(bounds=half, shares=(4, 4))
+    moves = []
+    for w in range(8):
+        slow = [[1, 2.0 if w >= 3 else 1]] * 2
+        win = _window(4 + 5 * w, cfg, slow, schedule="gpipe")
+        # Replica 1's first device has room for no more than the layers it holds.
+        mem = [np.array([np.inf, np.inf]), np.array([need * 1.01, np.inf])]
+        subs = tuple(
+            dataclasses.replace(s, memory_bytes=m) for s, m in zip(win.replicas, mem, strict=True)
+        )
+        d = policy.observe(dataclasses.replace(win, replicas=subs))
+        if d.repartition:
+            moves.append(d)
+            cfg = ReplicaConfig(bounds=d.bounds, shares=d.shares, dropped=d.dropped)
+            policy.applied(step=5 + 5 * w, pause_ms=1.0, moved_bytes=0)
+    assert all(d.bounds[0][1] <= L // 2 for d in moves), [d.bounds for d in moves]
+    # Without the limit the same slowdown moves layers onto the first stage.
+    _, free = _run(lambda w: [[1, 2.0 if w >= 3 else 1]] * 2, windows=8)
+    assert any(d.bounds[0][1] > L // 2 for _, d in free)

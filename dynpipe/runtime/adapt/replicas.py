@@ -314,7 +314,7 @@ class ReplicaPolicy:
             return verdict(
                 f"estimates moved {model - 1:+.0%} but steps {steps - 1:+.0%}: not acted on"
             )
-        options = self._candidates(costs, cur, w.schedule)
+        options = self._candidates(costs, cur, w.schedule, memory=self._memory(w))
         scored = [(self._predict(costs, c, w.schedule) / c.counted_fraction, c) for c in options]
         now = model_now / cur.counted_fraction
         ms, pick = min(scored, key=lambda x: (x[0], x[1] != cur, repr(x[1])))
@@ -401,8 +401,22 @@ class ReplicaPolicy:
         shares, _ = best_shares(step, total=total, low=self._low(schedule))
         return ReplicaConfig(bounds=bounds, shares=shares)
 
+    def _memory(self, w: Window) -> list[float] | None:
+        """Per stage, the least memory its device has free in any replica (every replica's
+        copy of a stage must fit), or None where nothing is known (CPU)."""
+        subs = [sub.memory_bytes for sub in w.replicas or () if sub.memory_bytes is not None]
+        if not subs or not any(np.isfinite(m).any() for m in subs):
+            return None
+        arr = np.asarray(subs, dtype=float)
+        return np.min(np.where(np.isfinite(arr), arr, np.inf), axis=0).tolist()
+
     def _candidates(
-        self, costs: list[CostModel], cur: ReplicaConfig, schedule: str
+        self,
+        costs: list[CostModel],
+        cur: ReplicaConfig,
+        schedule: str,
+        *,
+        memory: list[float] | None = None,
     ) -> list[ReplicaConfig]:
         total = sum(cur.shares)
         splits: list[Bounds] = [cur.bounds]
@@ -416,7 +430,11 @@ class ReplicaPolicy:
         mean = total // self.dp
         for cm in [*costs, worst]:
             res = plan_partition(
-                cm, num_stages=self.num_stages, schedule=schedule, microbatches=mean
+                cm,
+                num_stages=self.num_stages,
+                schedule=schedule,
+                microbatches=mean,
+                memory_bytes=memory,
             )
             b = tuple((int(x), int(y)) for x, y in res.bounds)
             if b not in splits:
