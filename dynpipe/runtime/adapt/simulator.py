@@ -38,7 +38,8 @@ from dynpipe.planner.costs import CostModel
 from dynpipe.planner.dp import plan_partition
 from dynpipe.planner.simulate import step_times
 from dynpipe.runtime.adapt.config import AdaptConfig
-from dynpipe.runtime.adapt.policy import Policy, moved_bytes
+from dynpipe.runtime.adapt.policy import Decision, Policy, moved_bytes
+from dynpipe.runtime.adapt.record import Bounds
 from dynpipe.runtime.adapt.window import Window
 
 __all__ = [
@@ -463,6 +464,57 @@ def _window(sc, w, truth, bounds, ranks, win, step, rng) -> Window:
 PolicyFactory = Callable[[Workload, Scenario, str], Policy]
 
 
+class _Clairvoyant:
+    """The reaction floor (mode ``clairvoyant``): knows every phase's true mean costs and
+    moves to its best split at the first window end inside it, paying the same pauses."""
+
+    mode_used = "clairvoyant"
+
+    def __init__(self, sc: Scenario, w: Workload, truth: _Truth) -> None:
+        self.sc, self.w, self.truth = sc, w, truth
+        self.best: dict[tuple[int, int], Bounds] = {}
+
+    def observe(self, window: Window) -> Decision:
+        a, b = next(p for p in _phases(self.sc) if p[0] <= window.step < p[1])
+        if (a, b) not in self.best:
+            over = self.truth.overhead[:, a:b].mean(axis=1)
+            cm = dataclasses.replace(
+                self.w.base.for_devices(self.sc.stages),
+                fwd_ms=self.truth.fwd[:, a:b].mean(axis=1),
+                bwd_ms=self.truth.bwd[:, a:b].mean(axis=1),
+                stage_fwd_ms=over,
+                stage_bwd_ms=over,
+            )
+            res = plan_partition(cm, num_stages=self.sc.stages, microbatches=self.sc.microbatches)
+            self.best[(a, b)] = tuple((int(x), int(y)) for x, y in res.bounds)
+        best = self.best[(a, b)]
+        move = best != window.bounds
+        return Decision(
+            step=window.step + 1,
+            mode=self.mode_used,
+            slowdown=(),
+            current_ms=0.0,
+            proposed_ms=0.0,
+            pause_ms=0.0,
+            moved_bytes=0,
+            repartition=move,
+            reason="the phase's best split",
+            bounds=best if move else None,
+        )
+
+    def applied(self, *, step: int, pause_ms: float, moved_bytes: int) -> None:
+        del step, pause_ms, moved_bytes
+
+    def describe(self) -> str:
+        return "clairvoyant: every phase's true best split at its first window end"
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        del state
+
+
 def default_factory(predictor: str | None = None, **overrides: Any) -> PolicyFactory:
     """Controllers as the runtime builds them, with ``AdaptConfig`` ``overrides``; the
     ``adaptive`` mode loads ``predictor`` (prepared once per workload)."""
@@ -514,7 +566,7 @@ def simulate(
         static, _ = _run(sc, w, truth, None, every=monitor_every, rng=np.random.default_rng(0))
         ms, moves = {}, {}
         for mode in modes:
-            policy = factory(w, sc, mode)
+            policy = _Clairvoyant(sc, w, truth) if mode == "clairvoyant" else factory(w, sc, mode)
             t, k = _run(
                 sc, w, truth, policy, every=monitor_every, rng=np.random.default_rng(sc.seed)
             )
@@ -578,7 +630,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=240)
-    ap.add_argument("--modes", nargs="+", default=["measured", "adaptive"])
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=["measured", "adaptive", "clairvoyant"],
+        help="policies to run; clairvoyant: the reaction floor (true costs, moves at window ends)",
+    )
     ap.add_argument("--predictor", default="predictor/h200.json.gz")
     ap.add_argument("--profiles", nargs="+", default=list(DEFAULT_PROFILES))
     ap.add_argument("--logs", default=DEFAULT_LOGS)
