@@ -292,3 +292,27 @@ def test_emulated_interference_is_refused_on_cuda_in_one_line(tmp_path) -> None:
     with pytest.raises(UserError, match="CPU only") as err:
         load_scenario(path, num_stages=2, device="cuda:0")
     assert "\n" not in str(err.value) and "gemm" in str(err.value)
+
+
+def test_the_planner_keeps_each_stage_within_its_free_device_memory() -> None:
+    import dataclasses
+
+    ctl = _controller()
+    # Stage 0's device has almost nothing free: the measured-best plan (layers to stage 1)
+    # is still allowed, the opposite (more layers on stage 0) is not.
+    w = dataclasses.replace(_window(4, EVEN, TRUE), memory_bytes=np.array([1e3, 1e12]))
+    limits = ctl._memory(w)
+    held = ctl._memory(dataclasses.replace(w, memory_bytes=np.array([0.0, 0.0])))
+    assert limits[0] == pytest.approx(held[0] + 1e3) and limits[1] > 1e11
+    ctl.observe(w)
+    d = ctl.observe(dataclasses.replace(_window(9, EVEN, TRUE), memory_bytes=w.memory_bytes))
+    assert d.repartition and d.bounds[0][1] < 5, d
+    # With the bottleneck reversed, moving layers onto stage 0 would need memory it lacks.
+    other = _controller()
+    rev = TRUE[::-1].copy()
+    for s in range(3):
+        d = other.observe(
+            dataclasses.replace(_window(4 + 5 * s, EVEN, rev), memory_bytes=w.memory_bytes)
+        )
+        assert not d.repartition, d
+    assert ctl._memory(dataclasses.replace(w, memory_bytes=None)) is None

@@ -159,9 +159,11 @@ class CostEstimates:
             self.within[r] = 1.25 * 1.4826 * float(mad[s] / max(med[s], 1e-12)) / np.sqrt(k)
 
     def threshold(self) -> np.ndarray:
-        """``[R]`` relative change of a rank's reading that counts as a change of conditions:
-        ``jump``, or three standard deviations of its measured noise if that is more."""
-        return np.maximum(self.jump, np.expm1(3.0 * self.noise()))
+        """``[R]`` change of a rank's reading, as a log ratio, that counts as a change of
+        conditions: ``log(1 + jump)``, or three standard deviations of its measured noise
+        (itself of log ratios) if that is more. In logs, a device 3x slower and one back to
+        3x faster are the same size of change."""
+        return np.maximum(np.log1p(self.jump), 3.0 * self.noise())
 
     def level_noise(self) -> np.ndarray:
         """``[R]`` relative standard deviation of each rank's running slowdown: one window's
@@ -208,7 +210,7 @@ class CostEstimates:
                 regime = self.regime
                 stay = self._confirm(r, a, b, mf, mb, of[r] + ob[r], limit[r], stay)
                 changed_now |= self.regime != regime
-            elif abs(ratio - 1.0) > limit[r]:
+            elif ratio > 0 and abs(np.log(ratio)) > limit[r]:
                 # The device seems to have changed speed: its averages start afresh at once
                 # (an onset is followed in one window), but the change counts as a change of
                 # conditions only if the next window confirms it (a spike does not).
@@ -243,10 +245,10 @@ class CostEstimates:
             for (a, b), r in zip(w.bounds, w.ranks, strict=True):
                 run = self.run_f[a:b] + self.run_b[a:b]
                 clean = self.clean_f[a:b] + self.clean_b[a:b]
-                low = np.flatnonzero(run < clean * (1.0 - limit[r])) + a
+                low = np.flatnonzero(run < clean * np.exp(-limit[r])) + a
                 self.clean_f[low], self.clean_b[low] = self.run_f[low], self.run_b[low]
-                if self.over_f[r] + self.over_b[r] < (self.clean_of[r] + self.clean_ob[r]) * (
-                    1.0 - limit[r]
+                if self.over_f[r] + self.over_b[r] < (self.clean_of[r] + self.clean_ob[r]) * np.exp(
+                    -limit[r]
                 ):
                     self.clean_of[r], self.clean_ob[r] = self.over_f[r], self.over_b[r]
         self._share_classes(w, limit)
@@ -267,7 +269,9 @@ class CostEstimates:
         a new one."""
         for rid, (total, count) in self._regime_loads.items():
             then = total / max(count, 1)
-            if np.all(np.abs(self.load / np.maximum(then, 1e-9) - 1.0) <= limit):
+            if np.all(
+                np.abs(np.log(np.maximum(self.load, 1e-9) / np.maximum(then, 1e-9))) <= limit
+            ):
                 return rid
         self._regimes += 1
         return self._regimes - 1
@@ -297,7 +301,7 @@ class CostEstimates:
             return stay
         before = sum(snap[i][0] + snap[i][1] for i in common) + sf + sb
         now = float(sum(mf[i] + mb[i] for i in common)) + over
-        change = now / max(before, 1e-12) - 1.0
+        change = float(np.log(max(now, 1e-12) / max(before, 1e-12)))
         if abs(change) > limit and np.sign(change) == sign:
             self.regime = -1  # a change (named once every rank is read)
             self.steps[r] = history + this
@@ -327,7 +331,7 @@ class CostEstimates:
                 idx = members[(members >= a) & (members < b)]
                 if len(idx):
                     mine = float(np.median(self.clean_f[idx] + self.clean_b[idx]))
-                    if mine < med * (1.0 - limit[r]):
+                    if mine < med * np.exp(-limit[r]):
                         med, pick = mine, idx
             self.clean_f[members] = float(np.median(self.clean_f[pick]))
             self.clean_b[members] = float(np.median(self.clean_b[pick]))

@@ -429,11 +429,19 @@ class Controller:
         return self.base.state_bytes
 
     def _memory(self, w: Window) -> list[float] | None:
+        """Per stage, the bytes it may hold: what it holds now (the planner's own estimate of
+        its parameters, gradients, optimizer state and in-flight activations) plus what its
+        device has free for it; no limit where that is unknown (CPU)."""
         if w.memory_bytes is None or not np.isfinite(w.memory_bytes).any():
             return None
-        return [
-            float(w.memory_bytes[r]) if np.isfinite(w.memory_bytes[r]) else np.inf for r in w.ranks
-        ]
+        held = stage_costs(
+            self.base.for_devices(w.num_stages),
+            w.bounds,
+            schedule=w.schedule,
+            microbatches=w.microbatches,
+        ).mem_bytes
+        free = [float(w.memory_bytes[r]) for r in w.ranks]
+        return [h + f if np.isfinite(f) else np.inf for h, f in zip(held, free, strict=True)]
 
     def cost_model(self, w: Window) -> CostModel:
         """The planner's cost model now: rows in stage order of ``w``'s plan."""
