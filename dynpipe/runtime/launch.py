@@ -13,6 +13,7 @@ launcher then prints one line and exits with 128 + the signal number.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -25,6 +26,11 @@ __all__ = ["SHUTDOWN_S", "launch_local"]
 # How long the agent waits for stopping workers before it kills them; the workers give up
 # on their final checkpoint a few seconds earlier (signals.GRACE_S).
 SHUTDOWN_S = 30
+
+
+def _shutdown_timeout(config_type: type) -> dict[str, int]:
+    fields = {f.name for f in dataclasses.fields(config_type)}
+    return {"shutdown_timeout": SHUTDOWN_S} if "shutdown_timeout" in fields else {}
 
 
 def launch_local(
@@ -61,7 +67,9 @@ def launch_local(
         # No log folder at all (torch's default leaves an empty torchelastic_* in the temp
         # directory on every launch): each worker prints its own errors to the console.
         logs_specs=DefaultLogsSpecs(log_dir=os.devnull),
-        shutdown_timeout=SHUTDOWN_S,
+        # Named only where torch has it (2.12 on): before, the agent's wait on a stop is its
+        # own fixed 30 s, the same as SHUTDOWN_S.
+        **_shutdown_timeout(LaunchConfig),
     )
     try:
         elastic_launch(config, sys.executable)("-m", "dynpipe", "train", *argv)
