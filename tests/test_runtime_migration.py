@@ -133,11 +133,14 @@ def test_migration_peer_death_fails_every_rank_naming_it() -> None:
 def test_pack_round_trip_and_corruption_is_caught() -> None:
     from dynpipe.runtime.migrate import MigrationError, pack, unpack
 
+    # An int64 right after 33 * 17 float32 (2244 bytes) and after 3 bfloat16 (6 bytes): a
+    # BatchNorm counter after a weight of odd length must still be viewable in place.
     tensors = {
         "w": torch.randn(33, 17),
-        "step": torch.tensor(4.0),
         "idx": torch.arange(5),
         "half": torch.randn(3, dtype=torch.bfloat16),
+        "count": torch.tensor(7, dtype=torch.int64),
+        "step": torch.tensor(4.0),
         "empty": torch.empty(0, 4),
     }
     header, buf = pack(tensors, device=torch.device("cpu"))

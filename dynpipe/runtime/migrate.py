@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 _ROW = 1024  # checksum layout: 32-bit words per row
+_ALIGN = 16  # bytes between packed tensors' starts; covers every dtype's element size
 
 
 class MigrationError(RuntimeError):
@@ -102,11 +103,20 @@ def checksum(buf: torch.Tensor) -> list[int]:
 
 
 def pack(tensors: dict[str, torch.Tensor], *, device: torch.device) -> tuple[dict, torch.Tensor]:
-    """Tensors as one uint8 buffer plus a JSON-able header (names, dtypes, shapes, offsets)."""
+    """Tensors as one uint8 buffer plus a JSON-able header (names, dtypes, shapes, offsets).
+
+    Each tensor starts at a multiple of ``_ALIGN`` bytes: ``unpack`` views its bytes as the
+    tensor's dtype in place, which needs an offset divisible by the element size (an int64
+    BatchNorm counter after a float32 weight of odd length would not be).
+    """
     entries, parts, offset = [], [], 0
     for key, t in tensors.items():
         t = t.detach().contiguous()
         raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        gap = (-offset) % _ALIGN
+        if gap:
+            parts.append(torch.zeros(gap, dtype=torch.uint8, device=device))
+            offset += gap
         entries.append(
             {
                 "key": key,
