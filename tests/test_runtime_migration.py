@@ -165,3 +165,22 @@ def test_link_warm_up_reaches_every_peer_through_the_transfer_path() -> None:
     # Three ranks: every pair exchanges ids and a checksummed 1 MB message in one batch.
     res = run_ranks(_warm, 3, timeout_s=120)
     assert all(r["ok"] and r["value"] > 0 for r in res), res
+
+
+def _bandwidth(rank: int, world: int) -> float | None:
+    from dynpipe.runtime.links import measure_bandwidth
+    from dynpipe.runtime.topology import Topology
+
+    return measure_bandwidth(Topology.from_env(device="cpu", timeout_s=30), nbytes=2 << 20)
+
+
+def test_link_bandwidth_is_measured_once_and_agreed_by_every_rank() -> None:
+    # Three ranks, two links: each pair plays ping-pong in turn, and every rank returns
+    # the same median (one all-reduce hands out the pairs' times).
+    res = run_ranks(_bandwidth, 3, timeout_s=120)
+    assert all(r["ok"] for r in res), res
+    values = {r["value"] for r in res}
+    assert len(values) == 1, values
+    (bw,) = values
+    # Loopback gloo moves megabytes in well under a second and not faster than memory.
+    assert 1e6 < bw < 1e12, bw

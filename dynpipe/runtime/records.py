@@ -322,6 +322,11 @@ EVENTS: dict[str, EventSpec] = {
             ("mode",),
         ),
         EventSpec(
+            "links",
+            "the links' measured bandwidth (median over neighbouring ranks) and the message size",
+            ("bandwidth_gbs", "message_bytes"),
+        ),
+        EventSpec(
             "calibrated",
             "(logs before per-layer timing) the clean per-stage costs were taken after `step`",
             ("step",),

@@ -24,7 +24,7 @@ from dynpipe.models import LayeredModel, get_model
 from dynpipe.planner.diff import diff
 from dynpipe.planner.plan import Plan
 from dynpipe.runtime.adapt.loop import Adapter
-from dynpipe.runtime.adapt.make import make_policy, warm_bytes
+from dynpipe.runtime.adapt.make import activation_bytes, make_policy, warm_bytes
 from dynpipe.runtime.adapt.policy import Policy
 from dynpipe.runtime.adapt.window import Window
 from dynpipe.runtime.checkpoint import (
@@ -484,6 +484,32 @@ def _open(
     return engine, 0, None, skipped
 
 
+def _link_bandwidth(
+    cfg: TrainConfig,
+    model: LayeredModel,
+    *,
+    topo: Topology,
+    microbatch_size: int,
+    log: RunLog | None,
+) -> float | None:
+    """The links' measured bandwidth in the cost model's float32 bytes, for the modes that
+    plan from costs (a collective: every rank's ``cfg`` names the same mode)."""
+    if cfg.adapt.mode not in ("measured", "adaptive", "restart") or topo.world_size == 1:
+        return None
+    from dynpipe.runtime.links import measure_bandwidth
+
+    act = activation_bytes(model, microbatch_size=microbatch_size)
+    # Activations travel in bfloat16 under --bf16 on CUDA: a float32 byte of the model
+    # costs half a byte on the wire.
+    wire = 0.5 if cfg.bf16 and topo.is_cuda else 1.0
+    bw = measure_bandwidth(topo, nbytes=int(act * wire))
+    if bw is None:
+        return None
+    if log is not None:
+        log.event("links", bandwidth_gbs=round(bw / 1e9, 3), message_bytes=int(act * wire))
+    return bw / wire
+
+
 def train(
     cfg: TrainConfig,
     *,
@@ -548,6 +574,7 @@ def train(
             num_ranks=plan.num_stages if plan.dp > 1 else topo.world_size,
             predictor=cfg.predictor,
             dp=plan.dp,
+            link_bandwidth=_link_bandwidth(cfg, model, topo=topo, microbatch_size=mb, log=log),
         )
     every = cfg.adapt.monitor_every if policy is not None else cfg.log_every
     steplog = _StepLog(topo=topo, plan=plan, log=log, batch_size=cfg.batch_size, mesh=mesh)

@@ -10,7 +10,7 @@ from dynpipe.planner.costs import CostModel
 from dynpipe.runtime.adapt.config import AdaptConfig
 from dynpipe.runtime.adapt.policy import Controller, Policy, SweepPolicy
 
-__all__ = ["make_policy", "warm_bytes"]
+__all__ = ["activation_bytes", "make_policy", "warm_bytes"]
 
 
 def make_policy(
@@ -22,6 +22,7 @@ def make_policy(
     predictor: str | None = None,
     base: CostModel | None = None,
     dp: int = 1,
+    link_bandwidth: float | None = None,
 ) -> Policy | None:
     """The policy of ``config.mode`` (None for ``static``).
 
@@ -30,11 +31,14 @@ def make_policy(
         are only the prior before the first window measures every layer.
     dp: pipeline replicas; more than one makes the replica policy (``num_ranks`` is then
         the stages of one pipeline).
+    link_bandwidth: measured bytes/s between stages, in the cost model's (float32) bytes
+        (``dynpipe.runtime.links``); the analytic default if None.
     """
     if config.mode == "static":
         return None
     if base is None:
-        base = CostModel.from_model(model, microbatch_size=microbatch_size, num_devices=1)
+        links = {} if link_bandwidth is None else {"bandwidth": link_bandwidth}
+        base = CostModel.from_model(model, microbatch_size=microbatch_size, num_devices=1, **links)
     if config.mode == "sweep":
         # With replicas every replica holds each split in turn, its batch share unchanged.
         return SweepPolicy(base=base, config=config, num_ranks=num_ranks)
@@ -64,6 +68,12 @@ def make_policy(
     return Controller(
         base=base, config=config, num_ranks=num_ranks, predictor=loaded, prepared=prepared
     )
+
+
+def activation_bytes(model: LayeredModel, *, microbatch_size: int) -> int:
+    """The largest activation one stage can send another (float32 bytes, one microbatch)."""
+    base = CostModel.from_model(model, microbatch_size=microbatch_size, num_devices=1)
+    return int(base.out_bytes[:-1].max()) if len(base.out_bytes) > 1 else 0
 
 
 def warm_bytes(model: LayeredModel, *, microbatch_size: int, cuda: bool) -> int:
