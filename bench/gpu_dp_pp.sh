@@ -94,9 +94,11 @@ python3 - "$O" "$STEPS" "$ONSET" "$END" "$WARMUP" "$EVERY" "$DEVICE" "$SCENARIO"
 import json, subprocess, sys
 o, steps, onset, end, warm, every, device, scenario, *models = sys.argv[1:]
 rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+import os
 json.dump({"steps": int(steps), "onset": int(onset), "end": int(end), "warmup": int(warm),
            "monitor_every": int(every), "device": device, "scenario": scenario,
-           "models": models, "sweep_onset": {}, "revision": rev.stdout.strip() or None},
+           "models": models, "sweep_onset": {},
+           "revision": os.environ.get("DYNPIPE_REVISION") or rev.stdout.strip() or None},
           open(f"{o}/meta.json", "w"), indent=1)
 PY
 for m in $MODELS; do
