@@ -1,15 +1,17 @@
 """Run the demo: the same scenario twice, static then adaptive, each a real 2-worker job.
 
 Both runs train the same MLP on the same synthetic data with the same seed, each worker
-pinned to its own core. Before step ``onset`` two busy-loop processes start on stage 1's
-core, so stage 1 keeps about a third of it; before step ``departure`` they stop. The static
-run keeps its even split; the adaptive run (``--adapt measured``: repartitions from the
-measured stage times) moves layers to stage 0 and back. Both evaluate on the held-out split
-along the way; since the training math does not depend on the split, both end with the same
-accuracy, the adaptive one sooner.
+pinned to its own core. At step ``onset`` stage 1 slows down: by default every layer it
+runs takes ``factor`` times as long (emulated, so the slowdown is the same on any machine
+however loaded); with ``interferer="spin"`` real busy-loop processes start on its core
+instead. At step ``departure`` the slowdown ends. The static run keeps its even split; the
+adaptive run (``--adapt measured``: repartitions from the measured per-layer times) moves
+layers to stage 0 and back. Both evaluate on the held-out split along the way; since the
+training math does not depend on the split, both end with the same accuracy, the adaptive
+one sooner.
 
 ``DemoConfig(adapt="adaptive", predictor=...)`` runs the predictor-based system instead
-(``predictor/cpu.joblib`` was trained on this kind of 2-vCPU machine); without a predictor
+(``predictor/cpu.json.gz`` was trained on this kind of 2-vCPU machine); without a predictor
 file it falls back to ``measured`` and says so.
 """
 
@@ -41,9 +43,8 @@ class DemoConfig:
         file (without one it runs ``measured``).
     min_gain: the smallest predicted gain worth a move; above the swing of a stage timer
         on a busy shared machine, well below what the interference makes worth moving.
-    monitor_every: steps per monitoring window. Windows of 10 steps: the medians of 5 steps
-        of a stage that shares its core with busy loops swing enough to move layers back and
-        forth during the interference.
+    monitor_every: steps per monitoring window (the runtime's default): the emulated
+        slowdown is steady, so five steps' medians are enough and the reaction is quick.
     eval_batches: held-out batches per evaluation (both runs evaluate the same ones).
     """
 
