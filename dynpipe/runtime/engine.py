@@ -25,6 +25,14 @@ evaluation, the same microbatches in the same order, and whatever stage the engi
 after a repartition: the rebuilt schedule is the one evaluated. The last stage turns each
 microbatch's output and loss into sums (``eval_sums``) that the single-process reference
 computes the same way, so a pipelined evaluation is bit-identical to an unsplit one on CPU.
+
+Elastic plans (one replica): a plan may leave ranks idle. An idle rank holds no layer and
+no optimizer state, keeps its process and its place in the default group, and takes part
+in every collective the step, the evaluation and the adaptation loop make (the loss and
+norm all-reduce with zeros); on sampled steps it times one layer of the model on its
+device (``probe``), so the controller can see when the device recovers. The active stages
+talk over a process group of their own ranks (torch pipelining needs a group no larger
+than its stage count), made once per set of ranks by every rank together.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from dynpipe.planner.plan import Plan
 from dynpipe.runtime.mesh import Mesh
 from dynpipe.runtime.optim import OptimConfig, build_optimizer, export_state, import_state, lr_at
 from dynpipe.runtime.stage import StageModule, TimedPipelineStage, boundary_examples
-from dynpipe.runtime.timing import StageTimer, StepTiming
+from dynpipe.runtime.timing import LayerTiming, StageTimer, StepTiming
 from dynpipe.runtime.topology import Topology
 
 __all__ = [
@@ -236,6 +244,10 @@ class PipelineEngine:
         self.slots = param_slots(model)
         self.timer = StageTimer(device=topo.device, enabled=config.timing)
         self._synced = False  # replicas' copies made identical by DDP's first build
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self.plan: Plan | None = None
+        self.probe_layer: int = 0  # the layer an idle rank times (see ``_probe``)
+        self._probe_module: nn.Module | None = None
         self._build(plan, layers=layers, opt_state=None)
 
     # ---- construction ------------------------------------------------------------------
@@ -246,19 +258,24 @@ class PipelineEngine:
         layers: nn.ModuleDict | None,
         opt_state: dict[str, torch.Tensor] | None,
     ) -> None:
-        plan.validate(self.model, self.topo.world_size)
+        plan.validate(self.model, self.topo.world_size, elastic=True)
         if plan.dp != self.mesh.dp:
             raise UserError(
                 f"plan has {plan.dp} replicas but this run's mesh has {self.mesh.dp}; a run "
                 "keeps its dp degree: resume from a checkpoint to change it"
             )
         check_batch(plan, self.config.batch_size)
-        self.plan = plan
+        old, self.plan = self.plan, plan
         self.stage_index = plan.stage_of_rank(self.mesh.pp_rank)
+        pipe_group = self._pipe_group(plan)
         if self.stage_index is None:
-            raise UserError(
-                f"rank {self.topo.rank} holds no stage in {plan!r}; give every rank a stage"
-            )
+            if old is not None and old.stage_of_rank(self.mesh.pp_rank) is not None:
+                # The layer it last held: its clean cost is known, so its time here now
+                # reads as the device's slowdown.
+                self.probe_layer = old.stages[old.stage_of_rank(self.mesh.pp_rank)].start
+                self._probe_module = None
+            self._build_idle()
+            return
         replica = self.mesh.replica
         self.dropped = replica in plan.dropped
         # A dropped replica (partial reduce) computes nothing; it takes part in the reduce.
@@ -312,7 +329,7 @@ class PipelineEngine:
             device=self.topo.device,
             input_args=inp,
             output_args=out,
-            group=self.group,
+            group=pipe_group,
             timer=self.timer,
         )
         if self.mesh.dp == 1:
@@ -330,6 +347,42 @@ class PipelineEngine:
         else:
             self.schedule = None
 
+    def _pipe_group(self, plan: Plan) -> dist.ProcessGroup | None:
+        """The group the plan's stages talk over: the run's own, or for a plan that leaves
+        ranks idle a group of its ranks (collective: every rank calls it with the plan)."""
+        if plan.dp > 1 or plan.num_stages == self.topo.world_size:
+            return self.group
+        key = tuple(plan.ranks)
+        if key not in self._groups:
+            from datetime import timedelta
+
+            # Group ranks follow global rank order; validate() keeps stages in that order.
+            self._groups[key] = dist.new_group(
+                ranks=list(key), timeout=timedelta(seconds=self.topo.timeout_s)
+            )
+        return self._groups[key]
+
+    def _build_idle(self) -> None:
+        """Hold nothing: no layer, no optimizer state, no pipeline stage or schedule."""
+        if self.mesh.dp > 1:
+            raise UserError(
+                f"rank {self.topo.rank} holds no stage in {self.plan!r}; with --dp > 1 every "
+                "rank needs a stage (plans that leave ranks idle are for one pipeline)"
+            )
+        self.dropped = False
+        self.microbatches = 0
+        self.module = StageModule(nn.ModuleDict(), probe=self.timer.layers)
+        self.named_params = {}
+        self.optimizer = None
+        self.reducer = None
+        self.pipe_stage = None
+        self.schedule = None
+
+    @property
+    def idle(self) -> bool:
+        """This rank holds no stage under the current plan."""
+        return self.stage_index is None
+
     def rebuild(
         self, plan: Plan, *, layers: nn.ModuleDict, opt_state: dict[str, torch.Tensor]
     ) -> None:
@@ -345,7 +398,7 @@ class PipelineEngine:
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.plan.num_stages - 1
+        return self.stage_index is not None and self.stage_index == self.plan.num_stages - 1
 
     # ---- training ----------------------------------------------------------------------
     def step(
@@ -363,6 +416,8 @@ class PipelineEngine:
         ``sample_layers``: also time every layer this stage holds
         (``StepResult.timing.layers``).
         """
+        if self.idle:
+            return self._idle_step(step, sample_layers=sample_layers)
         dev = self.topo.device
         x, y = batch if batch is not None else (None, None)
         dp = self.mesh.dp > 1
@@ -445,6 +500,72 @@ class PipelineEngine:
             end_time=time.time(),
         )
 
+    def _idle_step(self, step: int, *, sample_layers: bool) -> StepResult:
+        """An idle rank's part of a step: the probe on sampled steps, then the step's one
+        all-reduce with zeros (it holds no loss and no gradient)."""
+        t0 = time.perf_counter()
+        probe = self._probe() if sample_layers and self.config.timing else None
+        clip = self.config.optim.clip_grad
+        n = len(self.slots) if clip > 0 else 0
+        vec = torch.zeros(n + 1, dtype=torch.float32, device=self.topo.device)
+        if self.topo.world_size > 1:
+            dist.all_reduce(vec, group=self.group)
+        total = clip_coefficient(vec[:n], clip)[0] if clip > 0 else None
+        loss = float(vec[n])
+        t1 = time.perf_counter()
+        timing = StepTiming(fwd_ms=[], bwd_ms=[], schedule_ms=0.0)
+        timing.layers = probe
+        return StepResult(
+            step=step,
+            loss=loss,
+            lr=lr_at(step, self.config.optim),
+            grad_norm=float(total) if total is not None else None,
+            step_ms=(t1 - t0) * 1e3,
+            timing=timing,
+            end_time=time.time(),
+        )
+
+    def _probe(self) -> LayerTiming | None:
+        """Time one microbatch of ``probe_layer``'s forward and backward on this device,
+        through the stage's layer probe (so emulated interference stretches it as it would a
+        held layer). A private copy of the layer under a forked RNG: training state and
+        random streams are untouched."""
+        dev, i = self.topo.device, self.probe_layer
+        mb = self.config.batch_size // self.plan.total_microbatches
+        with torch.random.fork_rng(devices=[dev] if self.topo.is_cuda else []):
+            if self._probe_module is None:
+                self._probe_module = self.model.build_layer(i, device=dev)
+            if i == 0:
+                x, _ = self.model.input_spec.example(mb, device=dev)
+            else:
+                shape, dtype = self.model.trace_shapes(mb)[i - 1]
+                x = (
+                    torch.randn(shape, device=dev, dtype=dtype)
+                    if dtype.is_floating_point
+                    else torch.zeros(shape, device=dev, dtype=dtype)
+                )
+            if x.is_floating_point():
+                x.requires_grad_(True)
+            probe = self.timer.layers
+            was = probe.sampling
+            probe.sampling, probe.chunk = True, 0
+            try:
+                out = probe.run([self._probe_module], x)
+                probe.begin_backward(0)
+                if out.requires_grad:
+                    out.float().sum().backward()
+                probe.end_backward(0)
+                if self.topo.is_cuda:
+                    torch.cuda.synchronize(dev)
+            finally:
+                probe.sampling = was
+            self._probe_module.zero_grad(set_to_none=True)
+            got = probe.collect()
+        if got is None:
+            return None
+        f, b = got
+        return LayerTiming(fwd_ms=f, bwd_ms=b, stage_fwd_ms=float(f[0]), stage_bwd_ms=float(b[0]))
+
     def _share(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """This replica's microbatches of the step's batch ``t``."""
         if t is None or self.dropped:
@@ -464,6 +585,8 @@ class PipelineEngine:
         timers are off (an evaluation is not a training step's compute), but emulated
         interference still stretches it.
         """
+        if self.idle:
+            return self._idle_evaluate(batches)
         if not hasattr(self.schedule, "eval"):
             raise UserError(
                 f"torch {torch.__version__} has no forward-only pipeline schedule "
@@ -491,6 +614,16 @@ class PipelineEngine:
             # replicas, every replica's last stage holds the sums of its share.
             group = None if self.mesh.dp > 1 else self.group
             dist.all_reduce(vec, group=group)
+        ms = (time.perf_counter() - t0) * 1e3
+        return eval_result(vec.cpu(), model=self.model, batches=count, eval_ms=ms)
+
+    def _idle_evaluate(self, batches: Iterable[Batch | None]) -> EvalResult:
+        """An idle rank evaluates nothing; it adds zeros to the sums' all-reduce."""
+        t0 = time.perf_counter()
+        count = sum(1 for _ in batches)
+        vec = torch.zeros(4, dtype=torch.float64, device=self.topo.device)
+        if self.topo.world_size > 1:
+            dist.all_reduce(vec, group=self.group)
         ms = (time.perf_counter() - t0) * 1e3
         return eval_result(vec.cpu(), model=self.model, batches=count, eval_ms=ms)
 
@@ -535,6 +668,8 @@ class PipelineEngine:
         }
 
     def optim_state(self) -> dict[str, torch.Tensor]:
+        if self.optimizer is None:
+            return {}  # an idle rank holds no state
         return export_state(self.optimizer, self.named_params)
 
 

@@ -9,12 +9,18 @@ live (``migrate.repartition``) or, in ``restart`` mode, by the training loop's r
 shares or the replicas partial reduce leaves out; a change of those alone moves no layer
 and is logged as ``reshare``. The loop owns no decision logic: what a move was and how it
 did lives in the policy's ``MoveRecord``; the loop reports what the move cost.
+
+One pipeline's bounds travel as one range per rank of the world (``Plan.wide_bounds``),
+an empty range for a rank the plan leaves idle, so a decision may change the number of
+stages; a change of the idle ranks is logged as ``stage_count``, and a rank that goes idle
+says so on its standard error.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 import time
 from collections.abc import Callable
 from typing import NoReturn
@@ -112,7 +118,25 @@ class Adapter:
         pause_ms = decide_ms + (stats.transfer_s + stats.rebuild_s) * 1e3
         moved = self._bytes(stats)  # collective: every rank takes part
         self.policy.applied(step=step, pause_ms=pause_ms, moved_bytes=moved)
-        if self.log is not None and new_plan.bounds == old.bounds:
+        world = self.topo.world_size
+        idle = new_plan.idle_ranks(world) if new_plan.dp == 1 else []
+        if self.engine.idle and old.stage_of_rank(self.engine.mesh.pp_rank) is not None:
+            print(
+                f"dynpipe: rank {self.topo.rank} is idle from step {step}: it holds no layers "
+                f"under {new_plan!r} and takes part in the run's collectives only",
+                file=sys.stderr,
+                flush=True,
+            )
+        if self.log is not None and idle != (old.idle_ranks(world) if old.dp == 1 else []):
+            self.log.event(
+                "stage_count",
+                step=step,
+                stages=new_plan.num_stages,
+                old_stages=old.num_stages,
+                active=new_plan.ranks,
+                idle=idle,
+            )
+        if self.log is not None and new_plan.wide_bounds(world) == old.wide_bounds(world):
             self.log.event(
                 "reshare",
                 step=step,
@@ -178,13 +202,21 @@ class Adapter:
         """
         cur = self.engine.plan
         dp = cur.dp
+        world = self.topo.world_size
         if decision is not None:
             bounds = decision.bounds if decision.bounds is not None else tuple(cur.bounds)
+            if dp == 1 and len(bounds) != world:
+                # Bounds of the current plan's stages, on its ranks: as one per rank.
+                bounds = Plan.from_bounds(
+                    self.engine.model, list(bounds), ranks=cur.ranks
+                ).wide_bounds(world)
             shares = decision.shares if decision.shares is not None else cur.shares
             dropped = decision.dropped if decision.dropped is not None else cur.dropped
         if self.topo.world_size == 1:
             return None if decision is None else (bounds, shares, tuple(dropped))
-        n = cur.num_stages
+        # One pipeline: one range per rank of the world (empty for an idle rank), so a plan
+        # of any number of stages travels in the same message.
+        n = world if dp == 1 else cur.num_stages
         # [move?, cuts..., then with replicas: shares per replica (0: even), dropped flags]
         t = torch.zeros(n + 2 + (2 * dp if dp > 1 else 0), dtype=torch.int64)
         src = cur.stages[-1].rank  # replica 0's last stage, which writes the log
@@ -218,18 +250,19 @@ class Adapter:
     ) -> Plan:
         """The one place a new plan is built, from the agreed bounds, on every rank."""
         cur = self.engine.plan
-        plan = Plan.from_bounds(
-            self.engine.model,
-            list(bounds),
-            ranks=cur.ranks,
-            schedule=cur.schedule,
-            microbatches=cur.microbatches,
-            meta={
+        kw = {
+            "schedule": cur.schedule,
+            "microbatches": cur.microbatches,
+            "meta": {
                 **cur.meta,
                 "method": f"controller:{self.policy.mode_used}",
                 "decided_at": decided_at,
             },
-        )
+        }
+        if cur.dp == 1 and len(bounds) == self.topo.world_size:
+            # One range per rank: empty ranges leave their ranks idle.
+            return Plan.from_wide_bounds(self.engine.model, bounds, **kw)
+        plan = Plan.from_bounds(self.engine.model, list(bounds), ranks=cur.ranks, **kw)
         if cur.dp > 1:
             even = shares is None or (len(set(shares)) == 1 and shares[0] == cur.microbatches)
             plan = dataclasses.replace(
