@@ -96,3 +96,243 @@ def test_drop_to_three_then_two_stages_and_back_is_bit_identical(opt: str) -> No
         assert r["value"]["probes"] == [True] * len(r["value"]["probes"])
     got = results[2]["value"]["losses"]
     assert [float(x) for x in want_losses] == pytest.approx(got, rel=0, abs=1e-6)
+
+
+# ---- the controller's choice of stage count (pure logic, no process group) ------------------
+
+N_LAYERS, MB = 12, 4
+
+
+def _cost_base():
+    import numpy as np
+
+    from dynpipe.planner.costs import CostModel
+
+    f = np.ones(N_LAYERS)
+    return CostModel(
+        model="toy",
+        layer_names=tuple(f"l{i}" for i in range(N_LAYERS)),
+        fwd_ms=f,
+        bwd_ms=2 * f,
+        param_bytes=np.full(N_LAYERS, 1e5),
+        out_bytes=np.full(N_LAYERS, 1e3),
+        act_bytes=np.full(N_LAYERS, 1e3),
+        opt_mult=np.full(N_LAYERS, 2.0),
+        buffer_bytes=np.zeros(N_LAYERS),
+        bandwidth=np.zeros(0),
+        latency_ms=np.zeros(0),
+        microbatch_size=8,
+        meta={"link_bandwidth": 1e12, "link_latency_ms": 0.0},
+    )
+
+
+def _win(step: int, wide, slow, *, probe: float | None = None, k: int = 5):
+    """A window of the plan ``wide`` (one range per rank, empty: idle) where rank ``r``
+    runs every layer ``slow[r]`` x its clean 1 ms forward (2 ms backward); an idle rank's
+    probe of layer 0 reads ``probe`` x clean."""
+    import numpy as np
+
+    from dynpipe.runtime.adapt.window import Window
+
+    active = [r for r, (a, b) in enumerate(wide) if b > a]
+    bounds = tuple(wide[r] for r in active)
+    lf = np.concatenate(
+        [np.full(b - a, 1.0 * slow[r]) for r, (a, b) in zip(active, bounds, strict=True)]
+    )
+    sf = np.array([lf[a:b].sum() for a, b in bounds])
+    true = [3 * s for s in sf]
+    step_ms = MB * max(true) + sum(true)
+    idle = tuple(r for r in range(len(wide)) if r not in active)
+    return Window(
+        step=step,
+        bounds=bounds,
+        ranks=tuple(active),
+        microbatches=MB,
+        schedule="1f1b",
+        step_ms=np.full(k, float(step_ms)),
+        stage_fwd_ms=np.tile(sf * MB, (k, 1)),
+        stage_bwd_ms=np.tile(2 * sf * MB, (k, 1)),
+        layer_fwd_ms=lf,
+        layer_bwd_ms=2 * lf,
+        sampled_fwd_ms=sf,
+        sampled_bwd_ms=2 * sf,
+        idle=idle,
+        probes={r: (0, 1.0 * probe, 2.0 * probe) for r in idle} if probe else None,
+    )
+
+
+def test_controller_drops_a_slow_device_and_takes_it_back_when_it_recovers() -> None:
+    from dynpipe.runtime.adapt.config import AdaptConfig
+    from dynpipe.runtime.adapt.policy import Controller
+
+    def controller(elastic: bool) -> Controller:
+        cfg = AdaptConfig(mode="measured", settle_windows=0, elastic=elastic)
+        return Controller(base=_cost_base(), config=cfg, num_ranks=3)
+
+    even = ((0, 4), (4, 8), (8, 12))
+    fixed, ctl = controller(False), controller(True)
+    step, d = 0, None
+    for slow in [(1, 1, 1)] * 3 + [(1, 1, 10)] * 3:
+        step += 5
+        w = _win(step, even, slow)
+        d, kept = ctl.observe(w), fixed.observe(w)
+        if d.repartition:
+            break
+    # Without --elastic the controller re-splits over the same three devices; with it, the
+    # device ten times slower is left idle (two stages are faster than any three-stage split).
+    assert d.repartition and "on 2 of 3 devices" in d.reason, d
+    assert d.bounds[2][0] == d.bounds[2][1] and sum(b - a for a, b in d.bounds) == N_LAYERS
+    assert kept.bounds is None or all(b > a for a, b in kept.bounds)
+    ctl.applied(step=step + 1, pause_ms=1.0, moved_bytes=1)
+    dropped = d.bounds
+    # Idle, its probe still reads 10x: it stays out.
+    for _ in range(3):
+        step += 5
+        d = ctl.observe(_win(step, dropped, (1, 1, 10), probe=10.0))
+        assert not d.repartition, d
+    # The probe reads clean: three stages again, rank 2 holding layers.
+    for _ in range(3):
+        step += 5
+        d = ctl.observe(_win(step, dropped, (1, 1, 1), probe=1.0))
+        if d.repartition:
+            break
+    assert d.repartition and all(b > a for a, b in d.bounds), d
+    assert "on 3 of 3 devices" in d.reason
+
+
+def test_plan_wide_bounds_round_trip_and_elastic_validation() -> None:
+    from dynpipe.models import get_model
+    from dynpipe.planner import Plan
+    from dynpipe.planner.plan import PlanError
+
+    model = get_model("mlp", **MODEL)
+    plan = Plan.from_bounds(model, [5, 3], ranks=[0, 2])
+    wide = plan.wide_bounds(4)
+    assert wide == ((0, 5), (5, 5), (5, 8), (8, 8)) and plan.idle_ranks(4) == [1, 3]
+    assert Plan.from_wide_bounds(model, wide).stages == plan.stages
+    plan.validate(model, 4, elastic=True)
+    with pytest.raises(PlanError, match="2 stages but the world has 4"):
+        plan.validate(model, 4)  # a launch still needs one stage per rank
+    with pytest.raises(PlanError, match="increasing ranks"):
+        Plan.from_bounds(model, [5, 3], ranks=[2, 0]).validate(model, 4, elastic=True)
+
+
+# ---- the training loop: forced stage counts through an injected policy ----------------------
+
+TRAIN_STEPS, EVERY = 45, 5
+# Window ending at step -> the plan from the next step on, one range per rank (empty: idle).
+FORCED = {
+    9: ((0, 3), (3, 6), (6, 8), (8, 8)),  # 3 stages, rank 3 idle
+    19: ((0, 5), (5, 5), (5, 8), (8, 8)),  # 2 stages, ranks 1 and 3 idle
+    29: ((0, 0), (0, 2), (2, 5), (5, 8)),  # 3 stages, rank 0 idle
+    39: ((0, 2), (2, 4), (4, 6), (6, 8)),  # 4 stages again
+}
+
+
+class _Forced:
+    """The real controller decides every window (it sees the idle ranks and their probes);
+    at the windows of ``FORCED`` its decision is replaced by that plan, and elsewhere it is
+    not acted on, so the sequence of stage counts is the test's."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.mode_used = inner, inner.mode_used
+
+    def observe(self, window):
+        import dataclasses
+
+        d = self.inner.observe(window)
+        if d is None:
+            return None
+        self.inner.pending = None
+        if window.step in FORCED:
+            return dataclasses.replace(
+                d, repartition=True, bounds=FORCED[window.step], reason="forced"
+            )
+        return dataclasses.replace(d, repartition=False, bounds=None)
+
+    def applied(self, **kw) -> None:
+        self.inner.applied(**kw)
+
+    def describe(self) -> str:
+        return "forced stage counts"
+
+    def state(self) -> dict:
+        return self.inner.state()
+
+    def load_state(self, state: dict) -> None:
+        self.inner.load_state(state)
+
+
+def _train(rank: int, world: int, log: str, forced: bool) -> dict:
+    from dynpipe.models import get_model
+    from dynpipe.runtime.adapt.config import AdaptConfig
+    from dynpipe.runtime.adapt.make import make_policy
+    from dynpipe.runtime.config import TrainConfig
+    from dynpipe.runtime.optim import OptimConfig
+    from dynpipe.runtime.topology import Topology
+    from dynpipe.runtime.train import train
+
+    adapt = AdaptConfig(mode="measured" if forced else "static", monitor_every=EVERY)
+    cfg = TrainConfig(
+        model="mlp",
+        model_args=MODEL,
+        steps=TRAIN_STEPS,
+        batch_size=16,
+        microbatches=4,
+        progress=False,
+        log=log,
+        telemetry=False,
+        optim=OptimConfig(name="adamw", lr=1e-3, clip_grad=1.0),
+        adapt=adapt,
+    )
+    policy = None
+    if forced:
+        inner = make_policy(adapt, model=get_model("mlp", **MODEL), microbatch_size=4, num_ranks=4)
+        policy = _Forced(inner)
+    idle: list[int] = []
+    final: dict = {}
+
+    def on_step(engine, res) -> None:
+        if engine.idle:
+            idle.append(res.step)
+        if res.step == TRAIN_STEPS - 1:
+            final.update(model=engine.model_state(), optim=engine.optim_state())
+
+    out = train(cfg, topo=Topology.from_env(device="cpu"), policy=policy, on_step=on_step)
+    return {"idle": idle, "losses": out["losses"], **final}
+
+
+def test_training_drops_to_three_then_two_stages_and_grows_back_like_a_static_run(
+    tmp_path,
+) -> None:
+    from dynpipe.runtime.records import read_log
+
+    log = tmp_path / "elastic.jsonl"
+    forced = run_ranks(_train, 4, str(log), True, timeout_s=400)
+    static = run_ranks(_train, 4, str(tmp_path / "static.jsonl"), False, timeout_s=400)
+
+    def merged(results, key):
+        out = {}
+        for r in results:
+            out.update(r["value"][key])
+        return out
+
+    for key in ("model", "optim"):
+        got, want = merged(forced, key), merged(static, key)
+        assert set(got) == set(want)
+        for k in want:
+            assert torch.equal(got[k], want[k]), (key, k)
+    assert forced[0]["value"]["losses"] == static[0]["value"]["losses"]
+    idle = [r["value"]["idle"] for r in forced]
+    assert idle[3] == list(range(10, 30))
+    assert idle[1] == list(range(20, 30))
+    assert idle[0] == list(range(30, 40))
+    assert idle[2] == []
+    recs = read_log(log)
+    counts = [(e.step, e["stages"], e["idle"]) for e in recs.events("stage_count")]
+    assert counts == [(10, 3, [3]), (20, 2, [1, 3]), (30, 3, [0]), (40, 4, [])], counts
+    reps = recs.events("repartition")
+    assert [e.step for e in reps] == [10, 20, 30, 40]
+    # The idle ranks' probes reached the controller: it priced the idle devices.
+    decisions = [e for e in recs.events("decision") if 10 <= e.step < 40]
+    assert decisions and all(len(e["slowdown"]) == 4 for e in decisions)

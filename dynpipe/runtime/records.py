@@ -357,6 +357,13 @@ EVENTS: dict[str, EventSpec] = {
             ("step", "old_plan", "new_plan", "shares", "dropped", "partial", "pause_ms"),
         ),
         EventSpec(
+            "stage_count",
+            "from `step` the plan leaves other ranks idle: `stages` active stages (was "
+            "`old_stages`) on ranks `active`; `idle` ranks hold no layer and take part in "
+            "the run's collectives only",
+            ("step", "stages", "old_stages", "active", "idle"),
+        ),
+        EventSpec(
             "first_step",
             "the first step under a new plan beside the medians before and after it",
             ("step", "first_step_ms", "before_ms", "after_ms"),
