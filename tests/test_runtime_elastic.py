@@ -336,3 +336,84 @@ def test_training_drops_to_three_then_two_stages_and_grows_back_like_a_static_ru
     # The idle ranks' probes reached the controller: it priced the idle devices.
     decisions = [e for e in recs.events("decision") if 10 <= e.step < 40]
     assert decisions and all(len(e["slowdown"]) == 4 for e in decisions)
+
+
+# ---- release / reclaim on request -------------------------------------------------------------
+
+RELEASE_AT, RECLAIM_AT, REQ_STEPS = 12, 26, 40
+
+
+def _released_run(rank: int, world: int, log: str) -> dict:
+    from dynpipe.cli import main
+    from dynpipe.runtime.adapt.config import AdaptConfig
+    from dynpipe.runtime.config import TrainConfig
+    from dynpipe.runtime.topology import Topology
+    from dynpipe.runtime.train import train
+
+    cfg = TrainConfig(
+        model="mlp",
+        model_args=MODEL,
+        steps=REQ_STEPS,
+        batch_size=16,
+        microbatches=4,
+        progress=False,
+        log=log,
+        telemetry=False,
+        adapt=AdaptConfig(mode="measured", monitor_every=EVERY),
+    )
+    run_dir = str(__import__("pathlib").Path(log).parent)
+    idle: list[int] = []
+    steps: list[int] = []
+
+    def on_step(engine, res) -> None:
+        steps.append(res.step)
+        if engine.idle:
+            idle.append(res.step)
+        # An operator's commands, issued while step ``res.step`` is under way on the others.
+        if rank == 0 and res.step == RELEASE_AT:
+            assert main(["release", "--rank", "2", run_dir]) == 0
+        if rank == 0 and res.step == RECLAIM_AT:
+            assert main(["reclaim", "--rank", "2", run_dir]) == 0
+
+    train(cfg, topo=Topology.from_env(device="cpu"), on_step=on_step)
+    return {"idle": idle, "steps": steps}
+
+
+def test_release_empties_the_rank_within_the_bound_and_reclaim_gives_it_back(tmp_path) -> None:
+    from dynpipe.runtime.records import read_log
+
+    log = tmp_path / "run" / "log.jsonl"
+    res = run_ranks(_released_run, 4, str(log), timeout_s=400)
+    for r in res:
+        assert r["value"]["steps"] == list(range(REQ_STEPS)), "the job never stopped"
+    idle = res[2]["value"]["idle"]
+    # The bound: a request made during step s leaves the rank empty from step
+    # s + monitor_every at the latest (the next monitor point, then one migration).
+    assert idle and idle[0] <= RELEASE_AT + EVERY, idle
+    assert idle == list(range(idle[0], idle[-1] + 1)), "idle without a break until reclaimed"
+    assert RECLAIM_AT <= idle[-1] < RECLAIM_AT + EVERY, idle
+    recs = read_log(log)
+    rel = recs.events("release")
+    assert [(e["ranks"], e["reclaimed"]) for e in rel] == [([2], []), ([], [2])], rel
+    assert rel[0].step == idle[0] and rel[1].step == idle[-1] + 1
+    # While released, no plan gave rank 2 a layer.
+    for e in recs.events("repartition"):
+        if rel[0].step <= e.step < rel[1].step:
+            assert all(st["rank"] != 2 for st in e["new_plan"]["stages"]), e
+    assert (tmp_path / "run" / "elastic.json").read_text().strip() == '{"released": []}'
+
+
+def test_release_cli_checks_the_rank_and_never_releases_every_rank(tmp_path) -> None:
+    from dynpipe.cli import main
+    from dynpipe.runtime.requests import read_released
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "log.jsonl").write_text('{"kind": "header", "world_size": 2}\n')
+    assert main(["release", "--rank", "5", str(run)]) == 2
+    assert main(["release", "--rank", "1", str(run)]) == 0
+    assert read_released(run) == {1}
+    assert main(["release", "--rank", "0", str(run)]) == 2  # would leave none
+    assert main(["reclaim", "--rank", "1", str(run / "log.jsonl")]) == 0
+    assert read_released(run) == set()
+    assert main(["release", "--rank", "0", str(tmp_path / "nowhere")]) == 2

@@ -357,6 +357,13 @@ EVENTS: dict[str, EventSpec] = {
             ("step", "old_plan", "new_plan", "shares", "dropped", "partial", "pause_ms"),
         ),
         EventSpec(
+            "release",
+            "a `dynpipe release` / `dynpipe reclaim` request seen at the monitor point "
+            "before `step`: `ranks` newly released, `reclaimed` given back; the plan from "
+            "`step` runs on `active` (or the request was `refused`)",
+            ("step", "ranks", "reclaimed"),
+        ),
+        EventSpec(
             "stage_count",
             "from `step` the plan leaves other ranks idle: `stages` active stages (was "
             "`old_stages`) on ranks `active`; `idle` ranks hold no layer and take part in "

@@ -577,6 +577,9 @@ def train(
             log=log,
             restart=functools.partial(_restart, cfg=cfg, initial_plan=initial_plan, ckpt=ckpt),
             warm_bytes=warm_bytes(model, microbatch_size=mb, cuda=topo.is_cuda),
+            # Release / reclaim requests live beside the run log; its writer reads them.
+            requests=log.path.parent if log is not None else None,
+            request_rank=plan.stages[-1].rank if plan.dp == 1 else 0,
         )
         if meta is not None and meta.get("adapt_state") is not None:
             adapter.load_state(meta["adapt_state"])

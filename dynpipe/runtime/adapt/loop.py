@@ -23,6 +23,7 @@ import itertools
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 import numpy as np
@@ -61,10 +62,16 @@ class Adapter:
         log: RunLog | None,
         restart: RestartHook | None = None,
         warm_bytes: int = 0,
+        requests: Path | None = None,
+        request_rank: int = 0,
     ) -> None:
         self.policy, self.mode = policy, mode
         self.engine, self.topo, self.log = engine, topo, log
         self.restart = restart
+        # Release / reclaim requests (``dynpipe.runtime.requests``): the run directory, known
+        # on ``request_rank`` (the rank that writes the log), which broadcasts what it reads.
+        self.requests, self.request_rank = requests, request_rank
+        self.released: frozenset[int] = frozenset()
         self.beat: Heartbeat | None = None
         self._first: dict | None = None  # the last move, to log its first step
         warm_ms = None
@@ -88,9 +95,21 @@ class Adapter:
         if self._first is not None:
             self._log_first_step(window)
         t0 = time.perf_counter()
+        if self.engine.plan.dp == 1 and self._requests(window, t0):
+            return None  # a release or reclaim moved layers: the next window is the policy's
         decision = self.policy.observe(window)
         if decision is None:
             return None
+        if decision.repartition and self._vetoed(decision):
+            if hasattr(self.policy, "pending"):
+                self.policy.pending = None  # the move it recorded is not made
+            decision = dataclasses.replace(
+                decision,
+                repartition=False,
+                bounds=None,
+                reason=f"{decision.reason}; not taken: it uses released ranks "
+                f"{sorted(self.released)}",
+            )
         agreed = self._agree(decision if decision.repartition else None)
         decide_ms = (time.perf_counter() - t0) * 1e3
         if self.log is not None:
@@ -104,6 +123,77 @@ class Adapter:
         if agreed is not None:
             self._apply(self._plan(*agreed, decided_at=decision.step), window, decide_ms)
         return decision
+
+    def _poll(self) -> frozenset[int]:
+        """The released ranks as the request rank reads them, on every rank (collective)."""
+        from dynpipe.runtime.requests import read_released
+
+        world = self.topo.world_size
+        got = read_released(self.requests) if self.requests is not None else frozenset()
+        if world == 1:
+            return frozenset()  # one rank: nothing to hand back
+        mask = torch.zeros(world, dtype=torch.int64)
+        if self.topo.rank == self.request_rank:
+            for r in got:
+                if 0 <= r < world:
+                    mask[r] = 1
+        mask = mask.to(self.topo.device)
+        dist.broadcast(mask, src=self.request_rank)
+        return frozenset(int(r) for r in torch.nonzero(mask.cpu()).flatten().tolist())
+
+    def _requests(self, window: Window, t0: float) -> bool:
+        """Act on a change of the released ranks; True if layers moved."""
+        want = self._poll()
+        if want == self.released:
+            return False
+        world = self.topo.world_size
+        cur = self.engine.plan
+        gone, back = want - self.released, self.released - want
+        ranks = tuple(sorted((set(cur.ranks) - want) | back))
+        if not ranks:
+            if self.log is not None:
+                self.log.event(
+                    "release",
+                    step=window.step + 1,
+                    ranks=sorted(gone),
+                    reclaimed=sorted(back),
+                    refused="it would leave no rank to train on",
+                )
+            return False  # keep the last active rank; the request stays pending
+        self.released = want
+        if hasattr(self.policy, "excluded"):
+            self.policy.excluded = want  # it proposes no plan that uses them
+        if ranks == tuple(cur.ranks):
+            return False  # released ranks that were idle already, or reclaimed and unused
+        split = getattr(self.policy, "split_on", None)
+        wide = split(window, ranks) if split is not None else None
+        if wide is None:
+            wide = _even(cur.num_layers, ranks, world)
+        new_plan = self._plan(wide, None, (), decided_at=window.step + 1)
+        new_plan = dataclasses.replace(
+            new_plan, meta={**new_plan.meta, "method": "request:release/reclaim"}
+        )
+        decide_ms = (time.perf_counter() - t0) * 1e3
+        if self.log is not None:
+            self.log.event(
+                "release",
+                step=window.step + 1,
+                ranks=sorted(gone),
+                reclaimed=sorted(back),
+                released=sorted(want),
+                active=list(new_plan.ranks),
+            )
+        self._apply(new_plan, window, decide_ms)
+        return True
+
+    def _vetoed(self, decision: Decision) -> bool:
+        """A decision that would give a released rank layers."""
+        if not self.released or decision.bounds is None:
+            return False
+        bounds = decision.bounds
+        if len(bounds) != self.topo.world_size:
+            return any(r in self.released for r in self.engine.plan.ranks)
+        return any(bounds[r][1] > bounds[r][0] for r in self.released)
 
     def _apply(self, new_plan: Plan, window: Window, decide_ms: float) -> None:
         step = window.step + 1  # the first step under the new plan
@@ -275,3 +365,15 @@ class Adapter:
 
     def load_state(self, state: dict) -> None:
         self.policy.load_state(state)
+
+
+def _even(num_layers: int, ranks: tuple[int, ...], world: int) -> Bounds:
+    """Equal layer counts on ``ranks`` (earlier ones take the remainder), one range per
+    rank of the world."""
+    q, extra = divmod(num_layers, len(ranks))
+    out, at = [], 0
+    for r in range(world):
+        n = (q + (1 if ranks.index(r) < extra else 0)) if r in ranks else 0
+        out.append((at, at + n))
+        at += n
+    return tuple(out)

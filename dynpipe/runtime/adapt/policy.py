@@ -214,6 +214,8 @@ class Controller:
         self._seen: tuple[Bounds, float, float] | None = None
         self._misses: list[float] = []
         self._shortfalls: list[float] = []  # of the last moves (see ``required_gain``)
+        # Ranks handed back on request (``dynpipe release``): never brought back by --elastic.
+        self.excluded: frozenset[int] = frozenset()
 
     def describe(self) -> str:
         how = (
@@ -451,6 +453,16 @@ class Controller:
             return moved_bytes(self._state_bytes, key, bounds, tuple(range(len(key))))
         return moved_bytes(self._state_bytes, w.bounds, bounds, w.ranks)
 
+    def split_on(self, w: Window, ranks: tuple[int, ...]) -> Bounds | None:
+        """The best split of the model over ``ranks`` under the current estimates, one range
+        per rank (a release or reclaim request's plan); None if no split fits."""
+        if not self.est.calibrated:
+            return None
+        kw = {"schedule": w.schedule, "microbatches": w.microbatches}
+        _, bounds = self._plan_on(w, ranks, **kw)
+        world = len(w.ranks) + len(w.idle)
+        return None if bounds is None else _wide(bounds, ranks, world)
+
     def _rank_sets(self, w: Window) -> list[tuple[int, ...]]:
         """Sets of ranks one device away from ``w``'s: each active rank left out (two or
         more active), each idle rank whose device was probed brought back."""
@@ -458,7 +470,7 @@ class Controller:
         out = []
         if len(active) > 1:
             out += [tuple(r for r in active if r != x) for x in active]
-        probed = set(w.probes or {})
+        probed = set(w.probes or {}) - self.excluded
         out += [tuple(sorted([*active, x])) for x in w.idle if x in probed]
         return out
 
