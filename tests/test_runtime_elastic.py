@@ -417,3 +417,125 @@ def test_release_cli_checks_the_rank_and_never_releases_every_rank(tmp_path) -> 
     assert main(["reclaim", "--rank", "1", str(run / "log.jsonl")]) == 0
     assert read_released(run) == set()
     assert main(["release", "--rank", "0", str(tmp_path / "nowhere")]) == 2
+
+
+# ---- --freeze ----------------------------------------------------------------------------------
+
+
+def test_freeze_rule_freezes_a_converged_prefix_only() -> None:
+    import numpy as np
+
+    from dynpipe.runtime.freeze import FreezeRule, frozen_prefix, keep_prefix_on_first
+
+    rule = FreezeRule(every=5, threshold=0.05, alpha=0.5)
+    prev = np.array([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    now = np.array([1.01, 0.99, 1.2, 1.0, 1.0, 1.0, 1.0, 1.0])
+    assert frozen_prefix(None, now, frozen=0, rule=rule) == 0  # nothing to compare yet
+    # Layers 0 and 1 changed < 5%; layer 2 did not converge, so 3.. stay too (prefix only).
+    assert frozen_prefix(prev, now, frozen=0, rule=rule) == 2
+    # At most alpha of the training layers per check, and the last layer always trains.
+    assert frozen_prefix(prev, prev, frozen=0, rule=rule) == 4
+    assert frozen_prefix(prev, prev, frozen=6, rule=rule) == 7
+    assert frozen_prefix(prev, prev, frozen=7, rule=rule) == 7
+    # The first active rank keeps the prefix and one layer that trains; a rank left with
+    # nothing goes idle.
+    wide = ((0, 4), (4, 8))
+    assert keep_prefix_on_first(wide, 4) == ((0, 5), (5, 8))
+    assert keep_prefix_on_first(wide, 7) == ((0, 8), (8, 8))
+    assert keep_prefix_on_first(((0, 0), (0, 3), (3, 8)), 4) == ((0, 0), (0, 5), (5, 8))
+
+
+FREEZE_STEPS = 30
+# (first step frozen, layers frozen): what the rule gives with every layer "converged"
+# (threshold 1e9), a check every 5 steps, alpha 0.5, 8 layers on 2 ranks split 4|4.
+FREEZES = [(10, 4), (15, 6), (20, 7)]
+
+
+def _freeze_run(rank: int, world: int, log: str) -> dict:
+    from dynpipe.runtime.config import TrainConfig
+    from dynpipe.runtime.optim import OptimConfig
+    from dynpipe.runtime.topology import Topology
+    from dynpipe.runtime.train import train
+
+    cfg = TrainConfig(
+        model="mlp",
+        model_args=MODEL,
+        steps=FREEZE_STEPS,
+        batch_size=16,
+        microbatches=4,
+        progress=False,
+        log=log,
+        log_every=5,
+        telemetry=False,
+        optim=OptimConfig(name="adamw", lr=1e-3, clip_grad=1.0),
+        freeze=True,
+        freeze_every=5,
+        freeze_threshold=1e9,
+        freeze_alpha=0.5,
+    )
+    seen: list = []
+    final: dict = {}
+
+    def on_step(engine, res) -> None:
+        lt = res.timing.layers
+        if lt is not None and not engine.idle and engine.stage_index == 0:
+            seen.append((res.step, engine.frozen, list(lt.bwd_ms)))
+        for name, p in engine.named_params.items():
+            frozen = engine._index[name.split(".", 1)[0]] < engine.frozen
+            assert frozen == (not p.requires_grad), name
+            assert (p.grad is None) == frozen or engine.idle, (res.step, name)
+        if res.step == FREEZE_STEPS - 1:
+            final.update(model=engine.model_state(), optim=engine.optim_state())
+
+    out = train(cfg, topo=Topology.from_env(device="cpu"), on_step=on_step)
+    return {"seen": seen, "losses": out["losses"], **final}
+
+
+def test_freeze_skips_backward_and_equals_a_reference_frozen_at_the_same_steps(tmp_path) -> None:
+    from dynpipe.data import get_data
+    from dynpipe.models import get_model
+    from dynpipe.runtime.optim import OptimConfig
+    from dynpipe.runtime.records import read_log
+    from dynpipe.runtime.reference import ReferenceTrainer
+
+    log = tmp_path / "freeze.jsonl"
+    res = run_ranks(_freeze_run, 2, str(log), timeout_s=400)
+    recs = read_log(log)
+    got = [(e.step, e["frozen"]) for e in recs.events("freeze")]
+    assert got == FREEZES, got
+    assert recs.events("freeze_rule")[0]["changes_training"] is True
+    # The last freeze left rank 1 nothing: one stage from step 20.
+    assert recs.events("freeze")[-1]["idle"] == [1]
+    # Per-layer timings: a frozen layer's backward takes no time (no gradient reached it),
+    # the first layer that trains has one.
+    timed = [(s, k, b) for s, k, b in res[0]["value"]["seen"] if k > 0]
+    assert timed, res[0]["value"]["seen"]
+    for s, k, bwd in timed:
+        assert all(x == 0.0 for x in bwd[:k]), (s, k, bwd)
+        assert bwd[k] > 0, (s, k, bwd)
+
+    model = get_model("mlp", **MODEL)
+    data = get_data("synthetic", model=model, seed=0)
+    ref = ReferenceTrainer(
+        model=get_model("mlp", **{**MODEL, "seed": 0}),
+        batch_size=16,
+        microbatches=4,
+        optim=OptimConfig(name="adamw", lr=1e-3, clip_grad=1.0, total_steps=FREEZE_STEPS),
+    )
+    at = dict(FREEZES)
+    losses = []
+    for s in range(FREEZE_STEPS):
+        if s in at:
+            ref.freeze(at[s])
+        losses.append(ref.step(s, data.batch(s, 16)))
+    state, optim = {}, {}
+    for r in res:
+        state.update(r["value"].get("model", {}))
+        optim.update(r["value"].get("optim", {}))
+    want_m, want_o = ref.model_state(), ref.optim_state()
+    assert set(state) == set(want_m) and set(optim) == set(want_o)
+    for k in want_m:
+        assert torch.equal(state[k], want_m[k]), k
+    for k in want_o:
+        assert torch.equal(optim[k], want_o[k]), k
+    assert res[0]["value"]["losses"] == losses

@@ -73,6 +73,14 @@ class TrainConfig:
         logging ``eval`` records: loss, top-1 accuracy, perplexity for gpt/bert.
     eval_batches: batches (of ``batch_size``) per evaluation (unset: the held-out split
         once, at most 50; 10 for synthetic data).
+    freeze: freeze converged leading layers (PipeTransformer's idea; CHANGES WHAT TRAINING
+        COMPUTES: frozen layers stop learning): every ``freeze_every`` steps, leading layers
+        whose gradient norm changed by less than ``freeze_threshold`` (relative) since the
+        last check are frozen, at most ``freeze_alpha`` of the training layers per check;
+        frozen layers skip backward and hold no optimizer state, and a stage left with no
+        layers goes idle (one pipeline only).
+    freeze_every / freeze_threshold / freeze_alpha: the freeze rule's window, threshold and
+        largest fraction per check (``dynpipe/runtime/freeze.py``).
     """
 
     model: str = "mlp"
@@ -106,6 +114,10 @@ class TrainConfig:
     telemetry: bool = True
     eval_every: int = field(default=0, metadata={"metavar": "N"})
     eval_batches: int | None = field(default=None, metadata={"metavar": "N"})
+    freeze: bool = False
+    freeze_every: int = field(default=20, metadata={"metavar": "N"})
+    freeze_threshold: float = 0.05
+    freeze_alpha: float = 0.5
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -153,6 +165,17 @@ class TrainConfig:
             raise UserError(
                 "--adapt restart needs --save-dir or --log: relaunched workers must "
                 "find the checkpoint in a folder every worker agrees on"
+            )
+        if self.freeze and self.dp is not None and self.dp > 1:
+            raise UserError(
+                f"--freeze is for one pipeline; --dp {self.dp} replicas are not supported "
+                "with it (drop --freeze or --dp)"
+            )
+        if self.freeze:
+            from dynpipe.runtime.freeze import FreezeRule
+
+            FreezeRule(
+                every=self.freeze_every, threshold=self.freeze_threshold, alpha=self.freeze_alpha
             )
         if self.save_every and not self.save_dir:
             raise UserError("--save-every needs --save-dir DIR to write checkpoints into")

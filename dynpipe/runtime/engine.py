@@ -248,6 +248,13 @@ class PipelineEngine:
         self.plan: Plan | None = None
         self.probe_layer: int = 0  # the layer an idle rank times (see ``_probe``)
         self._probe_module: nn.Module | None = None
+        # --freeze: layers [0, frozen) train no more (see ``freeze``); with ``track_grads``
+        # each step adds every held layer's squared gradient norm to ``grad_sq``.
+        self.frozen = 0
+        self.track_grads = False
+        self.grad_sq = torch.zeros(len(model), dtype=torch.float64)
+        self.grad_steps = 0
+        self._index = {name: i for i, name in enumerate(model.layer_names)}
         self._build(plan, layers=layers, opt_state=None)
 
     # ---- construction ------------------------------------------------------------------
@@ -297,9 +304,7 @@ class PipelineEngine:
             for lname, layer in self.module.layers.items()
             for pname, p in layer.named_parameters()
         }
-        self.optimizer = build_optimizer(list(self.named_params.values()), self.config.optim)
-        if opt_state:
-            import_state(self.optimizer, self.named_params, opt_state)
+        self._set_optimizer(opt_state)
         mb = self.config.batch_size // plan.total_microbatches
         inp, out = boundary_examples(
             self.model, plan, self.stage_index, microbatch_size=mb, wire_dtype=wire
@@ -346,6 +351,57 @@ class PipelineEngine:
             )
         else:
             self.schedule = None
+
+    def _set_optimizer(self, opt_state: dict[str, torch.Tensor] | None) -> None:
+        """An optimizer over the held parameters that train (frozen layers' stop requiring
+        gradients and hold no state); None when none does."""
+        for lname, layer in self.module.layers.items():
+            if self._index[lname] < self.frozen:
+                layer.requires_grad_(False)
+        train = {n: p for n, p in self.named_params.items() if p.requires_grad}
+        self.optimizer = build_optimizer(list(train.values()), self.config.optim) if train else None
+        if opt_state and self.optimizer is not None:
+            import_state(self.optimizer, train, opt_state)
+
+    def freeze(self, frozen: int) -> None:
+        """Freeze layers ``[0, frozen)``: their parameters stop requiring gradients and their
+        optimizer state is dropped (--freeze; changes what training computes). The caller
+        keeps them inside the first stage, whose input needs no gradient, so autograd never
+        runs their backward."""
+        if frozen < self.frozen:
+            raise UserError(f"frozen layers cannot thaw ({self.frozen} -> {frozen})")
+        if not self.idle and self.stage_index == 0:
+            assert self.plan.stages[0].stop > frozen, (
+                "the frozen prefix must leave the first stage a layer to train"
+            )
+        elif not self.idle:
+            assert self.plan.stages[self.stage_index].start >= frozen, (
+                "frozen layers beyond the first stage"
+            )
+        keep = {
+            k: v for k, v in self.optim_state().items() if self._index[k.split(".", 1)[0]] >= frozen
+        }
+        self.frozen = frozen
+        for p in self.named_params.values():
+            p.grad = None
+        self._set_optimizer(keep)
+
+    def take_grad_sq(self) -> tuple[torch.Tensor, int]:
+        """Per layer, the squared gradient norms summed over the steps since the last call
+        (zero for layers held elsewhere), and how many steps; then reset."""
+        out, n = self.grad_sq, self.grad_steps
+        self.grad_sq = torch.zeros_like(out)
+        self.grad_steps = 0
+        return out, n
+
+    def _add_grad_sq(self) -> None:
+        names = [n for n, p in self.named_params.items() if p.grad is not None]
+        self.grad_steps += 1
+        if not names:
+            return
+        norms = torch._foreach_norm([self.named_params[n].grad.detach() for n in names], 2)
+        for n, v in zip(names, norms, strict=True):
+            self.grad_sq[self._index[n.split(".", 1)[0]]] += float(v) ** 2
 
     def _pipe_group(self, plan: Plan) -> dist.ProcessGroup | None:
         """The group the plan's stages talk over: the run's own, or for a plan that leaves
@@ -425,7 +481,8 @@ class PipelineEngine:
             x, y = self._share(x), self._share(y)
         self.timer.sample_layers(sample_layers)
         t0 = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.named_params.values():
+            p.grad = None
         losses: list[torch.Tensor] = []
         if self.dropped:
             assert self.reducer is not None
@@ -445,6 +502,8 @@ class PipelineEngine:
             for p in self.named_params.values():
                 if p.grad is not None:
                     p.grad.div_(k)
+        if self.track_grads:
+            self._add_grad_sq()
 
         # One small all-reduce per step carries the loss (held by the last stage) and, when
         # clipping, every parameter's gradient norm in its global slot. Nothing here waits on
@@ -473,9 +532,10 @@ class PipelineEngine:
             if grads:
                 torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         lr = lr_at(step, self.config.optim)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
         if work is not None:
             work.wait()
         # The step's one host synchronisation: it also completes the timing events, which sit
@@ -504,6 +564,7 @@ class PipelineEngine:
         """An idle rank's part of a step: the probe on sampled steps, then the step's one
         all-reduce with zeros (it holds no loss and no gradient)."""
         t0 = time.perf_counter()
+        self.grad_steps += int(self.track_grads)  # every rank counts the same steps
         probe = self._probe() if sample_layers and self.config.timing else None
         clip = self.config.optim.clip_grad
         n = len(self.slots) if clip > 0 else 0

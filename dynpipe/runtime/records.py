@@ -364,6 +364,19 @@ EVENTS: dict[str, EventSpec] = {
             ("step", "ranks", "reclaimed"),
         ),
         EventSpec(
+            "freeze_rule",
+            "--freeze is on: this run CHANGES WHAT TRAINING COMPUTES (converged leading "
+            "layers stop learning); the rule's window, threshold and largest fraction",
+            ("changes_training", "every", "threshold", "alpha"),
+        ),
+        EventSpec(
+            "freeze",
+            "from `step` layers [0, `frozen`) are frozen (no backward, no optimizer state); "
+            "`layers` newly frozen, their gradient norms, the plan that keeps them on the "
+            "first stage and the ranks it leaves `idle`",
+            ("step", "frozen", "layers", "changes_training", "plan"),
+        ),
+        EventSpec(
             "stage_count",
             "from `step` the plan leaves other ranks idle: `stages` active stages (was "
             "`old_stages`) on ranks `active`; `idle` ranks hold no layer and take part in "

@@ -489,6 +489,8 @@ def _open(
                 want = plan
             if engine is None or engine.plan != want:
                 engine = build(want)
+            if automatic and meta.get("frozen"):
+                engine.freeze(int(meta["frozen"]))  # its optimizer state was not saved
             start = _resume(engine, path, topo=topo)
             return engine, start, (meta if automatic else None), skipped
         except CheckpointCorrupt as exc:
@@ -590,6 +592,24 @@ def train(
     save = functools.partial(
         _save, ckpt, engine, cfg, topo=topo, initial_plan=initial_plan, adapter=adapter
     )
+    freezer = None
+    if cfg.freeze:
+        from dynpipe.runtime.freeze import Freezer, FreezeRule
+
+        rule = FreezeRule(
+            every=cfg.freeze_every, threshold=cfg.freeze_threshold, alpha=cfg.freeze_alpha
+        )
+        freezer = Freezer(rule=rule, log=log)
+        engine.track_grads = True
+        if log is not None:
+            log.event(
+                "freeze_rule",
+                changes_training=True,
+                every=rule.every,
+                threshold=rule.threshold,
+                alpha=rule.alpha,
+                frozen=engine.frozen,
+            )
     evaluator = _evaluator(cfg, model, topo)
     runner = _scenario_runner(cfg, engine=engine, topo=topo, targets=initial_plan.ranks)
     sampler = _sampler(cfg, topo)
@@ -677,6 +697,8 @@ def train(
                             world_size=topo.world_size,
                         )
                     )
+            if freezer is not None and (step + 1) % cfg.freeze_every == 0 and step + 1 < cfg.steps:
+                freezer.check(engine, step=step, adapter=adapter)
             if evaluator is not None and evaluator.due(step):
                 evaluator.run(engine, step=step, topo=topo, log=log)
             if bar is not None:
@@ -816,6 +838,7 @@ def _save(
         "model_fingerprint": engine.model.fingerprint(),
         "data_position": step,
         "world_size": topo.world_size,
+        "frozen": engine.frozen,  # --freeze: layers [0, frozen) train no more
     }
     # Replicas hold identical copies: replica 0's are written (keys are layer names, so
     # the checkpoint loads under any dp x pp shape, or into one process).

@@ -108,7 +108,7 @@ class Adapter:
                 repartition=False,
                 bounds=None,
                 reason=f"{decision.reason}; not taken: it uses released ranks "
-                f"{sorted(self.released)}",
+                f"{sorted(self.released)} or moves frozen layers off the first stage",
             )
         agreed = self._agree(decision if decision.repartition else None)
         decide_ms = (time.perf_counter() - t0) * 1e3
@@ -169,6 +169,10 @@ class Adapter:
         wide = split(window, ranks) if split is not None else None
         if wide is None:
             wide = _even(cur.num_layers, ranks, world)
+        if self.engine.frozen:
+            from dynpipe.runtime.freeze import keep_prefix_on_first
+
+            wide = keep_prefix_on_first(wide, self.engine.frozen)
         new_plan = self._plan(wide, None, (), decided_at=window.step + 1)
         new_plan = dataclasses.replace(
             new_plan, meta={**new_plan.meta, "method": "request:release/reclaim"}
@@ -187,10 +191,16 @@ class Adapter:
         return True
 
     def _vetoed(self, decision: Decision) -> bool:
-        """A decision that would give a released rank layers."""
-        if not self.released or decision.bounds is None:
+        """A decision that would give a released rank layers, or take frozen layers (or the
+        last layer that trains after them) out of the first stage (--freeze)."""
+        if decision.bounds is None:
             return False
         bounds = decision.bounds
+        frozen = self.engine.frozen
+        if frozen and next(b for a, b in bounds if b > a) <= frozen:
+            return True
+        if not self.released:
+            return False
         if len(bounds) != self.topo.world_size:
             return any(r in self.released for r in self.engine.plan.ranks)
         return any(bounds[r][1] > bounds[r][0] for r in self.released)
