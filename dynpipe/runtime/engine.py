@@ -400,8 +400,11 @@ class PipelineEngine:
         if not names:
             return
         norms = torch._foreach_norm([self.named_params[n].grad.detach() for n in names], 2)
-        for n, v in zip(names, norms, strict=True):
-            self.grad_sq[self._index[n.split(".", 1)[0]]] += float(v) ** 2
+        # On the device, no host synchronisation: read once per freeze check.
+        if self.grad_sq.device != norms[0].device:
+            self.grad_sq = self.grad_sq.to(norms[0].device)
+        idx = torch.tensor([self._index[n.split(".", 1)[0]] for n in names], device=norms[0].device)
+        self.grad_sq.index_add_(0, idx, torch.stack(norms).double() ** 2)
 
     def _pipe_group(self, plan: Plan) -> dist.ProcessGroup | None:
         """The group the plan's stages talk over: the run's own, or for a plan that leaves

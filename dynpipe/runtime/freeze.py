@@ -109,10 +109,10 @@ class Freezer:
         if engine.mesh.dp > 1:
             raise UserError("--freeze with --dp > 1 is not supported; drop one of them")
         sq, steps = engine.take_grad_sq()
+        sq = sq.to(engine.topo.device)
         if engine.topo.world_size > 1:
-            sq = sq.to(engine.topo.device)
             dist.all_reduce(sq)  # each layer's sum lives on the one rank that holds it
-            sq = sq.cpu()
+        sq = sq.cpu()
         now = np.sqrt(sq.numpy() / max(steps, 1))
         prev, self.prev = self.prev, now
         k = frozen_prefix(prev, now, frozen=engine.frozen, rule=self.rule)
