@@ -396,6 +396,7 @@ def test_release_empties_the_rank_within_the_bound_and_reclaim_gives_it_back(tmp
     rel = recs.events("release")
     assert [(e["ranks"], e["reclaimed"]) for e in rel] == [([2], []), ([], [2])], rel
     assert rel[0].step == idle[0] and rel[1].step == idle[-1] + 1
+    assert all(e["waited_s"] is not None and e["waited_s"] >= 0 for e in rel), rel
     # While released, no plan gave rank 2 a layer.
     for e in recs.events("repartition"):
         if rel[0].step <= e.step < rel[1].step:

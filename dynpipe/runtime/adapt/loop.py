@@ -72,6 +72,7 @@ class Adapter:
         # on ``request_rank`` (the rank that writes the log), which broadcasts what it reads.
         self.requests, self.request_rank = requests, request_rank
         self.released: frozenset[int] = frozenset()
+        self._requested_at: float | None = None  # the request file's time, where read
         self.beat: Heartbeat | None = None
         self._first: dict | None = None  # the last move, to log its first step
         warm_ms = None
@@ -130,6 +131,12 @@ class Adapter:
 
         world = self.topo.world_size
         got = read_released(self.requests) if self.requests is not None else frozenset()
+        self._requested_at = None
+        if self.requests is not None:
+            from dynpipe.runtime.requests import REQUEST_FILE
+
+            path = self.requests / REQUEST_FILE
+            self._requested_at = path.stat().st_mtime if path.is_file() else None
         if world == 1:
             return frozenset()  # one rank: nothing to hand back
         mask = torch.zeros(world, dtype=torch.int64)
@@ -179,6 +186,9 @@ class Adapter:
         )
         decide_ms = (time.perf_counter() - t0) * 1e3
         if self.log is not None:
+            # How long the request waited for this monitor point (the log's writer reads
+            # the file, so it knows when it was written).
+            at = self._requested_at
             self.log.event(
                 "release",
                 step=window.step + 1,
@@ -186,6 +196,7 @@ class Adapter:
                 reclaimed=sorted(back),
                 released=sorted(want),
                 active=list(new_plan.ranks),
+                waited_s=None if at is None else round(time.time() - at, 4),
             )
         self._apply(new_plan, window, decide_ms)
         return True
