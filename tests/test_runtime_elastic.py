@@ -45,11 +45,14 @@ def _engine_run(rank: int, world: int, opt: str) -> dict:
         config=EngineConfig(batch_size=BATCH, optim=optim_config(opt)),
     )
     plans = _elastic_plans(model)
-    idle, losses, probes = [], [], []
+    idle, losses, probes, evals = [], [], [], []
     for s in range(STEPS):
         if s in plans:
             repartition(eng, plans[s])
         idle.append(eng.idle)
+        if s == 5:
+            # Held-out batches through two stages while ranks 1 and 3 hold nothing.
+            evals.append(eng.evaluate([make_batch(model, 100 + i) for i in range(2)]))
         res = eng.step(s, make_batch(model, s), sample_layers=True)
         losses.append(res.loss)
         if eng.idle:
@@ -60,6 +63,7 @@ def _engine_run(rank: int, world: int, opt: str) -> dict:
         "idle": idle,
         "losses": losses,
         "probes": probes,
+        "eval": evals[0].to_dict(),
     }
 
 
@@ -73,7 +77,14 @@ def test_drop_to_three_then_two_stages_and_back_is_bit_identical(opt: str) -> No
     ref = ReferenceTrainer(
         model=get_model("mlp", **MODEL), batch_size=BATCH, microbatches=4, optim=optim_config(opt)
     )
-    want_losses = [ref.step(s, make_batch(ref.model, s)) for s in range(STEPS)]
+    want_losses = []
+    for s in range(STEPS):
+        if s == 5:
+            want_eval = ref.evaluate([make_batch(ref.model, 100 + i) for i in range(2)])
+        want_losses.append(ref.step(s, make_batch(ref.model, s)))
+    for r in results:  # every rank, idle or not, returns the same evaluation
+        got_eval = r["value"]["eval"]
+        assert (got_eval["loss"], got_eval["accuracy"]) == (want_eval.loss, want_eval.accuracy)
     model, optim = {}, {}
     for r in results:
         model.update(r["value"]["model"])
@@ -404,6 +415,19 @@ def test_release_empties_the_rank_within_the_bound_and_reclaim_gives_it_back(tmp
     assert (tmp_path / "run" / "elastic.json").read_text().strip() == '{"released": []}'
 
 
+def test_elastic_and_freeze_refuse_replicas_in_one_line() -> None:
+    from dynpipe.errors import UserError
+    from dynpipe.runtime.adapt.config import AdaptConfig
+    from dynpipe.runtime.config import TrainConfig
+
+    with pytest.raises(UserError, match="--dp 2 replicas are not supported"):
+        TrainConfig(dp=2, adapt=AdaptConfig(mode="measured", elastic=True))
+    with pytest.raises(UserError, match="--dp 2 replicas are not supported"):
+        TrainConfig(dp=2, freeze=True)
+    with pytest.raises(UserError, match="--freeze-alpha in"):
+        TrainConfig(freeze=True, freeze_alpha=0.0)
+
+
 def test_release_cli_checks_the_rank_and_never_releases_every_rank(tmp_path) -> None:
     from dynpipe.cli import main
     from dynpipe.runtime.requests import read_released
@@ -540,3 +564,99 @@ def test_freeze_skips_backward_and_equals_a_reference_frozen_at_the_same_steps(t
     for k in want_o:
         assert torch.equal(optim[k], want_o[k]), k
     assert res[0]["value"]["losses"] == losses
+
+
+# ---- checkpoints under an elastic plan ----------------------------------------------------------
+
+CKPT_STEPS = 30
+
+
+class _DropRank1:
+    """Forces the plan 5|3 on ranks 0 and 2 (ranks 1 and 3 idle) at the window ending at step
+    9; the controller is not acted on otherwise."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.mode_used = inner, inner.mode_used
+
+    def observe(self, window):
+        import dataclasses
+
+        d = self.inner.observe(window)
+        if d is None:
+            return None
+        self.inner.pending = None
+        if window.step == 9:
+            bounds = ((0, 5), (5, 5), (5, 8), (8, 8))
+            return dataclasses.replace(d, repartition=True, bounds=bounds, reason="forced")
+        return dataclasses.replace(d, repartition=False, bounds=None)
+
+    def applied(self, **kw) -> None:
+        self.inner.applied(**kw)
+
+    def describe(self) -> str:
+        return "forced 2 of 4 stages"
+
+    def state(self) -> dict:
+        return self.inner.state()
+
+    def load_state(self, state: dict) -> None:
+        self.inner.load_state(state)
+
+
+def _ckpt_run(rank: int, world: int, root: str, steps: int, forced: bool) -> dict:
+    from dynpipe.models import get_model
+    from dynpipe.runtime.adapt.config import AdaptConfig
+    from dynpipe.runtime.adapt.make import make_policy
+    from dynpipe.runtime.config import TrainConfig
+    from dynpipe.runtime.optim import OptimConfig
+    from dynpipe.runtime.topology import Topology
+    from dynpipe.runtime.train import train
+
+    adapt = AdaptConfig(mode="measured" if forced else "static", monitor_every=EVERY)
+    cfg = TrainConfig(
+        model="mlp",
+        model_args=MODEL,
+        steps=steps,
+        batch_size=16,
+        microbatches=4,
+        progress=False,
+        log=f"{root}/log.jsonl",
+        telemetry=False,
+        optim=OptimConfig(name="adamw", lr=1e-3, clip_grad=1.0),
+        adapt=adapt,
+        save_dir=f"{root}/ckpt",
+        save_every=15,
+        resume="auto",
+    )
+    policy = None
+    if forced:
+        inner = make_policy(adapt, model=get_model("mlp", **MODEL), microbatch_size=4, num_ranks=4)
+        policy = _DropRank1(inner)
+    final: dict = {}
+
+    def on_step(engine, res) -> None:
+        if res.step == steps - 1:
+            final.update(model=engine.model_state(), optim=engine.optim_state())
+
+    out = train(cfg, topo=Topology.from_env(device="cpu"), policy=policy, on_step=on_step)
+    return {"start": out["start"], "ranks": out["plan"].ranks, **final}
+
+
+def test_a_checkpoint_of_an_elastic_plan_resumes_under_it_bit_identically(tmp_path) -> None:
+    root = str(tmp_path / "elastic")
+    first = run_ranks(_ckpt_run, 4, root, 15, True, timeout_s=400)
+    assert first[0]["value"]["ranks"] == [0, 2]
+    # Relaunched with more steps: it resumes at step 15 under the plan that was running.
+    again = run_ranks(_ckpt_run, 4, root, CKPT_STEPS, True, timeout_s=400)
+    assert [r["value"]["start"] for r in again] == [15] * 4
+    assert again[0]["value"]["ranks"] == [0, 2]
+    static = run_ranks(_ckpt_run, 4, str(tmp_path / "static"), CKPT_STEPS, False, timeout_s=400)
+    for key in ("model", "optim"):
+        got, want = {}, {}
+        for r in again:
+            got.update(r["value"][key])
+        for r in static:
+            want.update(r["value"][key])
+        assert set(got) == set(want)
+        for k in want:
+            assert torch.equal(got[k], want[k]), (key, k)

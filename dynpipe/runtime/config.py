@@ -166,6 +166,11 @@ class TrainConfig:
                 "--adapt restart needs --save-dir or --log: relaunched workers must "
                 "find the checkpoint in a folder every worker agrees on"
             )
+        if self.adapt.elastic and self.dp is not None and self.dp > 1:
+            raise UserError(
+                f"--elastic changes the stage count of one pipeline; --dp {self.dp} replicas "
+                "are not supported with it (drop --elastic or --dp)"
+            )
         if self.freeze and self.dp is not None and self.dp > 1:
             raise UserError(
                 f"--freeze is for one pipeline; --dp {self.dp} replicas are not supported "
