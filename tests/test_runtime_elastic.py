@@ -375,11 +375,14 @@ def _released_run(rank: int, world: int, log: str) -> dict:
     run_dir = str(__import__("pathlib").Path(log).parent)
     idle: list[int] = []
     steps: list[int] = []
+    probed: list[int] = []
 
     def on_step(engine, res) -> None:
         steps.append(res.step)
         if engine.idle:
             idle.append(res.step)
+        if engine.idle and res.timing.layers is not None:
+            probed.append(res.step)
         # An operator's commands, issued while step ``res.step`` is under way on the others.
         if rank == 0 and res.step == RELEASE_AT:
             assert main(["release", "--rank", "2", run_dir]) == 0
@@ -387,7 +390,7 @@ def _released_run(rank: int, world: int, log: str) -> dict:
             assert main(["reclaim", "--rank", "2", run_dir]) == 0
 
     train(cfg, topo=Topology.from_env(device="cpu"), on_step=on_step)
-    return {"idle": idle, "steps": steps}
+    return {"idle": idle, "steps": steps, "probed": probed}
 
 
 def test_release_empties_the_rank_within_the_bound_and_reclaim_gives_it_back(tmp_path) -> None:
@@ -403,6 +406,8 @@ def test_release_empties_the_rank_within_the_bound_and_reclaim_gives_it_back(tmp
     assert idle and idle[0] <= RELEASE_AT + EVERY, idle
     assert idle == list(range(idle[0], idle[-1] + 1)), "idle without a break until reclaimed"
     assert RECLAIM_AT <= idle[-1] < RECLAIM_AT + EVERY, idle
+    # A rank handed back to its owner computes nothing on its device, not even a probe.
+    assert res[2]["value"]["probed"] == [], res[2]["value"]["probed"]
     recs = read_log(log)
     rel = recs.events("release")
     assert [(e["ranks"], e["reclaimed"]) for e in rel] == [([2], []), ([], [2])], rel

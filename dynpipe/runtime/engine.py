@@ -248,6 +248,7 @@ class PipelineEngine:
         self.plan: Plan | None = None
         self.probe_layer: int = 0  # the layer an idle rank times (see ``_probe``)
         self._probe_module: nn.Module | None = None
+        self.probing = True  # off for a rank handed back to its owner (``release``)
         # --freeze: layers [0, frozen) train no more (see ``freeze``); with ``track_grads``
         # each step adds every held layer's squared gradient norm to ``grad_sq``.
         self.frozen = 0
@@ -436,6 +437,19 @@ class PipelineEngine:
         self.reducer = None
         self.pipe_stage = None
         self.schedule = None
+        if self.topo.is_cuda:
+            # What the layers it sent held goes back to the device (the caching allocator
+            # would keep it reserved); the process keeps only its CUDA context.
+            torch.cuda.empty_cache()
+
+    def release(self, released: bool) -> None:
+        """A rank handed back to its owner stops probing its device and frees the probe's
+        layer; a reclaimed one probes again while idle."""
+        self.probing = not released
+        if released:
+            self._probe_module = None
+            if self.topo.is_cuda:
+                torch.cuda.empty_cache()
 
     @property
     def idle(self) -> bool:
@@ -568,7 +582,7 @@ class PipelineEngine:
         all-reduce with zeros (it holds no loss and no gradient)."""
         t0 = time.perf_counter()
         self.grad_steps += int(self.track_grads)  # every rank counts the same steps
-        probe = self._probe() if sample_layers and self.config.timing else None
+        probe = self._probe() if sample_layers and self.config.timing and self.probing else None
         clip = self.config.optim.clip_grad
         n = len(self.slots) if clip > 0 else 0
         vec = torch.zeros(n + 1, dtype=torch.float32, device=self.topo.device)

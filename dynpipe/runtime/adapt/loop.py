@@ -168,6 +168,7 @@ class Adapter:
                 )
             return False  # keep the last active rank; the request stays pending
         self.released = want
+        self.engine.release(self.topo.rank in want)
         if hasattr(self.policy, "excluded"):
             self.policy.excluded = want  # it proposes no plan that uses them
         if ranks == tuple(cur.ranks):
