@@ -79,8 +79,12 @@ class TrainConfig:
         last check are frozen, at most ``freeze_alpha`` of the training layers per check;
         frozen layers skip backward and hold no optimizer state, and a stage left with no
         layers goes idle (one pipeline only).
-    freeze_every / freeze_threshold / freeze_alpha: the freeze rule's window, threshold and
-        largest fraction per check (``dynpipe/runtime/freeze.py``).
+    freeze_every: steps between freeze checks (the window a layer's gradient norm is
+        averaged over).
+    freeze_threshold: relative change of a layer's gradient norm between two checks under
+        which it has converged.
+    freeze_alpha: the largest fraction of the layers still training that one check may
+        freeze (at least one; the last layer always trains).
     """
 
     model: str = "mlp"
