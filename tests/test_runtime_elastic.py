@@ -431,6 +431,8 @@ def test_elastic_and_freeze_refuse_replicas_in_one_line() -> None:
         TrainConfig(dp=2, freeze=True)
     with pytest.raises(UserError, match="--freeze-alpha in"):
         TrainConfig(freeze=True, freeze_alpha=0.0)
+    with pytest.raises(UserError, match="not a multiple of the monitoring window"):
+        TrainConfig(freeze=True, freeze_every=12, adapt=AdaptConfig(mode="measured"))
 
 
 def test_release_cli_checks_the_rank_and_never_releases_every_rank(tmp_path) -> None:

@@ -186,6 +186,15 @@ class TrainConfig:
             FreezeRule(
                 every=self.freeze_every, threshold=self.freeze_threshold, alpha=self.freeze_alpha
             )
+            # A freeze may move layers: at a window's end, so no window mixes two plans.
+            window = self.adapt.monitor_every if self.adapt.adapting else self.log_every
+            if self.freeze_every % window:
+                flag = "--monitor-every" if self.adapt.adapting else "--log-every"
+                raise UserError(
+                    f"--freeze-every {self.freeze_every} is not a multiple of the monitoring "
+                    f"window ({flag} {window}); use a multiple such as "
+                    f"{window * max(1, round(self.freeze_every / window))}"
+                )
         if self.save_every and not self.save_dir:
             raise UserError("--save-every needs --save-dir DIR to write checkpoints into")
 

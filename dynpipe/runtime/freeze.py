@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from dynpipe.errors import UserError
@@ -116,6 +117,12 @@ class Freezer:
         now = np.sqrt(sq.numpy() / max(steps, 1))
         prev, self.prev = self.prev, now
         k = frozen_prefix(prev, now, frozen=engine.frozen, rule=self.rule)
+        if engine.topo.world_size > 1:
+            # Every rank read the same norms; the verdict is still taken from one rank, so
+            # ranks can never freeze different layers.
+            t = torch.tensor([k], dtype=torch.int64, device=engine.topo.device)
+            dist.broadcast(t, src=0)
+            k = int(t.item())
         if k <= engine.frozen:
             return None
         world = engine.topo.world_size

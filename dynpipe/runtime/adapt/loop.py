@@ -181,7 +181,22 @@ class Adapter:
             from dynpipe.runtime.freeze import keep_prefix_on_first
 
             wide = keep_prefix_on_first(wide, self.engine.frozen)
-        new_plan = self._plan(wide, None, (), decided_at=window.step + 1)
+        # Like any decision, the split is taken from one rank and broadcast.
+        request = Decision(
+            step=window.step + 1,
+            mode="request",
+            slowdown=(),
+            current_ms=0.0,
+            proposed_ms=0.0,
+            pause_ms=0.0,
+            moved_bytes=0,
+            repartition=True,
+            reason="release/reclaim",
+            bounds=wide,
+        )
+        agreed = self._agree(request)
+        assert agreed is not None  # every rank proposed a move
+        new_plan = self._plan(*agreed, decided_at=window.step + 1)
         new_plan = dataclasses.replace(
             new_plan, meta={**new_plan.meta, "method": "request:release/reclaim"}
         )
