@@ -462,19 +462,19 @@ def test_freeze_rule_freezes_a_converged_prefix_only() -> None:
     rule = FreezeRule(every=5, threshold=0.05, alpha=0.5)
     prev = np.array([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
     now = np.array([1.01, 0.99, 1.2, 1.0, 1.0, 1.0, 1.0, 1.0])
-    assert frozen_prefix(None, now, frozen=0, rule=rule) == 0  # nothing to compare yet
+    assert frozen_prefix(now, prev=None, frozen=0, rule=rule) == 0  # nothing to compare yet
     # Layers 0 and 1 changed < 5%; layer 2 did not converge, so 3.. stay too (prefix only).
-    assert frozen_prefix(prev, now, frozen=0, rule=rule) == 2
+    assert frozen_prefix(now, prev=prev, frozen=0, rule=rule) == 2
     # At most alpha of the training layers per check, and the last layer always trains.
-    assert frozen_prefix(prev, prev, frozen=0, rule=rule) == 4
-    assert frozen_prefix(prev, prev, frozen=6, rule=rule) == 7
-    assert frozen_prefix(prev, prev, frozen=7, rule=rule) == 7
+    assert frozen_prefix(prev, prev=prev, frozen=0, rule=rule) == 4
+    assert frozen_prefix(prev, prev=prev, frozen=6, rule=rule) == 7
+    assert frozen_prefix(prev, prev=prev, frozen=7, rule=rule) == 7
     # The first active rank keeps the prefix and one layer that trains; a rank left with
     # nothing goes idle.
     wide = ((0, 4), (4, 8))
-    assert keep_prefix_on_first(wide, 4) == ((0, 5), (5, 8))
-    assert keep_prefix_on_first(wide, 7) == ((0, 8), (8, 8))
-    assert keep_prefix_on_first(((0, 0), (0, 3), (3, 8)), 4) == ((0, 0), (0, 5), (5, 8))
+    assert keep_prefix_on_first(wide, frozen=4) == ((0, 5), (5, 8))
+    assert keep_prefix_on_first(wide, frozen=7) == ((0, 8), (8, 8))
+    assert keep_prefix_on_first(((0, 0), (0, 3), (3, 8)), frozen=4) == ((0, 0), (0, 5), (5, 8))
 
 
 FREEZE_STEPS = 30

@@ -58,7 +58,7 @@ class FreezeRule:
 
 
 def frozen_prefix(
-    prev: np.ndarray | None, now: np.ndarray, *, frozen: int, rule: FreezeRule
+    now: np.ndarray, *, prev: np.ndarray | None, frozen: int, rule: FreezeRule
 ) -> int:
     """The frozen prefix's new length after a window whose per-layer gradient norms are
     ``now`` (``prev``: the window before; None: nothing to compare yet)."""
@@ -79,7 +79,7 @@ def frozen_prefix(
 
 
 def keep_prefix_on_first(
-    wide: tuple[tuple[int, int], ...], frozen: int
+    wide: tuple[tuple[int, int], ...], *, frozen: int
 ) -> tuple[tuple[int, int], ...]:
     """``wide`` (one range per rank, empty: idle) with the first active rank holding at least
     layers ``[0, frozen + 1)``: the frozen prefix and one layer that trains. Later ranks give
@@ -116,7 +116,7 @@ class Freezer:
         sq = sq.cpu()
         now = np.sqrt(sq.numpy() / max(steps, 1))
         prev, self.prev = self.prev, now
-        k = frozen_prefix(prev, now, frozen=engine.frozen, rule=self.rule)
+        k = frozen_prefix(now, prev=prev, frozen=engine.frozen, rule=self.rule)
         if engine.topo.world_size > 1:
             # Every rank read the same norms; the verdict is still taken from one rank, so
             # ranks can never freeze different layers.
@@ -127,7 +127,7 @@ class Freezer:
             return None
         world = engine.topo.world_size
         plan = engine.plan
-        wide = keep_prefix_on_first(plan.wide_bounds(world), k)
+        wide = keep_prefix_on_first(plan.wide_bounds(world), frozen=k)
         moved = None
         if wide != plan.wide_bounds(world):
             from dynpipe.runtime.migrate import repartition

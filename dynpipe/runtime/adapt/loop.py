@@ -174,13 +174,13 @@ class Adapter:
         if ranks == tuple(cur.ranks):
             return False  # released ranks that were idle already, or reclaimed and unused
         split = getattr(self.policy, "split_on", None)
-        wide = split(window, ranks) if split is not None else None
+        wide = split(window, ranks=ranks) if split is not None else None
         if wide is None:
             wide = _even(cur.num_layers, ranks, world)
         if self.engine.frozen:
             from dynpipe.runtime.freeze import keep_prefix_on_first
 
-            wide = keep_prefix_on_first(wide, self.engine.frozen)
+            wide = keep_prefix_on_first(wide, frozen=self.engine.frozen)
         # Like any decision, the split is taken from one rank and broadcast.
         request = Decision(
             step=window.step + 1,

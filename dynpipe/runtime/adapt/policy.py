@@ -453,7 +453,7 @@ class Controller:
             return moved_bytes(self._state_bytes, key, bounds, tuple(range(len(key))))
         return moved_bytes(self._state_bytes, w.bounds, bounds, w.ranks)
 
-    def split_on(self, w: Window, ranks: tuple[int, ...]) -> Bounds | None:
+    def split_on(self, w: Window, *, ranks: tuple[int, ...]) -> Bounds | None:
         """The best split of the model over ``ranks`` under the current estimates, one range
         per rank (a release or reclaim request's plan); None if no split fits."""
         if not self.est.calibrated:
