@@ -37,6 +37,7 @@ than its stage count), made once per set of ranks by every rank together.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterable
@@ -610,8 +611,11 @@ class PipelineEngine:
         random streams are untouched."""
         dev, i = self.topo.device, self.probe_layer
         mb = self.config.batch_size // self.plan.total_microbatches
+        # Under the stages' own autocast, so its time compares with theirs.
+        bf16 = self.config.bf16 and self.topo.is_cuda
         with torch.random.fork_rng(devices=[dev] if self.topo.is_cuda else []):
-            if self._probe_module is None:
+            fresh = self._probe_module is None
+            if fresh:
                 self._probe_module = self.model.build_layer(i, device=dev)
             if i == 0:
                 x, _ = self.model.input_spec.example(mb, device=dev)
@@ -626,13 +630,25 @@ class PipelineEngine:
                 x.requires_grad_(True)
             probe = self.timer.layers
             was = probe.sampling
-            probe.sampling, probe.chunk = True, 0
-            try:
-                out = probe.run([self._probe_module], x)
+
+            def once(timed: bool) -> None:
+                probe.sampling, probe.chunk = timed, 0
+                ctx = (
+                    torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+                    if bf16
+                    else contextlib.nullcontext()
+                )
+                with ctx:
+                    out = probe.run([self._probe_module], x)
                 probe.begin_backward(0)
                 if out.requires_grad:
                     out.float().sum().backward()
                 probe.end_backward(0)
+
+            try:
+                if fresh:
+                    once(False)  # a first run's allocation and kernel choice are not speed
+                once(True)
                 if self.topo.is_cuda:
                     torch.cuda.synchronize(dev)
             finally:
