@@ -36,6 +36,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 _SUBCOMMANDS = (
     "dynpipe.demo.cli",
     "dynpipe.runtime.cli",
+    "dynpipe.runtime.requests",
     "dynpipe.models.cli",
     "dynpipe.planner.cli",
     "dynpipe.profiler.cli",

@@ -290,6 +290,36 @@ class Plan:
             model, sizes, schedule=schedule, microbatches=microbatches, meta={"method": "even"}
         )
 
+    def idle_ranks(self, world_size: int) -> list[int]:
+        """Ranks of a ``world_size`` world that hold no stage (an elastic plan's idle ranks)."""
+        held = set(self.ranks)
+        return [r for r in range(world_size) if r not in held]
+
+    def wide_bounds(self, world_size: int) -> tuple[tuple[int, int], ...]:
+        """One ``(start, stop)`` per rank of the world, in rank order: an idle rank holds the
+        empty range at the boundary where it sits in the pipeline. A plan of a subset of the
+        ranks is one point in the same space as the full plans (one replica only)."""
+        if self.dp != 1:
+            return tuple(self.bounds)
+        by_rank = {st.rank: (st.start, st.stop) for st in self.stages}
+        out, at = [], 0
+        for r in range(world_size):
+            a, b = by_rank.get(r, (at, at))
+            out.append((a, b))
+            at = b
+        return tuple(out)
+
+    @classmethod
+    def from_wide_bounds(
+        cls,
+        model: LayeredModel,
+        wide: list[tuple[int, int]] | tuple[tuple[int, int], ...],
+        **kwargs: Any,
+    ) -> Plan:
+        """The plan of ``wide_bounds``: rank ``r`` holds ``wide[r]``, empty ranges are idle."""
+        held = [(r, (a, b)) for r, (a, b) in enumerate(wide) if b > a]
+        return cls.from_bounds(model, [ab for _, ab in held], ranks=[r for r, _ in held], **kwargs)
+
     def with_ranks(self, ranks: list[int]) -> Plan:
         return replace(
             self,
@@ -297,8 +327,15 @@ class Plan:
         )
 
     # ---- validation against a model and a world ------------------------------------------
-    def validate(self, model: LayeredModel, world_size: int | None = None) -> Plan:
-        """Check the plan fits ``model`` and a world of ``world_size`` ranks; returns self."""
+    def validate(
+        self, model: LayeredModel, world_size: int | None = None, *, elastic: bool = False
+    ) -> Plan:
+        """Check the plan fits ``model`` and a world of ``world_size`` ranks; returns self.
+
+        elastic: the plan may leave ranks idle (one replica only): its stages sit on
+        distinct ranks of the world in increasing order (a torch pipelining group numbers
+        its members in rank order, so pipeline order must be rank order).
+        """
         if self.model != model.name:
             raise PlanError(
                 f"plan is for model {self.model!r} but the model is {model.name!r}; "
@@ -324,7 +361,13 @@ class Plan:
                 f"but this {model.name} has {model.fingerprint()} (its layers changed); "
                 f"regenerate it with `dynpipe plan --model {model.name} --stages {self.num_stages}`"
             )
-        if world_size is not None:
+        if world_size is not None and elastic and self.dp == 1 and self.num_stages < world_size:
+            if any(not 0 <= r < world_size for r in self.ranks) or self.ranks != sorted(self.ranks):
+                raise PlanError(
+                    f"plan places its {self.num_stages} stages on ranks {self.ranks}; a plan "
+                    f"that leaves ranks idle needs increasing ranks within 0–{world_size - 1}"
+                )
+        elif world_size is not None:
             if world_size != self.world_size and self.dp > 1:
                 raise PlanError(
                     f"plan has {self.num_stages} stages x {self.dp} replicas = "

@@ -49,6 +49,10 @@ _GROUPS = (
         ),
     ),
     ("evaluation", ("eval_every", "eval_batches")),
+    (
+        "freezing (changes what training computes)",
+        ("freeze", "freeze_every", "freeze_threshold", "freeze_alpha"),
+    ),
 )
 # Set by hand (``--model-arg``), or config dataclasses of their own.
 _NOT_FLAGS = ("model_args", "optim", "adapt")

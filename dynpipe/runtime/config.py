@@ -73,6 +73,18 @@ class TrainConfig:
         logging ``eval`` records: loss, top-1 accuracy, perplexity for gpt/bert.
     eval_batches: batches (of ``batch_size``) per evaluation (unset: the held-out split
         once, at most 50; 10 for synthetic data).
+    freeze: freeze converged leading layers (PipeTransformer's idea; CHANGES WHAT TRAINING
+        COMPUTES: frozen layers stop learning): every ``freeze_every`` steps, leading layers
+        whose gradient norm changed by less than ``freeze_threshold`` (relative) since the
+        last check are frozen, at most ``freeze_alpha`` of the training layers per check;
+        frozen layers skip backward and hold no optimizer state, and a stage left with no
+        layers goes idle (one pipeline only).
+    freeze_every: steps between freeze checks (the window a layer's gradient norm is
+        averaged over).
+    freeze_threshold: relative change of a layer's gradient norm between two checks under
+        which it has converged.
+    freeze_alpha: the largest fraction of the layers still training that one check may
+        freeze (at least one; the last layer always trains).
     """
 
     model: str = "mlp"
@@ -106,6 +118,10 @@ class TrainConfig:
     telemetry: bool = True
     eval_every: int = field(default=0, metadata={"metavar": "N"})
     eval_batches: int | None = field(default=None, metadata={"metavar": "N"})
+    freeze: bool = False
+    freeze_every: int = field(default=20, metadata={"metavar": "N"})
+    freeze_threshold: float = 0.05
+    freeze_alpha: float = 0.5
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -154,6 +170,31 @@ class TrainConfig:
                 "--adapt restart needs --save-dir or --log: relaunched workers must "
                 "find the checkpoint in a folder every worker agrees on"
             )
+        if self.adapt.elastic and self.dp is not None and self.dp > 1:
+            raise UserError(
+                f"--elastic changes the stage count of one pipeline; --dp {self.dp} replicas "
+                "are not supported with it (drop --elastic or --dp)"
+            )
+        if self.freeze and self.dp is not None and self.dp > 1:
+            raise UserError(
+                f"--freeze is for one pipeline; --dp {self.dp} replicas are not supported "
+                "with it (drop --freeze or --dp)"
+            )
+        if self.freeze:
+            from dynpipe.runtime.freeze import FreezeRule
+
+            FreezeRule(
+                every=self.freeze_every, threshold=self.freeze_threshold, alpha=self.freeze_alpha
+            )
+            # A freeze may move layers: at a window's end, so no window mixes two plans.
+            window = self.adapt.monitor_every if self.adapt.adapting else self.log_every
+            if self.freeze_every % window:
+                flag = "--monitor-every" if self.adapt.adapting else "--log-every"
+                raise UserError(
+                    f"--freeze-every {self.freeze_every} is not a multiple of the monitoring "
+                    f"window ({flag} {window}); use a multiple such as "
+                    f"{window * max(1, round(self.freeze_every / window))}"
+                )
         if self.save_every and not self.save_dir:
             raise UserError("--save-every needs --save-dir DIR to write checkpoints into")
 

@@ -25,10 +25,19 @@ evaluation, the same microbatches in the same order, and whatever stage the engi
 after a repartition: the rebuilt schedule is the one evaluated. The last stage turns each
 microbatch's output and loss into sums (``eval_sums``) that the single-process reference
 computes the same way, so a pipelined evaluation is bit-identical to an unsplit one on CPU.
+
+Elastic plans (one replica): a plan may leave ranks idle. An idle rank holds no layer and
+no optimizer state, keeps its process and its place in the default group, and takes part
+in every collective the step, the evaluation and the adaptation loop make (the loss and
+norm all-reduce with zeros); on sampled steps it times one layer of the model on its
+device (``probe``), so the controller can see when the device recovers. The active stages
+talk over a process group of their own ranks (torch pipelining needs a group no larger
+than its stage count), made once per set of ranks by every rank together.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterable
@@ -45,7 +54,7 @@ from dynpipe.planner.plan import Plan
 from dynpipe.runtime.mesh import Mesh
 from dynpipe.runtime.optim import OptimConfig, build_optimizer, export_state, import_state, lr_at
 from dynpipe.runtime.stage import StageModule, TimedPipelineStage, boundary_examples
-from dynpipe.runtime.timing import StageTimer, StepTiming
+from dynpipe.runtime.timing import LayerTiming, StageTimer, StepTiming
 from dynpipe.runtime.topology import Topology
 
 __all__ = [
@@ -236,6 +245,18 @@ class PipelineEngine:
         self.slots = param_slots(model)
         self.timer = StageTimer(device=topo.device, enabled=config.timing)
         self._synced = False  # replicas' copies made identical by DDP's first build
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self.plan: Plan | None = None
+        self.probe_layer: int = 0  # the layer an idle rank times (see ``_probe``)
+        self._probe_module: nn.Module | None = None
+        self.probing = True  # off for a rank handed back to its owner (``release``)
+        # --freeze: layers [0, frozen) train no more (see ``freeze``); with ``track_grads``
+        # each step adds every held layer's squared gradient norm to ``grad_sq``.
+        self.frozen = 0
+        self.track_grads = False
+        self.grad_sq = torch.zeros(len(model), dtype=torch.float64)
+        self.grad_steps = 0
+        self._index = {name: i for i, name in enumerate(model.layer_names)}
         self._build(plan, layers=layers, opt_state=None)
 
     # ---- construction ------------------------------------------------------------------
@@ -246,19 +267,24 @@ class PipelineEngine:
         layers: nn.ModuleDict | None,
         opt_state: dict[str, torch.Tensor] | None,
     ) -> None:
-        plan.validate(self.model, self.topo.world_size)
+        plan.validate(self.model, self.topo.world_size, elastic=True)
         if plan.dp != self.mesh.dp:
             raise UserError(
                 f"plan has {plan.dp} replicas but this run's mesh has {self.mesh.dp}; a run "
                 "keeps its dp degree: resume from a checkpoint to change it"
             )
         check_batch(plan, self.config.batch_size)
-        self.plan = plan
+        old, self.plan = self.plan, plan
         self.stage_index = plan.stage_of_rank(self.mesh.pp_rank)
+        pipe_group = self._pipe_group(plan)
         if self.stage_index is None:
-            raise UserError(
-                f"rank {self.topo.rank} holds no stage in {plan!r}; give every rank a stage"
-            )
+            if old is not None and old.stage_of_rank(self.mesh.pp_rank) is not None:
+                # The layer it last held: its clean cost is known, so its time here now
+                # reads as the device's slowdown.
+                self.probe_layer = old.stages[old.stage_of_rank(self.mesh.pp_rank)].start
+                self._probe_module = None
+            self._build_idle()
+            return
         replica = self.mesh.replica
         self.dropped = replica in plan.dropped
         # A dropped replica (partial reduce) computes nothing; it takes part in the reduce.
@@ -280,9 +306,7 @@ class PipelineEngine:
             for lname, layer in self.module.layers.items()
             for pname, p in layer.named_parameters()
         }
-        self.optimizer = build_optimizer(list(self.named_params.values()), self.config.optim)
-        if opt_state:
-            import_state(self.optimizer, self.named_params, opt_state)
+        self._set_optimizer(opt_state)
         mb = self.config.batch_size // plan.total_microbatches
         inp, out = boundary_examples(
             self.model, plan, self.stage_index, microbatch_size=mb, wire_dtype=wire
@@ -312,7 +336,7 @@ class PipelineEngine:
             device=self.topo.device,
             input_args=inp,
             output_args=out,
-            group=self.group,
+            group=pipe_group,
             timer=self.timer,
         )
         if self.mesh.dp == 1:
@@ -330,6 +354,109 @@ class PipelineEngine:
         else:
             self.schedule = None
 
+    def _set_optimizer(self, opt_state: dict[str, torch.Tensor] | None) -> None:
+        """An optimizer over the held parameters that train (frozen layers' stop requiring
+        gradients and hold no state); None when none does."""
+        for lname, layer in self.module.layers.items():
+            if self._index[lname] < self.frozen:
+                layer.requires_grad_(False)
+        train = {n: p for n, p in self.named_params.items() if p.requires_grad}
+        self.optimizer = build_optimizer(list(train.values()), self.config.optim) if train else None
+        if opt_state and self.optimizer is not None:
+            import_state(self.optimizer, train, opt_state)
+
+    def freeze(self, frozen: int) -> None:
+        """Freeze layers ``[0, frozen)``: their parameters stop requiring gradients and their
+        optimizer state is dropped (--freeze; changes what training computes). The caller
+        keeps them inside the first stage, whose input needs no gradient, so autograd never
+        runs their backward."""
+        if frozen < self.frozen:
+            raise UserError(f"frozen layers cannot thaw ({self.frozen} -> {frozen})")
+        if not self.idle and self.stage_index == 0:
+            assert self.plan.stages[0].stop > frozen, (
+                "the frozen prefix must leave the first stage a layer to train"
+            )
+        elif not self.idle:
+            assert self.plan.stages[self.stage_index].start >= frozen, (
+                "frozen layers beyond the first stage"
+            )
+        keep = {
+            k: v for k, v in self.optim_state().items() if self._index[k.split(".", 1)[0]] >= frozen
+        }
+        self.frozen = frozen
+        for p in self.named_params.values():
+            p.grad = None
+        self._set_optimizer(keep)
+
+    def take_grad_sq(self) -> tuple[torch.Tensor, int]:
+        """Per layer, the squared gradient norms summed over the steps since the last call
+        (zero for layers held elsewhere), and how many steps; then reset."""
+        out, n = self.grad_sq, self.grad_steps
+        self.grad_sq = torch.zeros_like(out)
+        self.grad_steps = 0
+        return out, n
+
+    def _add_grad_sq(self) -> None:
+        names = [n for n, p in self.named_params.items() if p.grad is not None]
+        self.grad_steps += 1
+        if not names:
+            return
+        norms = torch._foreach_norm([self.named_params[n].grad.detach() for n in names], 2)
+        # On the device, no host synchronisation: read once per freeze check.
+        if self.grad_sq.device != norms[0].device:
+            self.grad_sq = self.grad_sq.to(norms[0].device)
+        idx = torch.tensor([self._index[n.split(".", 1)[0]] for n in names], device=norms[0].device)
+        self.grad_sq.index_add_(0, idx, torch.stack(norms).double() ** 2)
+
+    def _pipe_group(self, plan: Plan) -> dist.ProcessGroup | None:
+        """The group the plan's stages talk over: the run's own, or for a plan that leaves
+        ranks idle a group of its ranks (collective: every rank calls it with the plan)."""
+        if plan.dp > 1 or plan.num_stages == self.topo.world_size:
+            return self.group
+        key = tuple(plan.ranks)
+        if key not in self._groups:
+            from datetime import timedelta
+
+            # Group ranks follow global rank order; validate() keeps stages in that order.
+            self._groups[key] = dist.new_group(
+                ranks=list(key), timeout=timedelta(seconds=self.topo.timeout_s)
+            )
+        return self._groups[key]
+
+    def _build_idle(self) -> None:
+        """Hold nothing: no layer, no optimizer state, no pipeline stage or schedule."""
+        if self.mesh.dp > 1:
+            raise UserError(
+                f"rank {self.topo.rank} holds no stage in {self.plan!r}; with --dp > 1 every "
+                "rank needs a stage (plans that leave ranks idle are for one pipeline)"
+            )
+        self.dropped = False
+        self.microbatches = 0
+        self.module = StageModule(nn.ModuleDict(), probe=self.timer.layers)
+        self.named_params = {}
+        self.optimizer = None
+        self.reducer = None
+        self.pipe_stage = None
+        self.schedule = None
+        if self.topo.is_cuda:
+            # What the layers it sent held goes back to the device (the caching allocator
+            # would keep it reserved); the process keeps only its CUDA context.
+            torch.cuda.empty_cache()
+
+    def release(self, released: bool) -> None:
+        """A rank handed back to its owner stops probing its device and frees the probe's
+        layer; a reclaimed one probes again while idle."""
+        self.probing = not released
+        if released:
+            self._probe_module = None
+            if self.topo.is_cuda:
+                torch.cuda.empty_cache()
+
+    @property
+    def idle(self) -> bool:
+        """This rank holds no stage under the current plan."""
+        return self.stage_index is None
+
     def rebuild(
         self, plan: Plan, *, layers: nn.ModuleDict, opt_state: dict[str, torch.Tensor]
     ) -> None:
@@ -345,7 +472,7 @@ class PipelineEngine:
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.plan.num_stages - 1
+        return self.stage_index is not None and self.stage_index == self.plan.num_stages - 1
 
     # ---- training ----------------------------------------------------------------------
     def step(
@@ -363,6 +490,8 @@ class PipelineEngine:
         ``sample_layers``: also time every layer this stage holds
         (``StepResult.timing.layers``).
         """
+        if self.idle:
+            return self._idle_step(step, sample_layers=sample_layers)
         dev = self.topo.device
         x, y = batch if batch is not None else (None, None)
         dp = self.mesh.dp > 1
@@ -370,7 +499,8 @@ class PipelineEngine:
             x, y = self._share(x), self._share(y)
         self.timer.sample_layers(sample_layers)
         t0 = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.named_params.values():
+            p.grad = None
         losses: list[torch.Tensor] = []
         if self.dropped:
             assert self.reducer is not None
@@ -390,6 +520,8 @@ class PipelineEngine:
             for p in self.named_params.values():
                 if p.grad is not None:
                     p.grad.div_(k)
+        if self.track_grads:
+            self._add_grad_sq()
 
         # One small all-reduce per step carries the loss (held by the last stage) and, when
         # clipping, every parameter's gradient norm in its global slot. Nothing here waits on
@@ -418,9 +550,10 @@ class PipelineEngine:
             if grads:
                 torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         lr = lr_at(step, self.config.optim)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
         if work is not None:
             work.wait()
         # The step's one host synchronisation: it also completes the timing events, which sit
@@ -445,6 +578,88 @@ class PipelineEngine:
             end_time=time.time(),
         )
 
+    def _idle_step(self, step: int, *, sample_layers: bool) -> StepResult:
+        """An idle rank's part of a step: the probe on sampled steps, then the step's one
+        all-reduce with zeros (it holds no loss and no gradient)."""
+        t0 = time.perf_counter()
+        self.grad_steps += int(self.track_grads)  # every rank counts the same steps
+        probe = self._probe() if sample_layers and self.config.timing and self.probing else None
+        clip = self.config.optim.clip_grad
+        n = len(self.slots) if clip > 0 else 0
+        vec = torch.zeros(n + 1, dtype=torch.float32, device=self.topo.device)
+        if self.topo.world_size > 1:
+            dist.all_reduce(vec, group=self.group)
+        total = clip_coefficient(vec[:n], clip)[0] if clip > 0 else None
+        loss = float(vec[n])
+        t1 = time.perf_counter()
+        timing = StepTiming(fwd_ms=[], bwd_ms=[], schedule_ms=0.0)
+        timing.layers = probe
+        return StepResult(
+            step=step,
+            loss=loss,
+            lr=lr_at(step, self.config.optim),
+            grad_norm=float(total) if total is not None else None,
+            step_ms=(t1 - t0) * 1e3,
+            timing=timing,
+            end_time=time.time(),
+        )
+
+    def _probe(self) -> LayerTiming | None:
+        """Time one microbatch of ``probe_layer``'s forward and backward on this device,
+        through the stage's layer probe (so emulated interference stretches it as it would a
+        held layer). A private copy of the layer under a forked RNG: training state and
+        random streams are untouched."""
+        dev, i = self.topo.device, self.probe_layer
+        mb = self.config.batch_size // self.plan.total_microbatches
+        # Under the stages' own autocast, so its time compares with theirs.
+        bf16 = self.config.bf16 and self.topo.is_cuda
+        with torch.random.fork_rng(devices=[dev] if self.topo.is_cuda else []):
+            fresh = self._probe_module is None
+            if fresh:
+                self._probe_module = self.model.build_layer(i, device=dev)
+            if i == 0:
+                x, _ = self.model.input_spec.example(mb, device=dev)
+            else:
+                shape, dtype = self.model.trace_shapes(mb)[i - 1]
+                x = (
+                    torch.randn(shape, device=dev, dtype=dtype)
+                    if dtype.is_floating_point
+                    else torch.zeros(shape, device=dev, dtype=dtype)
+                )
+            if x.is_floating_point():
+                x.requires_grad_(True)
+            probe = self.timer.layers
+            was = probe.sampling
+
+            def once(timed: bool) -> None:
+                probe.sampling, probe.chunk = timed, 0
+                ctx = (
+                    torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+                    if bf16
+                    else contextlib.nullcontext()
+                )
+                with ctx:
+                    out = probe.run([self._probe_module], x)
+                probe.begin_backward(0)
+                if out.requires_grad:
+                    out.float().sum().backward()
+                probe.end_backward(0)
+
+            try:
+                if fresh:
+                    once(False)  # a first run's allocation and kernel choice are not speed
+                once(True)
+                if self.topo.is_cuda:
+                    torch.cuda.synchronize(dev)
+            finally:
+                probe.sampling = was
+            self._probe_module.zero_grad(set_to_none=True)
+            got = probe.collect()
+        if got is None:
+            return None
+        f, b = got
+        return LayerTiming(fwd_ms=f, bwd_ms=b, stage_fwd_ms=float(f[0]), stage_bwd_ms=float(b[0]))
+
     def _share(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """This replica's microbatches of the step's batch ``t``."""
         if t is None or self.dropped:
@@ -464,6 +679,8 @@ class PipelineEngine:
         timers are off (an evaluation is not a training step's compute), but emulated
         interference still stretches it.
         """
+        if self.idle:
+            return self._idle_evaluate(batches)
         if not hasattr(self.schedule, "eval"):
             raise UserError(
                 f"torch {torch.__version__} has no forward-only pipeline schedule "
@@ -491,6 +708,16 @@ class PipelineEngine:
             # replicas, every replica's last stage holds the sums of its share.
             group = None if self.mesh.dp > 1 else self.group
             dist.all_reduce(vec, group=group)
+        ms = (time.perf_counter() - t0) * 1e3
+        return eval_result(vec.cpu(), model=self.model, batches=count, eval_ms=ms)
+
+    def _idle_evaluate(self, batches: Iterable[Batch | None]) -> EvalResult:
+        """An idle rank evaluates nothing; it adds zeros to the sums' all-reduce."""
+        t0 = time.perf_counter()
+        count = sum(1 for _ in batches)
+        vec = torch.zeros(4, dtype=torch.float64, device=self.topo.device)
+        if self.topo.world_size > 1:
+            dist.all_reduce(vec, group=self.group)
         ms = (time.perf_counter() - t0) * 1e3
         return eval_result(vec.cpu(), model=self.model, batches=count, eval_ms=ms)
 
@@ -535,6 +762,8 @@ class PipelineEngine:
         }
 
     def optim_state(self) -> dict[str, torch.Tensor]:
+        if self.optimizer is None:
+            return {}  # an idle rank holds no state
         return export_state(self.optimizer, self.named_params)
 
 

@@ -15,6 +15,10 @@ diff is the same in each: each replica's ranks move their own copies among thems
 (place ``p`` of replica ``r`` is rank ``r * pp + p``), all replicas at once, and the vote is
 over every rank of every replica. A plan that changes only the batch shares (or the
 replicas partial reduce drops) moves nothing and rebuilds the stages.
+
+A plan may leave ranks idle (one replica): a rank that goes idle sends all its layers and
+keeps none; one that comes back receives its layers like any other destination. Ranks are
+the world's, so the transfers, the vote and the rebuild are the same code either way.
 """
 
 from __future__ import annotations
@@ -312,7 +316,7 @@ def repartition(
     me, to_rank = engine.mesh.pp_rank, engine.mesh.global_rank
     dev = engine.topo.device
     timeout_s = engine.topo.timeout_s if timeout_s is None else timeout_s
-    new_plan.validate(engine.model, engine.topo.world_size)
+    new_plan.validate(engine.model, engine.topo.world_size, elastic=True)
     stats = MigrationStats(transfers=diff(old, new_plan))
     t0 = time.perf_counter()
     out_by_peer: dict[int, list[str]] = {}
@@ -365,11 +369,12 @@ def repartition(
     # Rebuild: kept layers are the same module objects (no copy); received ones are built
     # from the model spec and loaded; optimizer state follows every parameter by name.
     new_stage = new_plan.stage_of_rank(me)
-    st = new_plan.stages[new_stage]
+    # A rank the new plan leaves idle keeps nothing: every layer it held was sent.
+    held = range(0) if new_stage is None else range(*new_plan.bounds[new_stage])
     kept_opt = engine.optim_state()
     layers = nn.ModuleDict()
     opt_state: dict[str, torch.Tensor] = {}
-    for i in range(st.start, st.stop):
+    for i in held:
         lname = engine.model.layers[i].name
         if lname in engine.module.layers:
             layers[lname] = engine.module.layers[lname]

@@ -362,6 +362,33 @@ EVENTS: dict[str, EventSpec] = {
             ("step", "old_plan", "new_plan", "shares", "dropped", "partial", "pause_ms"),
         ),
         EventSpec(
+            "release",
+            "a `dynpipe release` / `dynpipe reclaim` request seen at the monitor point "
+            "before `step`: `ranks` newly released, `reclaimed` given back; the plan from "
+            "`step` runs on `active` (or the request was `refused`)",
+            ("step", "ranks", "reclaimed"),
+        ),
+        EventSpec(
+            "freeze_rule",
+            "--freeze is on: this run CHANGES WHAT TRAINING COMPUTES (converged leading "
+            "layers stop learning); the rule's window, threshold and largest fraction",
+            ("changes_training", "every", "threshold", "alpha"),
+        ),
+        EventSpec(
+            "freeze",
+            "from `step` layers [0, `frozen`) are frozen (no backward, no optimizer state); "
+            "`layers` newly frozen, their gradient norms, the plan that keeps them on the "
+            "first stage and the ranks it leaves `idle`",
+            ("step", "frozen", "layers", "changes_training", "plan"),
+        ),
+        EventSpec(
+            "stage_count",
+            "from `step` the plan leaves other ranks idle: `stages` active stages (was "
+            "`old_stages`) on ranks `active`; `idle` ranks hold no layer and take part in "
+            "the run's collectives only",
+            ("step", "stages", "old_stages", "active", "idle"),
+        ),
+        EventSpec(
             "first_step",
             "the first step under a new plan beside the medians before and after it",
             ("step", "first_step_ms", "before_ms", "after_ms"),

@@ -64,6 +64,21 @@ class ReferenceTrainer:
         self.optimizer = build_optimizer(list(self.named_params.values()), self.optim)
         self.losses: list[float] = []
 
+    def freeze(self, frozen: int) -> None:
+        """Freeze layers ``[0, frozen)`` as ``--freeze`` does: no gradient, no optimizer
+        state (the state of the layers that train is kept)."""
+        from dynpipe.runtime.optim import import_state
+
+        names = list(self.layers)
+        keep = {
+            k: v for k, v in self.optim_state().items() if names.index(k.split(".", 1)[0]) >= frozen
+        }
+        for lname in names[:frozen]:
+            self.layers[lname].requires_grad_(False)
+        train = {n: p for n, p in self.named_params.items() if p.requires_grad}
+        self.optimizer = build_optimizer(list(train.values()), self.optim)
+        import_state(self.optimizer, train, keep)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers.values():
             x = layer(x)

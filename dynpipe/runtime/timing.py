@@ -197,6 +197,11 @@ class LayerProbe:
             # stage's gradient, is handed in); boundary 0's when it ends, if the input needs
             # a gradient at all.
             bm = {n: begin, 0: end, **{k: v for k, v in bwd[chunk].items() if 0 < k < n}}
+            missing = [j for j in range(1, n) if j not in bm]
+            if missing == list(range(1, len(missing) + 1)):
+                # No gradient reached the first boundaries: the leading layers need none
+                # (frozen, or nothing before them trains), so their backward takes no time.
+                bm.update(dict.fromkeys(missing, end))
             if len(bm) == n + 1:
                 b_rows.append([ms(bm[j + 1], bm[j]) for j in range(n)])
         f = np.median(np.array(f_rows), axis=0).tolist()

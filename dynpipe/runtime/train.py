@@ -135,6 +135,7 @@ class _Gathered:
     telemetry: list[dict[str, float]]
     free_bytes: list[float]
     replica_layers: list[dict[str, Any] | None] | None = None
+    probes: dict[int, tuple[int, float, float]] | None = None  # idle rank -> (layer, f, b)
 
 
 # Per step and rank: forward, backward, wait, step and reduce milliseconds.
@@ -162,6 +163,7 @@ class _StepLog:
         self.mesh = mesh or Mesh.single(rank=topo.rank, world_size=topo.world_size)
         self.pending: list[StepResult] = []
         self.t_start = time.time()
+        self.probe_layer: int | None = None  # the layer this rank probes while idle
 
     def add(self, res: StepResult) -> None:
         self.pending.append(res)
@@ -173,6 +175,11 @@ class _StepLog:
         row = [float("nan")] * (2 * n + 2)
         sampled = [r.timing.layers for r in self.pending if r.timing.layers is not None]
         stage = self.plan.stage_of_rank(self.mesh.pp_rank)
+        if sampled and stage is None and self.probe_layer is not None:
+            # An idle rank's probe: one layer's time on its device, in the layer's slot.
+            lt = sampled[-1]
+            row[self.probe_layer], row[n + self.probe_layer] = lt.fwd_ms[0], lt.bwd_ms[0]
+            return row
         if not sampled or stage is None:
             return row
         lt, st = sampled[-1], self.plan.stages[stage]
@@ -239,6 +246,12 @@ class _StepLog:
             steps.append(rec)
             if self.log is not None:
                 self.log.record(rec)
+        probes = {}
+        for r in self.plan.idle_ranks(self.topo.world_size) if self.mesh.dp == 1 else []:
+            row = layer_rows[r]
+            hit = [i for i in range(n) if row[i] == row[i] and row[n + i] == row[n + i]]
+            if hit:
+                probes[r] = (hit[0], row[hit[0]], row[n + hit[0]])
         per_replica = [self._layers(layer_rows, n, r) for r in range(self.mesh.dp)]
         layers = per_replica[0]
         if self.log is not None and layers is not None:
@@ -262,6 +275,7 @@ class _StepLog:
             telemetry=tels,
             free_bytes=free,
             replica_layers=per_replica if self.mesh.dp > 1 else None,
+            probes=probes,
         )
 
     def _replica(self, times: list[torch.Tensor], replica: int, j: int) -> ReplicaTiming:
@@ -323,8 +337,10 @@ def _free_bytes(topo: Topology) -> float:
     return float(free + cached)
 
 
-def _window(got: _Gathered, plan: Plan, *, telemetry: bool) -> Window:
+def _window(got: _Gathered, plan: Plan, *, telemetry: bool, world_size: int) -> Window:
     extra: dict[str, Any] = {}
+    if plan.dp == 1 and plan.num_stages < world_size:
+        extra = {"idle": tuple(plan.idle_ranks(world_size)), "probes": got.probes or None}
     if plan.dp > 1:
         extra = {
             "shares": plan.replica_microbatches,
@@ -436,7 +452,7 @@ def _checkpoint_plan(meta: dict[str, Any], model: LayeredModel, world_size: int)
     """The plan a checkpoint's run was under (the restart baseline's: the one it decided)."""
     try:
         plan = Plan.from_dict(meta.get("restart_plan") or meta["plan"])
-        plan.validate(model, world_size)
+        plan.validate(model, world_size, elastic=True)
         return plan
     except (UserError, KeyError, TypeError):
         return None  # saved for another world size: the command line's plan then
@@ -473,6 +489,8 @@ def _open(
                 want = plan
             if engine is None or engine.plan != want:
                 engine = build(want)
+            if automatic and meta.get("frozen"):
+                engine.freeze(int(meta["frozen"]))  # its optimizer state was not saved
             start = _resume(engine, path, topo=topo)
             return engine, start, (meta if automatic else None), skipped
         except CheckpointCorrupt as exc:
@@ -588,6 +606,9 @@ def train(
             log=log,
             restart=functools.partial(_restart, cfg=cfg, initial_plan=initial_plan, ckpt=ckpt),
             warm_bytes=warm_bytes(model, microbatch_size=mb, cuda=topo.is_cuda),
+            # Release / reclaim requests live beside the run log; its writer reads them.
+            requests=log.path.parent if log is not None else None,
+            request_rank=plan.stages[-1].rank if plan.dp == 1 else 0,
         )
         if meta is not None and meta.get("adapt_state") is not None:
             adapter.load_state(meta["adapt_state"])
@@ -598,6 +619,24 @@ def train(
     save = functools.partial(
         _save, ckpt, engine, cfg, topo=topo, initial_plan=initial_plan, adapter=adapter
     )
+    freezer = None
+    if cfg.freeze:
+        from dynpipe.runtime.freeze import Freezer, FreezeRule
+
+        rule = FreezeRule(
+            every=cfg.freeze_every, threshold=cfg.freeze_threshold, alpha=cfg.freeze_alpha
+        )
+        freezer = Freezer(rule=rule, log=log)
+        engine.track_grads = True
+        if log is not None:
+            log.event(
+                "freeze_rule",
+                changes_training=True,
+                every=rule.every,
+                threshold=rule.threshold,
+                alpha=rule.alpha,
+                frozen=engine.frozen,
+            )
     evaluator = _evaluator(cfg, model, topo)
     runner = _scenario_runner(cfg, engine=engine, topo=topo, targets=initial_plan.ranks)
     sampler = _sampler(cfg, topo)
@@ -612,26 +651,32 @@ def train(
         adapter.beat = beat
     losses: list[float] = []
     step = start
-    # Middle stages never read a batch: they do not load one either. A rank's stage index is
-    # the same under every plan of the run (repartitions keep the plan's rank order), so the
-    # ranks that load are fixed; the stream resumes at ``start`` like the data itself. Every
-    # replica's first and last stage load the whole step's batch and take their share.
-    stream: BatchStream | CyclicBatches | None = None
-    if (engine.is_first or engine.is_last) and cfg.device_batches:
-        stream = CyclicBatches(
-            data, batch_size=cfg.batch_size, count=cfg.device_batches, device=topo.device
-        )
-    elif engine.is_first or engine.is_last:
+
+    # Middle stages never read a batch: they do not load one either. Under plans of every
+    # rank a rank's stage index is the same in every plan of the run (repartitions keep the
+    # plan's rank order), so the ranks that load are fixed; a plan that leaves ranks idle
+    # can make another rank first or last: it opens a stream at that step (and one that
+    # stops loading closes its own). The stream starts at its step like the data itself.
+    # Every replica's first and last stage load the whole step's batch and take their share.
+    def open_stream(at: int) -> BatchStream | CyclicBatches:
+        if cfg.device_batches:
+            return CyclicBatches(
+                data, batch_size=cfg.batch_size, count=cfg.device_batches, device=topo.device
+            )
         workers = cfg.data_workers if cfg.data_workers is not None else _auto_workers(topo)
-        stream = BatchStream(
+        return BatchStream(
             data,
             batch_size=cfg.batch_size,
-            start=start,
-            stop=max(start, cfg.steps),
+            start=at,
+            stop=max(at, cfg.steps),
             workers=workers,
             device=topo.device,
             timeout_s=topo.timeout_s,
         )
+
+    stream: BatchStream | CyclicBatches | None = None
+    if engine.is_first or engine.is_last:
+        stream = open_stream(start)
     try:
         if runner is not None:
             runner.prepare()
@@ -646,6 +691,12 @@ def train(
                 for rec in runner.apply(step):
                     if log is not None:
                         log.event(rec.pop("event"), **rec)
+            loads = engine.is_first or engine.is_last
+            if loads and stream is None:
+                stream = open_stream(step)
+            elif not loads and stream is not None:
+                stream.close()
+                stream = None
             # Every layer is timed on the last step of each window (cfg.timing).
             sample = cfg.timing and ((step + 1) % every == 0 or step + 1 == cfg.steps)
             try:
@@ -662,9 +713,19 @@ def train(
                 on_step(engine, res)
             if (step + 1) % every == 0 or step + 1 == cfg.steps:
                 steplog.plan = engine.plan
+                steplog.probe_layer = engine.probe_layer
                 got = steplog.flush(sampler.window() if sampler else None)
                 if adapter is not None and got is not None and step + 1 < cfg.steps:
-                    adapter.window(_window(got, engine.plan, telemetry=sampler is not None))
+                    adapter.window(
+                        _window(
+                            got,
+                            engine.plan,
+                            telemetry=sampler is not None,
+                            world_size=topo.world_size,
+                        )
+                    )
+            if freezer is not None and (step + 1) % cfg.freeze_every == 0 and step + 1 < cfg.steps:
+                freezer.check(engine, step=step, adapter=adapter)
             if evaluator is not None and evaluator.due(step):
                 evaluator.run(engine, step=step, topo=topo, log=log)
             if bar is not None:
@@ -804,6 +865,7 @@ def _save(
         "model_fingerprint": engine.model.fingerprint(),
         "data_position": step,
         "world_size": topo.world_size,
+        "frozen": engine.frozen,  # --freeze: layers [0, frozen) train no more
     }
     # Replicas hold identical copies: replica 0's are written (keys are layer names, so
     # the checkpoint loads under any dp x pp shape, or into one process).

@@ -43,6 +43,11 @@ class AdaptConfig:
     partial_reduce: with pipeline replicas, let the policy leave a straggling replica's
         batch share out of the update (SD-Pipe's partial reduce). This changes what training
         computes (fewer samples per update while it holds); off, every move is exact.
+    elastic: one pipeline (``dp`` 1): the controller may also change the number of stages,
+        leaving a device idle when the pipeline is predicted faster without it and
+        bringing an idle device back when its probe says it recovered, by the same rule
+        (gain at least ``min_gain``, paid back within ``horizon_steps``). Off, plans keep
+        their ranks (a release request still empties one).
     """
 
     mode: str = "adaptive"
@@ -55,6 +60,7 @@ class AdaptConfig:
     sweep_windows: int = 3
     sweep_plans: int = 12
     partial_reduce: bool = False
+    elastic: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ADAPT_MODES:

@@ -86,6 +86,7 @@ class CostEstimates:
         self._regimes = 1
         self._regime_loads: dict[int, tuple[np.ndarray, int]] = {}  # id -> (sum, count)
         self._calibrating = True
+        self._probe_n = np.zeros(num_ranks)  # probes in each idle rank's running slowdown
 
     @property
     def num_layers(self) -> int:
@@ -253,6 +254,7 @@ class CostEstimates:
                     self.clean_of[r], self.clean_ob[r] = self.over_f[r], self.over_b[r]
         self._share_classes(w, limit)
         for (a, b), r in zip(w.bounds, w.ranks, strict=True):
+            self._probe_n[r] = 0  # a rank that holds layers again is measured by them
             self.slow[r] = self._slowdown(a, b)
             total = self.clean_f[a:b].sum() + self.clean_b[a:b].sum()
             total += self.clean_of[r] + self.clean_ob[r]
@@ -262,6 +264,24 @@ class CostEstimates:
             self.regime = self._name_regime(limit)
         total, count = self._regime_loads.get(self.regime, (np.zeros_like(self.load), 0))
         self._regime_loads[self.regime] = (total + self.load, count + 1)
+
+    def probe(self, probes: dict[int, tuple[int, float, float]]) -> None:
+        """Fold in idle ranks' probes: ``{rank: (layer, fwd_ms, bwd_ms)}``, one microbatch of
+        ``layer`` timed on the rank's device. Its time over the layer's clean cost is the
+        device's slowdown (what it holds nothing to show otherwise): a running mean over up
+        to ``window`` probes, started afresh when a probe moves beyond ``jump``."""
+        for r, (i, f, b) in probes.items():
+            clean = float(self.clean_f[i] + self.clean_b[i])
+            if not (np.isfinite(f) and np.isfinite(b)) or clean <= 0:
+                continue
+            ratio = max(float(f + b) / clean, 1e-6)
+            n = self._probe_n[r]
+            if n == 0 or abs(np.log(ratio / max(self.slow[r], 1e-9))) > np.log1p(self.jump):
+                self.slow[r], self._probe_n[r] = ratio, 1
+            else:
+                k = 1.0 / min(n + 1, self.window)
+                self.slow[r] += k * (ratio - self.slow[r])
+                self._probe_n[r] = n + 1
 
     def _name_regime(self, limit: np.ndarray) -> int:
         """The regime conditions changed to: an earlier one whose ranks all ran within

@@ -9,14 +9,21 @@ live (``migrate.repartition``) or, in ``restart`` mode, by the training loop's r
 shares or the replicas partial reduce leaves out; a change of those alone moves no layer
 and is logged as ``reshare``. The loop owns no decision logic: what a move was and how it
 did lives in the policy's ``MoveRecord``; the loop reports what the move cost.
+
+One pipeline's bounds travel as one range per rank of the world (``Plan.wide_bounds``),
+an empty range for a rank the plan leaves idle, so a decision may change the number of
+stages; a change of the idle ranks is logged as ``stage_count``, and a rank that goes idle
+says so on its standard error.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 import numpy as np
@@ -55,10 +62,17 @@ class Adapter:
         log: RunLog | None,
         restart: RestartHook | None = None,
         warm_bytes: int = 0,
+        requests: Path | None = None,
+        request_rank: int = 0,
     ) -> None:
         self.policy, self.mode = policy, mode
         self.engine, self.topo, self.log = engine, topo, log
         self.restart = restart
+        # Release / reclaim requests (``dynpipe.runtime.requests``): the run directory, known
+        # on ``request_rank`` (the rank that writes the log), which broadcasts what it reads.
+        self.requests, self.request_rank = requests, request_rank
+        self.released: frozenset[int] = frozenset()
+        self._requested_at: float | None = None  # the request file's time, where read
         self.beat: Heartbeat | None = None
         self._first: dict | None = None  # the last move, to log its first step
         warm_ms = None
@@ -82,9 +96,21 @@ class Adapter:
         if self._first is not None:
             self._log_first_step(window)
         t0 = time.perf_counter()
+        if self.engine.plan.dp == 1 and self._requests(window, t0):
+            return None  # a release or reclaim moved layers: the next window is the policy's
         decision = self.policy.observe(window)
         if decision is None:
             return None
+        if decision.repartition and self._vetoed(decision):
+            if hasattr(self.policy, "pending"):
+                self.policy.pending = None  # the move it recorded is not made
+            decision = dataclasses.replace(
+                decision,
+                repartition=False,
+                bounds=None,
+                reason=f"{decision.reason}; not taken: it uses released ranks "
+                f"{sorted(self.released)} or moves frozen layers off the first stage",
+            )
         agreed = self._agree(decision if decision.repartition else None)
         decide_ms = (time.perf_counter() - t0) * 1e3
         if self.log is not None:
@@ -99,6 +125,113 @@ class Adapter:
             self._apply(self._plan(*agreed, decided_at=decision.step), window, decide_ms)
         return decision
 
+    def _poll(self) -> frozenset[int]:
+        """The released ranks as the request rank reads them, on every rank (collective)."""
+        from dynpipe.runtime.requests import read_released
+
+        world = self.topo.world_size
+        got = read_released(self.requests) if self.requests is not None else frozenset()
+        self._requested_at = None
+        if self.requests is not None:
+            from dynpipe.runtime.requests import REQUEST_FILE
+
+            path = self.requests / REQUEST_FILE
+            self._requested_at = path.stat().st_mtime if path.is_file() else None
+        if world == 1:
+            return frozenset()  # one rank: nothing to hand back
+        mask = torch.zeros(world, dtype=torch.int64)
+        if self.topo.rank == self.request_rank:
+            for r in got:
+                if 0 <= r < world:
+                    mask[r] = 1
+        mask = mask.to(self.topo.device)
+        dist.broadcast(mask, src=self.request_rank)
+        return frozenset(int(r) for r in torch.nonzero(mask.cpu()).flatten().tolist())
+
+    def _requests(self, window: Window, t0: float) -> bool:
+        """Act on a change of the released ranks; True if layers moved."""
+        want = self._poll()
+        if want == self.released:
+            return False
+        world = self.topo.world_size
+        cur = self.engine.plan
+        gone, back = want - self.released, self.released - want
+        ranks = tuple(sorted((set(cur.ranks) - want) | back))
+        if not ranks:
+            if self.log is not None:
+                self.log.event(
+                    "release",
+                    step=window.step + 1,
+                    ranks=sorted(gone),
+                    reclaimed=sorted(back),
+                    refused="it would leave no rank to train on",
+                )
+            return False  # keep the last active rank; the request stays pending
+        self.released = want
+        self.engine.release(self.topo.rank in want)
+        if hasattr(self.policy, "excluded"):
+            self.policy.excluded = want  # it proposes no plan that uses them
+        if ranks == tuple(cur.ranks):
+            return False  # released ranks that were idle already, or reclaimed and unused
+        split = getattr(self.policy, "split_on", None)
+        wide = split(window, ranks=ranks) if split is not None else None
+        if wide is None:
+            wide = _even(cur.num_layers, ranks, world)
+        if self.engine.frozen:
+            from dynpipe.runtime.freeze import keep_prefix_on_first
+
+            wide = keep_prefix_on_first(wide, frozen=self.engine.frozen)
+        # Like any decision, the split is taken from one rank and broadcast.
+        request = Decision(
+            step=window.step + 1,
+            mode="request",
+            slowdown=(),
+            current_ms=0.0,
+            proposed_ms=0.0,
+            pause_ms=0.0,
+            moved_bytes=0,
+            repartition=True,
+            reason="release/reclaim",
+            bounds=wide,
+        )
+        agreed = self._agree(request)
+        assert agreed is not None  # every rank proposed a move
+        new_plan = self._plan(*agreed, decided_at=window.step + 1)
+        new_plan = dataclasses.replace(
+            new_plan, meta={**new_plan.meta, "method": "request:release/reclaim"}
+        )
+        decide_ms = (time.perf_counter() - t0) * 1e3
+        if self.log is not None:
+            # How long the request waited for this monitor point (the log's writer reads
+            # the file, so it knows when it was written).
+            at = self._requested_at
+            self.log.event(
+                "release",
+                step=window.step + 1,
+                ranks=sorted(gone),
+                reclaimed=sorted(back),
+                released=sorted(want),
+                active=list(new_plan.ranks),
+                waited_s=None if at is None else round(time.time() - at, 4),
+            )
+        self._apply(new_plan, window, decide_ms)
+        return True
+
+    def _vetoed(self, decision: Decision) -> bool:
+        """A decision that would give a released rank layers, or take frozen layers (or the
+        last layer that trains after them) out of the first stage (--freeze)."""
+        if decision.bounds is None:
+            return False
+        bounds = decision.bounds
+        frozen = self.engine.frozen
+        if frozen and next(b for a, b in bounds if b > a) <= frozen:
+            return True
+        if not self.released:
+            return False
+        if len(bounds) != self.topo.world_size:
+            return any(r in self.released for r in self.engine.plan.ranks)
+        return any(bounds[r][1] > bounds[r][0] for r in self.released)
+
     def _apply(self, new_plan: Plan, window: Window, decide_ms: float) -> None:
         step = window.step + 1  # the first step under the new plan
         if self.mode == "restart":
@@ -112,7 +245,25 @@ class Adapter:
         pause_ms = decide_ms + (stats.transfer_s + stats.rebuild_s) * 1e3
         moved = self._bytes(stats)  # collective: every rank takes part
         self.policy.applied(step=step, pause_ms=pause_ms, moved_bytes=moved)
-        if self.log is not None and new_plan.bounds == old.bounds:
+        world = self.topo.world_size
+        idle = new_plan.idle_ranks(world) if new_plan.dp == 1 else []
+        if self.engine.idle and old.stage_of_rank(self.engine.mesh.pp_rank) is not None:
+            print(
+                f"dynpipe: rank {self.topo.rank} is idle from step {step}: it holds no layers "
+                f"under {new_plan!r} and takes part in the run's collectives only",
+                file=sys.stderr,
+                flush=True,
+            )
+        if self.log is not None and idle != (old.idle_ranks(world) if old.dp == 1 else []):
+            self.log.event(
+                "stage_count",
+                step=step,
+                stages=new_plan.num_stages,
+                old_stages=old.num_stages,
+                active=new_plan.ranks,
+                idle=idle,
+            )
+        if self.log is not None and new_plan.wide_bounds(world) == old.wide_bounds(world):
             self.log.event(
                 "reshare",
                 step=step,
@@ -178,13 +329,21 @@ class Adapter:
         """
         cur = self.engine.plan
         dp = cur.dp
+        world = self.topo.world_size
         if decision is not None:
             bounds = decision.bounds if decision.bounds is not None else tuple(cur.bounds)
+            if dp == 1 and len(bounds) != world:
+                # Bounds of the current plan's stages, on its ranks: as one per rank.
+                bounds = Plan.from_bounds(
+                    self.engine.model, list(bounds), ranks=cur.ranks
+                ).wide_bounds(world)
             shares = decision.shares if decision.shares is not None else cur.shares
             dropped = decision.dropped if decision.dropped is not None else cur.dropped
         if self.topo.world_size == 1:
             return None if decision is None else (bounds, shares, tuple(dropped))
-        n = cur.num_stages
+        # One pipeline: one range per rank of the world (empty for an idle rank), so a plan
+        # of any number of stages travels in the same message.
+        n = world if dp == 1 else cur.num_stages
         # [move?, cuts..., then with replicas: shares per replica (0: even), dropped flags]
         t = torch.zeros(n + 2 + (2 * dp if dp > 1 else 0), dtype=torch.int64)
         src = cur.stages[-1].rank  # replica 0's last stage, which writes the log
@@ -218,18 +377,19 @@ class Adapter:
     ) -> Plan:
         """The one place a new plan is built, from the agreed bounds, on every rank."""
         cur = self.engine.plan
-        plan = Plan.from_bounds(
-            self.engine.model,
-            list(bounds),
-            ranks=cur.ranks,
-            schedule=cur.schedule,
-            microbatches=cur.microbatches,
-            meta={
+        kw = {
+            "schedule": cur.schedule,
+            "microbatches": cur.microbatches,
+            "meta": {
                 **cur.meta,
                 "method": f"controller:{self.policy.mode_used}",
                 "decided_at": decided_at,
             },
-        )
+        }
+        if cur.dp == 1 and len(bounds) == self.topo.world_size:
+            # One range per rank: empty ranges leave their ranks idle.
+            return Plan.from_wide_bounds(self.engine.model, bounds, **kw)
+        plan = Plan.from_bounds(self.engine.model, list(bounds), ranks=cur.ranks, **kw)
         if cur.dp > 1:
             even = shares is None or (len(set(shares)) == 1 and shares[0] == cur.microbatches)
             plan = dataclasses.replace(
@@ -242,3 +402,15 @@ class Adapter:
 
     def load_state(self, state: dict) -> None:
         self.policy.load_state(state)
+
+
+def _even(num_layers: int, ranks: tuple[int, ...], world: int) -> Bounds:
+    """Equal layer counts on ``ranks`` (earlier ones take the remainder), one range per
+    rank of the world."""
+    q, extra = divmod(num_layers, len(ranks))
+    out, at = [], 0
+    for r in range(world):
+        n = (q + (1 if ranks.index(r) < extra else 0)) if r in ranks else 0
+        out.append((at, at + n))
+        at += n
+    return tuple(out)

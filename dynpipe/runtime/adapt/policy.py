@@ -35,6 +35,7 @@ import numpy as np
 from dynpipe.planner.costs import CostModel
 from dynpipe.planner.dp import plan_partition
 from dynpipe.planner.evaluate import stage_costs
+from dynpipe.planner.plan import PlanError
 from dynpipe.planner.simulate import step_times
 from dynpipe.runtime.adapt.config import AdaptConfig
 from dynpipe.runtime.adapt.estimates import CostEstimates
@@ -213,6 +214,8 @@ class Controller:
         self._seen: tuple[Bounds, float, float] | None = None
         self._misses: list[float] = []
         self._shortfalls: list[float] = []  # of the last moves (see ``required_gain``)
+        # Ranks handed back on request (``dynpipe release``): never brought back by --elastic.
+        self.excluded: frozenset[int] = frozenset()
 
     def describe(self) -> str:
         how = (
@@ -236,11 +239,13 @@ class Controller:
         prev = self._seen
         changed = (
             prev is not None
-            and prev[0] == window.bounds
+            and prev[0] == window.key
             and abs(np.log(window.median_step_ms / max(prev[2], 1e-9)))
             > np.log1p(self._step_noise_limit(window))
         )
         self.est.update(window, changed=changed)
+        if window.probes:
+            self.est.probe(window.probes)
         if changed:
             # Promises broken under the old conditions say little about the model's view of
             # new ones (its timers may well be sound there).
@@ -248,7 +253,7 @@ class Controller:
         slow = tuple(float(x) for x in self.est.load)
         here = window.median_step_ms
         regime = self.est.regime
-        self.memory.add(window.bounds, regime, here)
+        self.memory.add(window.key, regime, here)
         judged = None
         if self.last is not None and self.last.verdict is None and self.last.pause_ms is not None:
             noise = window.step_noise
@@ -279,23 +284,22 @@ class Controller:
         # Plans are compared on measurements of the same conditions and of recent windows
         # (a machine's background load drifts; an old median says little about now).
         recent = 2 * cfg.average_windows
-        here = self.memory.measured(w.bounds, regime, last=recent) or w.median_step_ms
+        key = w.key  # names the plan (one range per rank when ranks may be idle)
+        here = self.memory.measured(key, regime, last=recent) or w.median_step_ms
         pause = self.pause_ms if self.pause_ms is not None else w.median_step_ms
-        prev, self._seen = self._seen, (w.bounds, cur, w.median_step_ms)
+        prev, self._seen = self._seen, (key, cur, w.median_step_ms)
 
         def verdict(
             reason: str, proposed: float = cur, bounds: Bounds | None = None, model: bool = False
         ) -> Decision:
-            nbytes = (
-                0 if bounds is None else moved_bytes(self._state_bytes, w.bounds, bounds, w.ranks)
-            )
+            nbytes = 0 if bounds is None else self._moved(w, bounds)
             if bounds is not None:
                 # The next trusted window checks the model's promise against the steps: how
                 # its step time under the new plan compares with the old plan's now.
                 self._seen = (bounds, cur, w.median_step_ms)
                 self.pending = MoveRecord(
                     step=w.step + 1,
-                    src=w.bounds,
+                    src=key,
                     dst=bounds,
                     reason=reason,
                     before_ms=w.median_step_ms,
@@ -330,7 +334,7 @@ class Controller:
             and last.verdict == "conditions changed"
             and last.after_ms is not None
             and last.after_ms > last.before_ms * (1 + cfg.min_gain)
-            and last.dst == w.bounds
+            and last.dst == key
             and self.memory.measured(last.src, regime, last=recent) is None
         ):
             return verdict(
@@ -341,7 +345,7 @@ class Controller:
         best = self.memory.best(regime, last=recent)
         if (
             best is not None
-            and best[0] != w.bounds
+            and best[0] != key
             and best[1] < here * (1 - cfg.min_gain)
             and (here - best[1]) * cfg.horizon_steps > pause
         ):
@@ -355,7 +359,7 @@ class Controller:
         # far as it has tracked the measured steps: not before it has predicted one window,
         # not when its estimates moved and the steps did not follow, and a proposed gain
         # must clear twice the model's measured tracking error.
-        if prev is None or prev[0] != w.bounds:
+        if prev is None or prev[0] != key:
             return verdict("the model has not yet predicted a window of this plan")
         model, steps = cur / max(prev[1], 1e-9), w.median_step_ms / max(prev[2], 1e-9)
         miss = float(np.log(model / steps))
@@ -370,9 +374,19 @@ class Controller:
                 f"estimates moved {model - 1:+.0%} but steps {steps - 1:+.0%}: not acted on"
             )
         res = plan_partition(costs, num_stages=w.num_stages, memory_bytes=self._memory(w), **kw)
-        bounds = tuple((int(a), int(b)) for a, b in res.bounds)
-        if bounds == w.bounds:
+        bounds = _wide(tuple((int(a), int(b)) for a, b in res.bounds), w.ranks, len(key))
+        step_ms, what = res.step_ms, ""
+        if self.config.elastic and w.dp == 1:
+            # The same rule over other numbers of stages: one device fewer, or an idle one
+            # back (priced at its probed slowdown).
+            for ranks in self._rank_sets(w):
+                alt_ms, alt = self._plan_on(w, ranks, **kw)
+                if alt is not None and alt_ms < step_ms:
+                    step_ms, bounds = alt_ms, _wide(alt, ranks, len(key))
+                    what = f" on {len(ranks)} of {len(key)} devices (ranks {list(ranks)})"
+        if bounds == key:
             return verdict("current plan is best")
+        res = dataclasses.replace(res, step_ms=step_ms)
         gain = cur - res.step_ms
         need = self.required_gain()
         if gain < need * cur:
@@ -384,7 +398,10 @@ class Controller:
                 res.step_ms,
             )
         return verdict(
-            f"predicted {cur:.2f} -> {res.step_ms:.2f} ms/step", res.step_ms, bounds, model=True
+            f"predicted {cur:.2f} -> {res.step_ms:.2f} ms/step{what}",
+            res.step_ms,
+            bounds,
+            model=True,
         )
 
     def tracking_error(self) -> float:
@@ -427,6 +444,80 @@ class Controller:
     @property
     def _state_bytes(self) -> np.ndarray:
         return self.base.state_bytes
+
+    def _moved(self, w: Window, bounds: Bounds) -> int:
+        """Bytes that change owner going from ``w``'s plan to ``bounds`` (one range per
+        stage of ``w``, or one per rank)."""
+        if w.idle or len(bounds) != len(w.bounds):
+            key = w.key
+            return moved_bytes(self._state_bytes, key, bounds, tuple(range(len(key))))
+        return moved_bytes(self._state_bytes, w.bounds, bounds, w.ranks)
+
+    def split_on(self, w: Window, *, ranks: tuple[int, ...]) -> Bounds | None:
+        """The best split of the model over ``ranks`` under the current estimates, one range
+        per rank (a release or reclaim request's plan); None if no split fits."""
+        if not self.est.calibrated:
+            return None
+        kw = {"schedule": w.schedule, "microbatches": w.microbatches}
+        _, bounds = self._plan_on(w, ranks, **kw)
+        world = len(w.ranks) + len(w.idle)
+        return None if bounds is None else _wide(bounds, ranks, world)
+
+    def _rank_sets(self, w: Window) -> list[tuple[int, ...]]:
+        """Sets of ranks one device away from ``w``'s: each active rank left out (two or
+        more active), each idle rank whose device was probed brought back."""
+        active = list(w.ranks)
+        out = []
+        if len(active) > 1:
+            out += [tuple(r for r in active if r != x) for x in active]
+        probed = set(w.probes or {}) - self.excluded
+        out += [tuple(sorted([*active, x])) for x in w.idle if x in probed]
+        return out
+
+    def _plan_on(
+        self, w: Window, ranks: tuple[int, ...], *, schedule: str, microbatches: int
+    ) -> tuple[float, Bounds | None]:
+        """The best split over ``ranks`` (in rank order) and its predicted step time: layers
+        on a rank that holds them cost what they measure there, elsewhere their clean cost
+        times the rank's slowdown (an idle rank's from its probe)."""
+        fwd, bwd = self.est.costs(w.bounds, w.ranks, predicted=self._predicted(w))
+        for r in ranks:
+            if r not in w.ranks:
+                fwd[r], bwd[r] = (
+                    self.est.clean_f * self.est.slow[r],
+                    self.est.clean_b * self.est.slow[r],
+                )
+        of, ob = self.est.overheads(ranks)
+        idx = list(ranks)
+        costs = dataclasses.replace(
+            self.base.for_devices(len(ranks)),
+            fwd_ms=fwd[idx],
+            bwd_ms=bwd[idx],
+            stage_fwd_ms=of,
+            stage_bwd_ms=ob,
+        )
+        memory = None
+        if w.memory_bytes is not None and np.isfinite(w.memory_bytes).any():
+            held = dict(zip(w.ranks, self._memory(w) or [], strict=False))
+            memory = [
+                held.get(r, float(w.memory_bytes[r]) if np.isfinite(w.memory_bytes[r]) else np.inf)
+                for r in ranks
+            ]
+        if len(ranks) > w.num_layers:
+            return np.inf, None
+        try:
+            res = plan_partition(
+                costs,
+                num_stages=len(ranks),
+                memory_bytes=memory,
+                schedule=schedule,
+                microbatches=microbatches,
+            )
+        except PlanError:
+            return np.inf, None  # the model does not fit these devices' memory
+        if not np.isfinite(res.step_ms):
+            return np.inf, None
+        return float(res.step_ms), tuple((int(a), int(b)) for a, b in res.bounds)
 
     def _memory(self, w: Window) -> list[float] | None:
         """Per stage, the bytes it may hold: what it holds now (the planner's own estimate of
@@ -497,6 +588,20 @@ class Controller:
         self._shortfalls = [float(x) for x in state.get("shortfalls", [])]
         self.pending = MoveRecord.from_dict(state["pending"]) if state.get("pending") else None
         self.last = MoveRecord.from_dict(state["last"]) if state.get("last") else None
+
+
+def _wide(bounds: Bounds, ranks: tuple[int, ...], world: int) -> Bounds:
+    """``bounds`` of stages on ``ranks`` (in rank order) as one range per rank of a
+    ``world``; unchanged when every rank holds a stage."""
+    if len(bounds) == world:
+        return bounds
+    by_rank = dict(zip(ranks, bounds, strict=True))
+    out, at = [], 0
+    for r in range(world):
+        a, b = by_rank.get(r, (at, at))
+        out.append((a, b))
+        at = b
+    return tuple(out)
 
 
 def _split(bounds: Bounds) -> str:

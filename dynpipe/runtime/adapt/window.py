@@ -41,6 +41,10 @@ class Window:
     shares / dropped: the plan's batch shares per replica and the replicas partial reduce
         leaves out (None / empty for one replica).
     reduce_ms: ``[k, dp]`` each replica's longest all-reduce tail per step, or None.
+    idle: ranks the plan leaves idle (one pipeline whose plan holds a subset of the ranks);
+        the fields above describe the active stages only.
+    probes: per idle rank, ``(layer, fwd_ms, bwd_ms)``: one microbatch of that layer timed
+        on its device on the window's sampled step, or None.
     """
 
     step: int
@@ -61,6 +65,22 @@ class Window:
     shares: tuple[int, ...] | None = None
     dropped: tuple[int, ...] = ()
     reduce_ms: np.ndarray | None = None
+    idle: tuple[int, ...] = ()
+    probes: Mapping[int, tuple[int, float, float]] | None = None
+
+    @property
+    def key(self) -> tuple[tuple[int, int], ...]:
+        """The plan as one range per rank (an idle rank's empty): what names a plan when
+        ranks may be idle; the bounds themselves when none is."""
+        if not self.idle:
+            return self.bounds
+        by_rank = dict(zip(self.ranks, self.bounds, strict=True))
+        out, at = [], 0
+        for r in range(len(self.ranks) + len(self.idle)):
+            a, b = by_rank.get(r, (at, at))
+            out.append((a, b))
+            at = b
+        return tuple(out)
 
     def __repr__(self) -> str:
         split = "|".join(str(b - a) for a, b in self.bounds)
@@ -120,6 +140,8 @@ class Window:
         shares: Sequence[int] | None = None,
         dropped: Sequence[int] = (),
         replica_layers: Sequence[Mapping[str, Any] | None] | None = None,
+        idle: Sequence[int] = (),
+        probes: Mapping[int, tuple[int, float, float]] | None = None,
     ) -> Window:
         """From the run log's step records of one window (and its ``layer_times`` record).
 
@@ -163,6 +185,8 @@ class Window:
             sampled_bwd_ms=arr("stage_bwd_ms"),
             telemetry=tuple(telemetry) if telemetry is not None else None,
             memory_bytes=np.array(memory_bytes, float) if memory_bytes is not None else None,
+            idle=tuple(int(r) for r in idle),
+            probes=dict(probes) if probes else None,
         )
 
     @classmethod

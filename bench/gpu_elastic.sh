@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Elastic stage count on one 4-GPU host: one GPU (rank 3) taken by a heavy interferer (three
+# co-located 'gemm' jobs, recipes/scenarios/gpu-gemm3-rank3.toml) from step 30 to 90 of 130.
+# Runs, in order:
+#   keep-static    4 stages, the even split, never moves
+#   keep-measured  4 stages, the controller re-splits over all 4 GPUs (no --elastic)
+#   drop-static    3 stages on GPUs 0-2 (--nproc 3): the GPU left out for the whole run
+#   elastic        4 ranks, --adapt measured --elastic: the controller may leave GPU 3 idle
+#                  and take it back (its probe) when the interferer is gone
+#   release        4 ranks, --adapt measured; an operator's `dynpipe release --rank 3` as
+#                  soon as the log reaches step 30, `dynpipe reclaim --rank 3` at step 90
+#   freeze / nofreeze  gpt on real text (pystdlib) with --eval-every, both --adapt measured
+#                  --elastic, with and without --freeze: time to accuracy (freezing changes
+#                  what training computes)
+# bench/elastic_table.py prints per-phase median step times (before / during / after the
+# interferer) and the freeze runs' time to accuracy from the raw logs.
+#   bench/gpu_elastic.sh OUTDIR
+# Every run is bounded by RUN_TIMEOUT (default 90 s) and the script by BUDGET (default
+# 560 s; a run that would not fit is skipped, and said so). Logs, outputs and the table
+# are packed into OUTDIR/elastic-logs.tgz on exit.
+# DEVICE=cpu checks the script end to end on a CPU machine (a small mlp / gpt, an emulated
+# 10x slowdown of rank 3: recipes/scenarios/emulate-10x-rank3.toml); it says nothing about
+# speed.
+set -u
+O=$1
+mkdir -p "$O"
+T0=$(date +%s)
+BUDGET=${BUDGET:-560}
+RUN_TIMEOUT=${RUN_TIMEOUT:-90}
+DEVICE=${DEVICE:-cuda}
+STEPS=130; ONSET=30; END=90; EVERY=5
+if [ "$DEVICE" = cuda ]; then
+  SCENARIO=recipes/scenarios/gpu-gemm3-rank3.toml
+  MODEL=(--model gpt --model-arg depth=12 --model-arg width=1024 --model-arg heads=16
+         --model-arg seq_len=1024 --batch-size 32 --microbatches 8)
+  TEXT=(--model gpt --model-arg depth=8 --model-arg width=512 --model-arg heads=8
+        --model-arg seq_len=256 --data pystdlib --batch-size 64 --microbatches 8)
+  EXTRA=(--bf16 --device-batches 4)
+  FREEZE_STEPS=600; EVAL_EVERY=50
+else
+  SCENARIO=recipes/scenarios/emulate-10x-rank3.toml
+  MODEL=(--model mlp --model-arg depth=6 --model-arg width=64 --batch-size 32 --microbatches 4)
+  TEXT=(--model gpt --model-arg depth=2 --model-arg width=32 --model-arg heads=2
+        --model-arg seq_len=16 --data pystdlib --batch-size 16 --microbatches 4)
+  EXTRA=(--pin-cores)
+  FREEZE_STEPS=60; EVAL_EVERY=20
+fi
+pack() {
+  python3 bench/elastic_table.py "$O" > "$O/table.out" 2>&1
+  cat "$O/table.out"
+  local tmp
+  tmp=$(mktemp "${TMPDIR:-/tmp}/elastic-logs.XXXXXX")
+  tar czf "$tmp" -C "$O" --exclude='elastic-logs.tgz' . && mv "$tmp" "$O/elastic-logs.tgz"
+  echo "packed $O/elastic-logs.tgz after $(( $(date +%s) - T0 ))s"
+}
+trap pack EXIT
+python3 - "$O" "$STEPS" "$ONSET" "$END" "$EVERY" "$DEVICE" "$SCENARIO" <<'PY'
+import json, subprocess, sys
+o, steps, onset, end, every, device, scenario = sys.argv[1:]
+rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+json.dump({"steps": int(steps), "onset": int(onset), "end": int(end), "monitor_every": int(every),
+           "device": device, "scenario": scenario, "revision": rev.stdout.strip() or None},
+          open(f"{o}/meta.json", "w"), indent=1)
+PY
+
+run() {  # name, nproc, extra args...
+  local name=$1 n=$2; shift 2
+  local left=$(( BUDGET - ($(date +%s) - T0) - 15 ))
+  if [ "$left" -lt 30 ]; then echo "$name: skipped (${left}s of the budget left)"; return 0; fi
+  local limit=$(( left < RUN_TIMEOUT ? left : RUN_TIMEOUT ))
+  local t0=$(date +%s)
+  mkdir -p "$O/$name"
+  timeout "$limit" python3 -m dynpipe train --nproc "$n" --device "$DEVICE" "${EXTRA[@]}" \
+    --optimizer adamw --lr 1e-4 --no-progress --monitor-every "$EVERY" --timeout 120 \
+    --log "$O/$name/log.jsonl" "$@" > "$O/$name/out.txt" 2>&1
+  echo "$name: exit $? in $(( $(date +%s) - t0 ))s (limit ${limit}s)"
+}
+operator() {  # run dir: release rank 3 once the log reaches ONSET, reclaim it at END
+  python3 - "$1" "$ONSET" "$END" <<'PY' &
+import json, pathlib, subprocess, sys, time
+run, onset, end = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+log, done = run / "log.jsonl", set()
+deadline = time.time() + 600
+while time.time() < deadline and len(done) < 2:
+    time.sleep(0.2)
+    if not log.is_file():
+        continue
+    last = -1
+    for line in log.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        if rec.get("type") == "step":
+            last = max(last, int(rec["step"]))
+    for verb, at in (("release", onset), ("reclaim", end)):
+        if verb not in done and last + 1 >= at:
+            subprocess.run([sys.executable, "-m", "dynpipe", verb, "--rank", "3", str(run)])
+            print(f"operator: {verb} rank 3 after step {last}", flush=True)
+            done.add(verb)
+PY
+}
+
+run keep-static 4 "${MODEL[@]}" --steps "$STEPS" --adapt static --scenario "$SCENARIO"
+run elastic 4 "${MODEL[@]}" --steps "$STEPS" --adapt measured --elastic --scenario "$SCENARIO"
+run drop-static 3 "${MODEL[@]}" --steps "$STEPS" --adapt static
+run keep-measured 4 "${MODEL[@]}" --steps "$STEPS" --adapt measured --scenario "$SCENARIO"
+mkdir -p "$O/release"
+operator "$O/release" > "$O/release/operator.txt" 2>&1
+run release 4 "${MODEL[@]}" --steps "$STEPS" --adapt measured --scenario "$SCENARIO"
+wait
+run nofreeze 4 "${TEXT[@]}" --steps "$FREEZE_STEPS" --eval-every "$EVAL_EVERY" --adapt measured \
+  --elastic
+run freeze 4 "${TEXT[@]}" --steps "$FREEZE_STEPS" --eval-every "$EVAL_EVERY" --adapt measured \
+  --elastic --freeze --freeze-every 20 --freeze-threshold 0.05
