@@ -50,6 +50,7 @@ __all__ = [
     "layer_classes",
     "moved_bytes",
     "planner_costs",
+    "predicted_slowdowns",
     "predicted_step_ms",
 ]
 
@@ -167,6 +168,24 @@ def predicted_step_ms(
             microbatches=microbatches,
         )[0]
     )
+
+
+def predicted_slowdowns(
+    predictor: Any, prepared: Any, est: CostEstimates, telemetry: list[dict]
+) -> tuple[np.ndarray, np.ndarray]:
+    """``[R, L]`` forward and backward slowdowns the predictor gives each layer on each
+    device from the device's telemetry, against the layers' measured clean costs."""
+    from dynpipe.predictor import predict_layer_times
+
+    cf, cb = est.clean_f, est.clean_b
+    pf, pb = predict_layer_times(
+        predictor,
+        layers=prepared,
+        alone_fwd_ms=np.maximum(cf, 1e-6),
+        alone_bwd_ms=np.maximum(cb, 1e-6),
+        telemetry=[{k: (np.nan if v is None else v) for k, v in t.items()} for t in telemetry],
+    )
+    return pf / np.maximum(cf, 1e-6), pb / np.maximum(cb, 1e-6)
 
 
 _MISSES = 16  # the model's misses remembered for its tracking error
@@ -542,19 +561,7 @@ class Controller:
         """Per-rank, per-layer predicted slowdowns from each device's telemetry."""
         if self.mode_used != "adaptive" or not w.telemetry:
             return None
-        from dynpipe.predictor import predict_layer_times
-
-        cf, cb = self.est.clean_f, self.est.clean_b
-        pf, pb = predict_layer_times(
-            self.predictor,
-            layers=self.prepared,
-            alone_fwd_ms=np.maximum(cf, 1e-6),
-            alone_bwd_ms=np.maximum(cb, 1e-6),
-            telemetry=[
-                {k: (np.nan if v is None else v) for k, v in t.items()} for t in w.telemetry
-            ],
-        )
-        return pf / np.maximum(cf, 1e-6), pb / np.maximum(cb, 1e-6)
+        return predicted_slowdowns(self.predictor, self.prepared, self.est, w.telemetry)
 
     # ---- after a move ----------------------------------------------------------------------
     def applied(self, *, step: int, pause_ms: float, moved_bytes: int) -> None:

@@ -53,6 +53,7 @@ from dynpipe.runtime.adapt.policy import (
     layer_classes,
     moved_bytes,
     planner_costs,
+    predicted_slowdowns,
     predicted_step_ms,
 )
 from dynpipe.runtime.adapt.record import Bounds
@@ -463,20 +464,7 @@ class ReplicaPolicy:
         """Replica ``r``'s per-layer predicted slowdowns from its devices' telemetry."""
         if self.mode_used != "adaptive" or not sub.telemetry:
             return None
-        from dynpipe.predictor import predict_layer_times
-
-        est = self.est[r]
-        cf, cb = est.clean_f, est.clean_b
-        pf, pb = predict_layer_times(
-            self.predictor,
-            layers=self.prepared,
-            alone_fwd_ms=np.maximum(cf, 1e-6),
-            alone_bwd_ms=np.maximum(cb, 1e-6),
-            telemetry=[
-                {k: (np.nan if v is None else v) for k, v in t.items()} for t in sub.telemetry
-            ],
-        )
-        return pf / np.maximum(cf, 1e-6), pb / np.maximum(cb, 1e-6)
+        return predicted_slowdowns(self.predictor, self.prepared, self.est[r], sub.telemetry)
 
     # ---- after a move ----------------------------------------------------------------------
     def applied(self, *, step: int, pause_ms: float, moved_bytes: int) -> None:
