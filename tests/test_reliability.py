@@ -271,8 +271,14 @@ def test_a_relaunch_resumes_under_the_plan_and_adaptation_state_it_saved(tmp_pat
     env = {**env, "TORCHELASTIC_RESTART_COUNT": "1"}
     again = run_ranks(_train, 2, {**base, "steps": 30}, env)
     assert again[1]["value"]["start"] == 20
-    assert again[1]["value"]["plan"]["stages"] == first[1]["value"]["plan"]["stages"]
-    assert again[1]["value"]["plan"]["stages"] == saved.meta["plan"]["stages"]
+    assert first[1]["value"]["plan"]["stages"] == saved.meta["plan"]["stages"]
+    # The plan the relaunch started under (its log header); where it ended depends on what
+    # its controller then measured, which a loaded machine can make move.
+    from dynpipe.runtime.records import read_log
+
+    headers = read_log(tmp_path / "log.jsonl").headers
+    assert len(headers) == 2 and headers[1].start_step == 20
+    assert headers[1].plan["stages"] == saved.meta["plan"]["stages"]
     even = Plan.even(model, 2, schedule="1f1b", microbatches=4).to_dict()["stages"]
     assert saved.meta["plan"]["stages"] != even  # the command line's plan would be this one
     (rec,) = _events(tmp_path / "log.jsonl", "recovered")
