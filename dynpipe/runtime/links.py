@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dynpipe.runtime.topology import Topology
+from dynpipe.runtime.topology import Topology, wait_all
 
 __all__ = ["measure_bandwidth"]
 
@@ -29,14 +29,6 @@ def _sync(device: torch.device) -> None:
     # NCCL's wait() orders the stream, not the host: the clock needs the GPU finished.
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _wait(works: list, *, timeout_s: float) -> None:
-    from datetime import timedelta
-
-    for w in works:
-        if w.wait(timeout=timedelta(seconds=timeout_s)) is False:
-            raise TimeoutError(f"link measurement did not complete within {timeout_s:.0f}s")
 
 
 def measure_bandwidth(topo: Topology, *, nbytes: int, rounds: int = 3) -> float | None:
@@ -63,12 +55,14 @@ def measure_bandwidth(topo: Topology, *, nbytes: int, rounds: int = 3) -> float 
             t0 = time.perf_counter()
             for first in (me == a, me != a):
                 op = dist.isend if first else dist.irecv
-                _wait(dist.batch_isend_irecv([dist.P2POp(op, buf, peer)]), timeout_s=topo.timeout_s)
+                works = dist.batch_isend_irecv([dist.P2POp(op, buf, peer)])
+                wait_all(works, timeout_s=topo.timeout_s, what="link measurement")
                 _sync(device)
             if i:
                 samples.append((time.perf_counter() - t0) / 2)
         if me == a:
             seconds[a] = statistics.median(samples)
-    _wait([dist.all_reduce(seconds, async_op=True)], timeout_s=topo.timeout_s)
+    work = dist.all_reduce(seconds, async_op=True)
+    wait_all([work], timeout_s=topo.timeout_s, what="link measurement")
     per_link = [s for s in seconds.tolist() if s > 0]
     return size / statistics.median(per_link) if per_link else None

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,7 +35,7 @@ from dynpipe.planner.diff import Transfer, diff
 from dynpipe.planner.plan import Plan
 from dynpipe.runtime.engine import PipelineEngine
 from dynpipe.runtime.health import Heartbeat
-from dynpipe.runtime.topology import Topology
+from dynpipe.runtime.topology import Topology, wait_all
 
 __all__ = [
     "MigrationError",
@@ -173,13 +172,6 @@ def _layer_payload(engine: PipelineEngine, names: list[str]) -> dict[str, torch.
     return out
 
 
-def _wait(works: list, *, timeout_s: float, what: str) -> None:
-    for w in works:
-        ok = w.wait(timeout=timedelta(seconds=timeout_s))
-        if ok is False:
-            raise TimeoutError(f"{what} did not complete within {timeout_s:.0f}s")
-
-
 def _vote(
     *,
     ok: bool,
@@ -198,7 +190,7 @@ def _vote(
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     try:
         work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True)
-        _wait([work], timeout_s=timeout_s, what="migration vote")
+        wait_all([work], timeout_s=timeout_s, what="migration vote")
     except Exception as exc:
         dead = beat.dead_peers() if beat is not None else []
         who = (
@@ -246,7 +238,7 @@ def _exchange(
     ops = [dist.P2POp(dist.isend, t, p) for p, t in sorted(sizes_out.items())]
     ops += [dist.P2POp(dist.irecv, t, p) for p, t in sorted(sizes_in.items())]
     if ops:
-        _wait(dist.batch_isend_irecv(ops), timeout_s=timeout_s, what="size exchange")
+        wait_all(dist.batch_isend_irecv(ops), timeout_s=timeout_s, what="size exchange")
     recv = {
         p: (
             torch.empty(int(n[0]), dtype=torch.uint8, device=device),
@@ -257,7 +249,7 @@ def _exchange(
     ops = [dist.P2POp(dist.isend, t, p) for p, msg in sorted(outgoing.items()) for t in msg]
     ops += [dist.P2POp(dist.irecv, t, p) for p, msg in sorted(recv.items()) for t in msg]
     if ops:
-        _wait(dist.batch_isend_irecv(ops), timeout_s=timeout_s, what="layer transfer")
+        wait_all(dist.batch_isend_irecv(ops), timeout_s=timeout_s, what="layer transfer")
     got = {p: (json.loads(bytes(h.cpu().numpy()).decode()), b) for p, (h, b) in recv.items()}
     return got, sum(h.numel() + b.numel() for h, b in recv.values())
 
@@ -281,7 +273,7 @@ def warm_links(topo: Topology, *, warm_bytes: int = 0) -> float:
     inbox = {p: torch.empty(1, dtype=torch.int64, device=device) for p in range(n) if p != me}
     ops = [dist.P2POp(dist.isend, out, p) for p in inbox]
     ops += [dist.P2POp(dist.irecv, t, p) for p, t in inbox.items()]
-    _wait(dist.batch_isend_irecv(ops), timeout_s=timeout_s, what="link warm-up")
+    wait_all(dist.batch_isend_irecv(ops), timeout_s=timeout_s, what="link warm-up")
     bad = [p for p, t in inbox.items() if int(t.item()) != p]
     if bad:
         raise MigrationError(f"rank {me}: link warm-up got wrong ids from ranks {bad}")

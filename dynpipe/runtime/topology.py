@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from dynpipe.errors import UserError
 
-__all__ = ["Topology", "destroy", "init_distributed"]
+__all__ = ["Topology", "destroy", "init_distributed", "wait_all"]
 
 
 @dataclass(frozen=True)
@@ -139,3 +139,11 @@ def init_distributed(topo: Topology) -> None:
 def destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def wait_all(works: list, *, timeout_s: float, what: str) -> None:
+    """Wait for asynchronous collectives or point-to-point works, each within ``timeout_s``;
+    ``TimeoutError`` naming ``what`` if one does not complete (no wait is unbounded)."""
+    for w in works:
+        if w.wait(timeout=timedelta(seconds=timeout_s)) is False:
+            raise TimeoutError(f"{what} did not complete within {timeout_s:.0f}s")
