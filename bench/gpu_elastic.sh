@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Elastic stage count on one 4-GPU host: one GPU (rank 3) taken by a heavy interferer (three
-# co-located 'gemm' jobs, recipes/scenarios/gpu-gemm3-rank3.toml) from step 30 to 90 of 130.
+# Elastic stage count on one host of NGPU GPUs (4 by default; 2 where no 4-GPU host is
+# lent): the last GPU (rank L = NGPU-1) taken by a heavy interferer (three co-located 'gemm'
+# jobs, recipes/scenarios/gpu-gemm3-rank<L>.toml) from step 30 to 90 of 130.
 # Runs, in order:
-#   keep-static    4 stages, the even split, never moves
-#   keep-measured  4 stages, the controller re-splits over all 4 GPUs (no --elastic)
-#   drop-static    3 stages on GPUs 0-2 (--nproc 3): the GPU left out for the whole run
-#   elastic        4 ranks, --adapt measured --elastic: the controller may leave GPU 3 idle
-#                  and take it back (its probe) when the interferer is gone
-#   release        4 ranks, --adapt measured; an operator's `dynpipe release --rank 3` as
-#                  soon as the log reaches step 30, `dynpipe reclaim --rank 3` at step 90
+#   keep-static    NGPU stages, the even split, never moves
+#   keep-measured  NGPU stages, the controller re-splits over all GPUs (no --elastic)
+#   drop-static    NGPU-1 stages (--nproc NGPU-1): GPU L left out for the whole run
+#   elastic        NGPU ranks, --adapt measured --elastic: the controller may leave GPU L
+#                  idle and take it back (its probe) when the interferer is gone
+#   release        NGPU ranks, --adapt measured; an operator's `dynpipe release --rank L` as
+#                  soon as the log reaches step 30, `dynpipe reclaim --rank L` at step 90
 #   freeze / nofreeze  gpt on real text (pystdlib) with --eval-every, both --adapt measured
 #                  --elastic, with and without --freeze: time to accuracy (freezing changes
 #                  what training computes)
@@ -19,7 +20,7 @@
 # 560 s; a run that would not fit is skipped, and said so). Logs, outputs and the table
 # are packed into OUTDIR/elastic-logs.tgz on exit.
 # DEVICE=cpu checks the script end to end on a CPU machine (a small mlp / gpt, an emulated
-# 10x slowdown of rank 3: recipes/scenarios/emulate-10x-rank3.toml); it says nothing about
+# 10x slowdown of rank L: recipes/scenarios/emulate-10x-rank<L>.toml); it says nothing about
 # speed.
 set -u
 O=$1
@@ -28,9 +29,12 @@ T0=$(date +%s)
 BUDGET=${BUDGET:-560}
 RUN_TIMEOUT=${RUN_TIMEOUT:-90}
 DEVICE=${DEVICE:-cuda}
+NGPU=${NGPU:-4}
+L=$(( NGPU - 1 ))
+if [ "$NGPU" -lt 2 ]; then echo "NGPU must be >= 2, got $NGPU"; exit 2; fi
 STEPS=130; ONSET=30; END=90; EVERY=5
 if [ "$DEVICE" = cuda ]; then
-  SCENARIO=recipes/scenarios/gpu-gemm3-rank3.toml
+  SCENARIO=recipes/scenarios/gpu-gemm3-rank$L.toml
   MODEL=(--model gpt --model-arg depth=12 --model-arg width=1024 --model-arg heads=16
          --model-arg seq_len=1024 --batch-size 32 --microbatches 8)
   TEXT=(--model gpt --model-arg depth=8 --model-arg width=512 --model-arg heads=8
@@ -38,7 +42,7 @@ if [ "$DEVICE" = cuda ]; then
   EXTRA=(--bf16 --device-batches 4)
   FREEZE_STEPS=600; EVAL_EVERY=50
 else
-  SCENARIO=recipes/scenarios/emulate-10x-rank3.toml
+  SCENARIO=recipes/scenarios/emulate-10x-rank$L.toml
   MODEL=(--model mlp --model-arg depth=6 --model-arg width=64 --batch-size 32 --microbatches 4)
   TEXT=(--model gpt --model-arg depth=2 --model-arg width=32 --model-arg heads=2
         --model-arg seq_len=16 --data pystdlib --batch-size 16 --microbatches 4)
@@ -54,12 +58,12 @@ pack() {
   echo "packed $O/elastic-logs.tgz after $(( $(date +%s) - T0 ))s"
 }
 trap pack EXIT
-python3 - "$O" "$STEPS" "$ONSET" "$END" "$EVERY" "$DEVICE" "$SCENARIO" <<'PY'
-import json, subprocess, sys
-o, steps, onset, end, every, device, scenario = sys.argv[1:]
+python3 - "$O" "$STEPS" "$ONSET" "$END" "$EVERY" "$DEVICE" "$SCENARIO" "$NGPU" <<'PY'
+import json, os, subprocess, sys
+o, steps, onset, end, every, device, scenario, ngpu = sys.argv[1:]
 rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
 json.dump({"steps": int(steps), "onset": int(onset), "end": int(end), "monitor_every": int(every),
-           "device": device, "scenario": scenario, "revision": rev.stdout.strip() or None},
+           "device": device, "scenario": scenario, "gpus": int(ngpu), "revision": os.environ.get("DYNPIPE_REVISION") or rev.stdout.strip() or None},
           open(f"{o}/meta.json", "w"), indent=1)
 PY
 
@@ -75,10 +79,10 @@ run() {  # name, nproc, extra args...
     --log "$O/$name/log.jsonl" "$@" > "$O/$name/out.txt" 2>&1
   echo "$name: exit $? in $(( $(date +%s) - t0 ))s (limit ${limit}s)"
 }
-operator() {  # run dir: release rank 3 once the log reaches ONSET, reclaim it at END
-  python3 - "$1" "$ONSET" "$END" <<'PY' &
+operator() {  # run dir: release rank L once the log reaches ONSET, reclaim it at END
+  python3 - "$1" "$ONSET" "$END" "$L" <<'PY' &
 import json, pathlib, subprocess, sys, time
-run, onset, end = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+run, onset, end, rank = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 log, done = run / "log.jsonl", set()
 deadline = time.time() + 600
 while time.time() < deadline and len(done) < 2:
@@ -95,21 +99,21 @@ while time.time() < deadline and len(done) < 2:
             last = max(last, int(rec["step"]))
     for verb, at in (("release", onset), ("reclaim", end)):
         if verb not in done and last + 1 >= at:
-            subprocess.run([sys.executable, "-m", "dynpipe", verb, "--rank", "3", str(run)])
-            print(f"operator: {verb} rank 3 after step {last}", flush=True)
+            subprocess.run([sys.executable, "-m", "dynpipe", verb, "--rank", rank, str(run)])
+            print(f"operator: {verb} rank {rank} after step {last}", flush=True)
             done.add(verb)
 PY
 }
 
-run keep-static 4 "${MODEL[@]}" --steps "$STEPS" --adapt static --scenario "$SCENARIO"
-run elastic 4 "${MODEL[@]}" --steps "$STEPS" --adapt measured --elastic --scenario "$SCENARIO"
-run drop-static 3 "${MODEL[@]}" --steps "$STEPS" --adapt static
-run keep-measured 4 "${MODEL[@]}" --steps "$STEPS" --adapt measured --scenario "$SCENARIO"
+run keep-static "$NGPU" "${MODEL[@]}" --steps "$STEPS" --adapt static --scenario "$SCENARIO"
+run elastic "$NGPU" "${MODEL[@]}" --steps "$STEPS" --adapt measured --elastic --scenario "$SCENARIO"
+run drop-static "$L" "${MODEL[@]}" --steps "$STEPS" --adapt static
+run keep-measured "$NGPU" "${MODEL[@]}" --steps "$STEPS" --adapt measured --scenario "$SCENARIO"
 mkdir -p "$O/release"
 operator "$O/release" > "$O/release/operator.txt" 2>&1
-run release 4 "${MODEL[@]}" --steps "$STEPS" --adapt measured --scenario "$SCENARIO"
+run release "$NGPU" "${MODEL[@]}" --steps "$STEPS" --adapt measured --scenario "$SCENARIO"
 wait
-run nofreeze 4 "${TEXT[@]}" --steps "$FREEZE_STEPS" --eval-every "$EVAL_EVERY" --adapt measured \
+run nofreeze "$NGPU" "${TEXT[@]}" --steps "$FREEZE_STEPS" --eval-every "$EVAL_EVERY" --adapt measured \
   --elastic
-run freeze 4 "${TEXT[@]}" --steps "$FREEZE_STEPS" --eval-every "$EVAL_EVERY" --adapt measured \
+run freeze "$NGPU" "${TEXT[@]}" --steps "$FREEZE_STEPS" --eval-every "$EVAL_EVERY" --adapt measured \
   --elastic --freeze --freeze-every 20 --freeze-threshold 0.05

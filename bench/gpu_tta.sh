@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Time to accuracy and scaling on GPU: gpt trained on real text available offline (this
+# Python's standard library sources, `--data pystdlib`) with a held-out evaluation every
+# EVAL_EVERY steps, a real 'gemm' interferer on stage 1's GPU from step 100 to 450 of 600
+# (recipes/scenarios/gpu-gemm-long-stage1.toml).
+# Runs, in order:
+#   tta-static-2    2 GPUs, the even split, never moves
+#   tta-adaptive-2  2 GPUs, --adapt adaptive (the shipped predictor), live moves
+#   tta-restart-2   2 GPUs, --adapt restart: the same decisions applied by checkpoint,
+#                   exit and relaunch (the original DynPipe's way)
+#   tta-static-1    1 GPU, the whole model, the interferer on that GPU over the same steps
+#                   (gpu-gemm-long-stage0.toml): the scaling figure's one-GPU point
+# Every run trains the same model on the same batches (same seed): the eval curves over
+# steps agree, and time to a target is what adaptation changes. Then `dynpipe figures`
+# draws time to accuracy (the 2-GPU runs) and throughput against GPU count (all runs), with
+# summary.md, from the raw logs only.
+#   bench/gpu_tta.sh OUTDIR
+# Every run is bounded by RUN_TIMEOUT (default 150 s) and the script by BUDGET (default
+# 540 s; a run that would not fit is skipped, and said so). Logs, figures and outputs are
+# packed into OUTDIR/tta-logs.tgz on exit (checkpoints left out).
+# DEVICE=cpu checks the script end to end on a CPU machine (a tiny gpt, 60 steps, an
+# emulated 3x slowdown, recipes/scenarios/emulate-3x-long-stage{0,1}.toml); it says nothing
+# about speed.
+set -u
+O=$1
+mkdir -p "$O"
+T0=$(date +%s)
+BUDGET=${BUDGET:-540}
+RUN_TIMEOUT=${RUN_TIMEOUT:-150}
+DEVICE=${DEVICE:-cuda}
+PREDICTOR=${PREDICTOR:-predictor/h200.json.gz}
+if [ "$DEVICE" = cuda ]; then
+  # 12 x 768 at 8 x 512 tokens per microbatch: ~85 ms a step on two GPUs (H200,
+  # bench/results/pipeline-gpt-gpu-2st.json), GPU-bound enough that one gemm interferer
+  # slows its stage.
+  MODEL=(--model gpt --model-arg depth=12 --model-arg width=768 --model-arg heads=12
+         --model-arg seq_len=512 --batch-size 64 --microbatches 8 --bf16)
+  STEPS=${STEPS:-600}; EVAL_EVERY=${EVAL_EVERY:-50}; EVAL_BATCHES=8
+  S1=recipes/scenarios/gpu-gemm-long-stage1.toml
+  S0=recipes/scenarios/gpu-gemm-long-stage0.toml
+else
+  MODEL=(--model gpt --model-arg depth=4 --model-arg width=32 --model-arg heads=2
+         --model-arg seq_len=16 --batch-size 16 --microbatches 4 --pin-cores)
+  STEPS=${STEPS:-60}; EVAL_EVERY=${EVAL_EVERY:-20}; EVAL_BATCHES=2
+  S1=recipes/scenarios/emulate-3x-long-stage1.toml
+  S0=recipes/scenarios/emulate-3x-long-stage0.toml
+fi
+pack() {
+  local figs
+  figs=$(ls "$O"/tta-*-2/log.jsonl 2>/dev/null)
+  # shellcheck disable=SC2086  # one path per word
+  [ -n "$figs" ] && python3 -m dynpipe figures -o "$O/figures-tta" $figs > "$O/figures-tta.out" 2>&1
+  figs=$(ls "$O"/tta-*/log.jsonl 2>/dev/null)
+  # shellcheck disable=SC2086
+  [ -n "$figs" ] && python3 -m dynpipe figures -o "$O/figures-scaling" $figs > "$O/figures-scaling.out" 2>&1
+  cat "$O/figures-tta/summary.md" 2>/dev/null
+  local tmp
+  tmp=$(mktemp "${TMPDIR:-/tmp}/tta-logs.XXXXXX")
+  tar czf "$tmp" -C "$O" --exclude='tta-logs.tgz' --exclude='ckpt' . && mv "$tmp" "$O/tta-logs.tgz"
+  echo "packed $O/tta-logs.tgz after $(( $(date +%s) - T0 ))s"
+}
+trap pack EXIT
+python3 - "$O" "$STEPS" "$DEVICE" "$S1" "$S0" <<'PY'
+import json, os, subprocess, sys
+o, steps, device, s1, s0 = sys.argv[1:]
+rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+json.dump({"steps": int(steps), "device": device, "scenario_2gpu": s1, "scenario_1gpu": s0,
+           "revision": os.environ.get("DYNPIPE_REVISION") or rev.stdout.strip() or None}, open(f"{o}/meta.json", "w"), indent=1)
+PY
+
+run() {  # name, nproc, extra args...
+  local name=$1 n=$2; shift 2
+  local left=$(( BUDGET - ($(date +%s) - T0) - 20 ))
+  if [ "$left" -lt 40 ]; then echo "$name: skipped (${left}s of the budget left)"; return 0; fi
+  local limit=$(( left < RUN_TIMEOUT ? left : RUN_TIMEOUT ))
+  local t0=$(date +%s)
+  mkdir -p "$O/$name"
+  timeout "$limit" python3 -m dynpipe train --nproc "$n" --device "$DEVICE" "${MODEL[@]}" \
+    --data pystdlib --steps "$STEPS" --eval-every "$EVAL_EVERY" --eval-batches "$EVAL_BATCHES" \
+    --optimizer adamw --lr 3e-4 --warmup 30 --no-progress --monitor-every 5 --timeout 120 \
+    --log "$O/$name/log.jsonl" "$@" > "$O/$name/out.txt" 2>&1
+  echo "$name: exit $? in $(( $(date +%s) - t0 ))s (limit ${limit}s)"
+}
+
+run tta-static-2 2 --adapt static --scenario "$S1"
+run tta-adaptive-2 2 --adapt adaptive --predictor "$PREDICTOR" --scenario "$S1"
+run tta-restart-2 2 --adapt restart --predictor "$PREDICTOR" --scenario "$S1" \
+  --save-dir "$O/ckpt"
+run tta-static-1 1 --adapt static --scenario "$S0"
