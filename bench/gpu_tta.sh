@@ -3,13 +3,13 @@
 # Python's standard library sources, `--data pystdlib`) with a held-out evaluation every
 # EVAL_EVERY steps, a real 'gemm' interferer on stage 1's GPU from step 100 to 450 of 600
 # (recipes/scenarios/gpu-gemm-long-stage1.toml).
-# Runs, in order:
+# Runs, in order (the restart baseline last: its relaunches make it the longest):
 #   tta-static-2    2 GPUs, the even split, never moves
 #   tta-adaptive-2  2 GPUs, --adapt adaptive (the shipped predictor), live moves
-#   tta-restart-2   2 GPUs, --adapt restart: the same decisions applied by checkpoint,
-#                   exit and relaunch (the original DynPipe's way)
 #   tta-static-1    1 GPU, the whole model, the interferer on that GPU over the same steps
 #                   (gpu-gemm-long-stage0.toml): the scaling figure's one-GPU point
+#   tta-restart-2   2 GPUs, --adapt restart: the same decisions applied by checkpoint,
+#                   exit and relaunch (the original DynPipe's way)
 # Every run trains the same model on the same batches (same seed): the eval curves over
 # steps agree, and time to a target is what adaptation changes. Then `dynpipe figures`
 # draws time to accuracy (the 2-GPU runs) and throughput against GPU count (all runs), with
@@ -84,6 +84,6 @@ run() {  # name, nproc, extra args...
 
 run tta-static-2 2 --adapt static --scenario "$S1"
 run tta-adaptive-2 2 --adapt adaptive --predictor "$PREDICTOR" --scenario "$S1"
+run tta-static-1 1 --adapt static --scenario "$S0"
 run tta-restart-2 2 --adapt restart --predictor "$PREDICTOR" --scenario "$S1" \
   --save-dir "$O/ckpt"
-run tta-static-1 1 --adapt static --scenario "$S0"
