@@ -15,6 +15,7 @@
 # draws time to accuracy (the 2-GPU runs) and throughput against GPU count (all runs), with
 # summary.md, from the raw logs only.
 #   bench/gpu_tta.sh OUTDIR
+# RUNS picks and orders the runs (default "static-2 adaptive-2 static-1 restart-2").
 # Every run is bounded by RUN_TIMEOUT (default 150 s) and the script by BUDGET (default
 # 540 s; a run that would not fit is skipped, and said so). Logs, figures and outputs are
 # packed into OUTDIR/tta-logs.tgz on exit (checkpoints left out).
@@ -82,8 +83,13 @@ run() {  # name, nproc, extra args...
   echo "$name: exit $? in $(( $(date +%s) - t0 ))s (limit ${limit}s)"
 }
 
-run tta-static-2 2 --adapt static --scenario "$S1"
-run tta-adaptive-2 2 --adapt adaptive --predictor "$PREDICTOR" --scenario "$S1"
-run tta-static-1 1 --adapt static --scenario "$S0"
-run tta-restart-2 2 --adapt restart --predictor "$PREDICTOR" --scenario "$S1" \
-  --save-dir "$O/ckpt"
+for r in ${RUNS:-static-2 adaptive-2 static-1 restart-2}; do
+  case $r in
+    static-2) run tta-static-2 2 --adapt static --scenario "$S1" ;;
+    adaptive-2) run tta-adaptive-2 2 --adapt adaptive --predictor "$PREDICTOR" --scenario "$S1" ;;
+    static-1) run tta-static-1 1 --adapt static --scenario "$S0" ;;
+    restart-2) run tta-restart-2 2 --adapt restart --predictor "$PREDICTOR" --scenario "$S1" \
+                 --save-dir "$O/ckpt" ;;
+    *) echo "unknown run $r (static-2, adaptive-2, static-1, restart-2)"; exit 2 ;;
+  esac
+done

@@ -657,8 +657,15 @@ class PipelineEngine:
             got = probe.collect()
         if got is None:
             return None
-        f, b = got
-        return LayerTiming(fwd_ms=f, bwd_ms=b, stage_fwd_ms=float(f[0]), stage_bwd_ms=float(b[0]))
+        f, b, hf, hb = got
+        return LayerTiming(
+            fwd_ms=f,
+            bwd_ms=b,
+            stage_fwd_ms=float(f[0]),
+            stage_bwd_ms=float(b[0]),
+            launch_fwd_ms=hf,
+            launch_bwd_ms=hb,
+        )
 
     def _share(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """This replica's microbatches of the step's batch ``t``."""

@@ -252,15 +252,19 @@ class LayerTimes(Record):
     """Every layer's time per microbatch on the window's sampled step (the last step before
     ``step + 1``), each from the stage that held it: the median over its microbatches (ms;
     None where a layer was not timed). stage_fwd_ms / stage_bwd_ms: every stage's own timer
-    on that step, per microbatch (beyond its layers: the stage's overhead). With replicas
-    the fields above are replica 0's, and ``replicas`` holds every replica's as a dict of
-    the same four keys (absent otherwise)."""
+    on that step, per microbatch (beyond its layers: the stage's overhead). On a GPU a
+    layer's time is the longer of its device time and the host's time to issue it, and
+    launch_fwd_ms / launch_bwd_ms hold the latter (absent on CPU; ``runtime/timing.py``).
+    With replicas the fields above are replica 0's, and ``replicas`` holds every replica's
+    as a dict of the same keys (absent otherwise)."""
 
     step: int
     fwd_ms: tuple[float | None, ...] = ()
     bwd_ms: tuple[float | None, ...] = ()
     stage_fwd_ms: tuple[float | None, ...] = ()
     stage_bwd_ms: tuple[float | None, ...] = ()
+    launch_fwd_ms: tuple[float | None, ...] = field(default=(), metadata={"omit_empty": True})
+    launch_bwd_ms: tuple[float | None, ...] = field(default=(), metadata={"omit_empty": True})
     replicas: tuple[dict[str, Any], ...] = field(default=(), metadata={"omit_empty": True})
 
 

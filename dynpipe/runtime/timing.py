@@ -17,6 +17,18 @@ hook on every boundary tensor's gradient; the gradient of layer ``j``'s output a
 its backward starts, the gradient of its input when its backward ends. The hooks return
 nothing, so they never change what is computed.
 
+On a GPU a layer costs the longer of two times: what the device takes to run its kernels
+and what the host takes to issue them (Python, autograd and the launches). The events time
+the first only where the device is the stage's limit; on a stage whose host runs ahead of
+its device they see the kernels alone, on a stage the host holds back they see the gaps
+between launches. A transformer block at a small microbatch runs in 0.26 ms on an H100 and
+takes 0.6-1.0 ms to issue: which stage is the host-bound one then decides what its layers
+seem to cost, and a controller that read the events alone moved layers to the stage whose
+host had slack and found it slower (gpt 12 x 768, 8 x 512 tokens per microbatch). So on a
+GPU the probe also takes host times (``perf_counter`` at the same marks: forward around
+each layer, backward in the same gradient hooks, which autograd calls as it issues each
+layer's backward), and a layer's cost is the longer of the two.
+
 Emulated interference (tests, CPU demos without a real interferer) stretches every layer's
 forward and backward to ``dilation`` times its length, so the per-layer timings see it where a
 real interferer would put it: in the layers, not in the stage's overhead.
@@ -45,6 +57,10 @@ class LayerTiming:
     bwd_ms: list[float]
     stage_fwd_ms: float = float("nan")
     stage_bwd_ms: float = float("nan")
+    # GPU: the host's time to issue each layer (``fwd_ms``/``bwd_ms`` already take the
+    # longer of it and the device's); None on CPU, where the two are one time.
+    launch_fwd_ms: list[float] | None = None
+    launch_bwd_ms: list[float] | None = None
 
 
 @dataclass
@@ -105,6 +121,10 @@ class LayerProbe:
         self._fwd: dict[int, list] = {}
         self._bwd: dict[int, dict[int, object]] = {}
         self._bwd_edges: dict[int, tuple[object, object]] = {}
+        # GPU: the host's perf_counter at the same marks (the time to issue each layer).
+        self._hfwd: dict[int, list[float]] = {}
+        self._hbwd: dict[int, dict[int, float]] = {}
+        self._hbwd_edges: dict[int, tuple[float, float | None]] = {}
         self._n = 0
         self._t_last = 0.0  # host time of the last backward mark (dilation)
         # Data parallelism: gradients went to the all-reduce, so what follows in this
@@ -136,19 +156,32 @@ class LayerProbe:
         chunk, rec = self.chunk, self.sampling
         fmarks = [self._mark()] if rec else None
         bmarks: dict[int, object] = {}
+        host = rec and self.cuda
+        t = time.perf_counter()
+        hmarks, hb = ([t], {}) if host else (None, None)
         if rec:
             self._fwd[chunk], self._bwd[chunk] = fmarks, bmarks  # type: ignore[assignment]
-        self._hook(x, 0, bmarks, rec)
-        t = time.perf_counter()
+        if hmarks is not None:
+            self._hfwd[chunk], self._hbwd[chunk] = hmarks, hb  # type: ignore[assignment]
+        self._hook(x, 0, bmarks, rec, hb)
         for j, layer in enumerate(layers):
             x = layer(x)
             t = self._stretch(t)
             if fmarks is not None:
                 fmarks.append(self._mark())
-            self._hook(x, j + 1, bmarks, rec)
+            if hmarks is not None:
+                hmarks.append(t)
+            self._hook(x, j + 1, bmarks, rec, hb)
         return x
 
-    def _hook(self, x: object, boundary: int, bmarks: dict[int, object], rec: bool) -> None:
+    def _hook(
+        self,
+        x: object,
+        boundary: int,
+        bmarks: dict[int, object],
+        rec: bool,
+        hb: dict[int, float] | None = None,
+    ) -> None:
         if not (isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()):
             return
 
@@ -156,6 +189,8 @@ class LayerProbe:
             self._t_last = self._stretch(self._t_last)
             if rec:
                 bmarks[boundary] = self._mark()
+            if hb is not None:
+                hb[boundary] = self._t_last
 
         x.register_hook(on_grad)
 
@@ -165,6 +200,8 @@ class LayerProbe:
         self.in_backward = True
         if self.sampling:
             self._bwd_edges[chunk] = (self._mark(), None)
+            if self.cuda:
+                self._hbwd_edges[chunk] = (self._t_last, None)
 
     def handed_to_reduce(self) -> None:
         """Gradients went to the data-parallel all-reduce: the compute since the last mark
@@ -179,14 +216,31 @@ class LayerProbe:
         self._handed = self.in_backward = False
         if self.sampling and chunk in self._bwd_edges:
             self._bwd_edges[chunk] = (self._bwd_edges[chunk][0], self._mark())
+        if self.sampling and chunk in self._hbwd_edges:
+            self._hbwd_edges[chunk] = (self._hbwd_edges[chunk][0], time.perf_counter())
 
-    def collect(self) -> tuple[list[float], list[float]] | None:
-        """Per-layer (fwd, bwd) medians over the sampled microbatches, then reset."""
+    def collect(
+        self,
+    ) -> tuple[list[float], list[float], list[float] | None, list[float] | None] | None:
+        """Per-layer (fwd, bwd) costs, medians over the sampled microbatches, and on a GPU
+        the host's (fwd, bwd) times to issue them (else None), then reset. On a GPU a cost is
+        the longer of the device's time and the host's (see the module docstring); NaN (an
+        untimed backward) stays NaN."""
         fwd, bwd, edges, n = self._fwd, self._bwd, self._bwd_edges, self._n
+        hfwd, hbwd, hedges = self._hfwd, self._hbwd, self._hbwd_edges
         self._fwd, self._bwd, self._bwd_edges = {}, {}, {}
+        self._hfwd, self._hbwd, self._hbwd_edges = {}, {}, {}
         if not fwd:
             return None
-        ms = lambda a, b: _elapsed_ms(self.cuda, a, b)  # noqa: E731
+        f, b = self._medians(fwd, bwd, edges, n, lambda a, b: _elapsed_ms(self.cuda, a, b))
+        if not hfwd:
+            return f, b, None, None
+        hf, hb = self._medians(hfwd, hbwd, hedges, n, lambda a, b: (b - a) * 1e3)
+        longer = lambda d, h: [max(x, y) if x == x else x for x, y in zip(d, h, strict=True)]  # noqa: E731
+        return longer(f, hf), longer(b, hb), hf, hb
+
+    @staticmethod
+    def _medians(fwd: dict, bwd: dict, edges: dict, n: int, ms) -> tuple[list, list]:
         f_rows, b_rows = [], []
         for chunk, marks in fwd.items():
             f_rows.append([ms(marks[j], marks[j + 1]) for j in range(n)])
@@ -284,11 +338,14 @@ class StageTimer:
         )
         per_layer = self.layers.collect()
         if per_layer is not None:
+            f, b, hf, hb = per_layer
             out.layers = LayerTiming(
-                fwd_ms=per_layer[0],
-                bwd_ms=per_layer[1],
+                fwd_ms=f,
+                bwd_ms=b,
                 stage_fwd_ms=float(np.median(out.fwd_ms)) if out.fwd_ms else float("nan"),
                 stage_bwd_ms=float(np.median(out.bwd_ms)) if out.bwd_ms else float("nan"),
+                launch_fwd_ms=hf,
+                launch_bwd_ms=hb,
             )
         self.layers.sampling = False
         self._fwd, self._bwd, self._reduce = [], [], []

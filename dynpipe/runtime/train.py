@@ -169,10 +169,11 @@ class _StepLog:
         self.pending.append(res)
 
     def _layer_row(self) -> list[float]:
-        """``[2L + 2]``: this rank's per-layer fwd/bwd ms (NaN for layers it does not hold)
-        from the window's last sampled step, then that step's stage medians."""
+        """``[4L + 2]``: this rank's per-layer fwd/bwd ms (NaN for layers it does not hold)
+        from the window's last sampled step, then that step's stage medians, then the host's
+        fwd/bwd times to issue the layers (GPU; NaN on CPU)."""
         n = self.plan.num_layers
-        row = [float("nan")] * (2 * n + 2)
+        row = [float("nan")] * (4 * n + 2)
         sampled = [r.timing.layers for r in self.pending if r.timing.layers is not None]
         stage = self.plan.stage_of_rank(self.mesh.pp_rank)
         if sampled and stage is None and self.probe_layer is not None:
@@ -186,6 +187,10 @@ class _StepLog:
         row[st.start : st.stop] = lt.fwd_ms
         row[n + st.start : n + st.stop] = lt.bwd_ms
         row[2 * n], row[2 * n + 1] = lt.stage_fwd_ms, lt.stage_bwd_ms
+        if lt.launch_fwd_ms is not None and lt.launch_bwd_ms is not None:
+            h = 2 * n + 2
+            row[h + st.start : h + st.stop] = lt.launch_fwd_ms
+            row[h + n + st.start : h + n + st.stop] = lt.launch_bwd_ms
         return row
 
     def flush(self, telemetry: dict[str, float] | None = None) -> _Gathered | None:
@@ -309,22 +314,29 @@ class _StepLog:
         """Every layer's sampled time in ``replica`` from the rank that holds it (None if none
         sampled)."""
         fwd, bwd = [float("nan")] * n, [float("nan")] * n
+        hf, hb = [float("nan")] * n, [float("nan")] * n
         sf, sb = [], []
+        h = 2 * n + 2
         for st in self.plan.stages:
             row = rows[self.mesh.global_rank(st.rank, replica)]
             fwd[st.start : st.stop] = row[st.start : st.stop]
             bwd[st.start : st.stop] = row[n + st.start : n + st.stop]
+            hf[st.start : st.stop] = row[h + st.start : h + st.stop]
+            hb[st.start : st.stop] = row[h + n + st.start : h + n + st.stop]
             sf.append(row[2 * n])
             sb.append(row[2 * n + 1])
         if all(v != v for v in fwd):
             return None
         r4 = lambda xs: [_finite(v) for v in xs]  # noqa: E731
-        return {
+        out = {
             "fwd_ms": r4(fwd),
             "bwd_ms": r4(bwd),
             "stage_fwd_ms": r4(sf),
             "stage_bwd_ms": r4(sb),
         }
+        if any(v == v for v in hf):  # GPU: the host's issue times, beside the costs
+            out["launch_fwd_ms"], out["launch_bwd_ms"] = r4(hf), r4(hb)
+        return out
 
 
 def _free_bytes(topo: Topology) -> float:

@@ -1,0 +1,105 @@
+"""Stage and layer timers: what a layer is taken to cost.
+
+On a GPU a layer costs the longer of its device time (events) and the host's time to
+issue it (``runtime/timing.py``). The device half is stood in for by fake events that
+report a fixed device time, so the rule runs on any machine.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from dynpipe.runtime.timing import StageTimer
+
+
+class _Event:
+    """A CUDA event stand-in: ``elapsed_time`` is a fixed device time per interval."""
+
+    device_ms = 0.0
+
+    def elapsed_time(self, _other: _Event) -> float:
+        return self.device_ms
+
+
+class _Busy(nn.Module):
+    """A layer whose forward and backward keep the host busy for ``ms`` each."""
+
+    def __init__(self, ms: float) -> None:
+        super().__init__()
+        self.ms = ms
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Spin.apply(x * self.w, self.ms)
+
+
+class _Spin(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ms: float) -> torch.Tensor:
+        ctx.ms = ms
+        _spin(ms)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        _spin(ctx.ms)
+        return g, None
+
+
+def _spin(ms: float) -> None:
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
+def _timed_step(device_ms: float, layer_ms: list[float]):
+    timer = StageTimer(device=torch.device("cpu"))
+    probe = timer.layers
+    # Pretend to be a GPU stage: events whose elapsed time is the device's.
+    _Event.device_ms = device_ms
+    timer.cuda = probe.cuda = True
+    timer._mark = probe._mark = _Event
+    layers = [_Busy(ms) for ms in layer_ms]
+    timer.sample_layers(True)
+    for chunk in range(3):
+        probe.chunk = chunk
+        timer.start()
+        out = probe.run(layers, torch.ones(4, requires_grad=True))
+        timer.stop("fwd")
+        timer.start()
+        probe.begin_backward(chunk)
+        out.sum().backward()
+        probe.end_backward(chunk)
+        timer.stop("bwd")
+    return timer.collect(schedule_ms=1.0).layers
+
+
+def test_host_bound_layers_cost_their_issue_time():
+    lt = _timed_step(device_ms=0.01, layer_ms=[2.0, 6.0])
+    assert lt.launch_fwd_ms is not None and lt.launch_bwd_ms is not None
+    # The host took at least 2 and 6 ms per layer, each way (a spin overshoots on a busy
+    # machine, never undershoots); the device 0.01 ms: the host's time is the cost.
+    for got in (lt.fwd_ms, lt.bwd_ms, lt.launch_fwd_ms, lt.launch_bwd_ms):
+        assert got[0] >= 2.0 and got[1] >= 6.0
+    assert lt.fwd_ms == lt.launch_fwd_ms and lt.bwd_ms == lt.launch_bwd_ms
+
+
+def test_device_bound_layers_cost_their_device_time():
+    lt = _timed_step(device_ms=5000.0, layer_ms=[1.0, 1.0])
+    assert lt.fwd_ms == [5000.0, 5000.0] and lt.bwd_ms == [5000.0, 5000.0]
+    assert all(1.0 <= x < 5000.0 for x in lt.launch_fwd_ms + lt.launch_bwd_ms)
+
+
+def test_cpu_stage_has_one_time():
+    timer = StageTimer(device=torch.device("cpu"))
+    timer.sample_layers(True)
+    timer.layers.chunk = 0
+    timer.start()
+    timer.layers.run([nn.Linear(4, 4)], torch.ones(2, 4))
+    timer.stop("fwd")
+    lt = timer.collect(schedule_ms=1.0).layers
+    assert lt.launch_fwd_ms is None and lt.launch_bwd_ms is None
+    assert len(lt.fwd_ms) == 1 and lt.fwd_ms[0] > 0
