@@ -201,7 +201,13 @@ class Checkpointer:
             index = fut.result() if hasattr(fut, "result") else fut.upload_completion.result()
         else:
             index = job["index"]
-        names = sorted({si.relative_path for si in index.storage_data.values()} | {".metadata"})
+        storage = getattr(index, "storage_data", None)
+        if not storage:
+            # Some torch releases (2.11) hand back the plan's metadata without its storage
+            # index on every rank but the coordinator: read it from what was written (a save
+            # returns once every rank's files and the metadata are on disk).
+            storage = dcp.FileSystemReader(str(job["tmp"])).read_metadata().storage_data
+        names = sorted({si.relative_path for si in storage.values()} | {".metadata"})
         world = dist.get_world_size(self.group) if _distributed(self.group) else 1
         me = dist.get_rank(self.group) if _distributed(self.group) else 0
         mine = {

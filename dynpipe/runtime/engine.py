@@ -42,6 +42,7 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -327,9 +328,16 @@ class PipelineEngine:
             )
             self._synced = True
             submod = self.reducer.module
+        self._stage_parts = (plan, submod, inp, out, pipe_group)
+        self.pipe_stage, self.schedule = self._new_schedule()
+        self._trained = False  # the schedule has yet to run a training step
+
+    def _new_schedule(self) -> tuple[TimedPipelineStage, Any]:
+        """A pipeline stage and schedule over the built stage module."""
+        plan, submod, inp, out, pipe_group = self._stage_parts
         # Stage indices map to ranks through the plan; torch pipelining addresses peers by
         # stage index within the group, so the group ranks must follow pipeline order.
-        self.pipe_stage = TimedPipelineStage(
+        stage = TimedPipelineStage(
             submod,
             stage_index=self.stage_index,
             num_stages=plan.num_stages,
@@ -340,19 +348,18 @@ class PipelineEngine:
             timer=self.timer,
         )
         if self.mesh.dp == 1:
-            self.schedule = _SCHEDULES[plan.schedule](
-                self.pipe_stage, n_microbatches=plan.microbatches, loss_fn=self.model.loss_fn
+            return stage, _SCHEDULES[plan.schedule](
+                stage, n_microbatches=plan.microbatches, loss_fn=self.model.loss_fn
             )
-        elif not self.dropped:
+        if not self.dropped:
             # Gradients are divided once, by the step's microbatches over all replicas.
-            self.schedule = _SCHEDULES[plan.schedule](
-                self.pipe_stage,
+            return stage, _SCHEDULES[plan.schedule](
+                stage,
                 n_microbatches=self.microbatches,
                 loss_fn=self.model.loss_fn,
                 scale_grads=False,
             )
-        else:
-            self.schedule = None
+        return stage, None
 
     def _set_optimizer(self, opt_state: dict[str, torch.Tensor] | None) -> None:
         """An optimizer over the held parameters that train (frozen layers' stop requiring
@@ -513,6 +520,7 @@ class PipelineEngine:
             self.schedule.step(target=y.to(dev, non_blocking=True), losses=losses)
         else:
             self.schedule.step()
+        self._trained = True
         t_sched = time.perf_counter()
         if dp:
             # The reduce summed every replica's microbatches: one division makes the mean.
@@ -694,6 +702,12 @@ class PipelineEngine:
                 "(PipelineSchedule.eval); install a newer torch to evaluate"
             )
         dev = self.topo.device
+        # A schedule's first step sets up its receive buffers, with gradients only if that
+        # step has a backward; some torch releases (2.11) keep them so, and a training step
+        # after an evaluation that came first (straight after a launch or a repartition)
+        # found its received activations without gradients. Such an evaluation runs on a
+        # schedule of its own, and the training schedule is set up by its first step.
+        schedule = self.schedule if self._trained else self._new_schedule()[1]
         modes = [(m, m.training) for m in self.module.modules()]
         timing, self.timer.enabled = self.timer.enabled, False
         sums = torch.zeros(4, dtype=torch.float64)
@@ -703,7 +717,7 @@ class PipelineEngine:
         try:
             with torch.no_grad():
                 for batch in batches:
-                    self._eval_batch(batch, sums, dev)
+                    self._eval_batch(schedule, batch, sums, dev)
                     count += 1
         finally:
             for m, mode in modes:
@@ -728,7 +742,9 @@ class PipelineEngine:
         ms = (time.perf_counter() - t0) * 1e3
         return eval_result(vec.cpu(), model=self.model, batches=count, eval_ms=ms)
 
-    def _eval_batch(self, batch: Batch | None, sums: torch.Tensor, dev: torch.device) -> None:
+    def _eval_batch(
+        self, schedule: Any, batch: Batch | None, sums: torch.Tensor, dev: torch.device
+    ) -> None:
         x, y = batch if batch is not None else (None, None)
         for t in (x, y):
             if t is not None and t.shape[0] != self.config.batch_size:
@@ -747,13 +763,13 @@ class PipelineEngine:
         if self.is_last:
             y = y.to(dev, non_blocking=True)
         if self.is_first and self.is_last:
-            out = self.schedule.eval(x.to(dev), target=y, losses=losses)
+            out = schedule.eval(x.to(dev), target=y, losses=losses)
         elif self.is_first:
-            self.schedule.eval(x.to(dev, non_blocking=True))
+            schedule.eval(x.to(dev, non_blocking=True))
         elif self.is_last:
-            out = self.schedule.eval(target=y, losses=losses)
+            out = schedule.eval(target=y, losses=losses)
         else:
-            self.schedule.eval()
+            schedule.eval()
         if self.is_last:
             m = self.microbatches if self.mesh.dp > 1 else self.plan.microbatches
             part = eval_sums(list(out.tensor_split(m)), list(y.tensor_split(m)), losses)
