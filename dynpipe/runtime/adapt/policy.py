@@ -17,13 +17,7 @@ within ``horizon_steps``. The step time is what the model answers to:
 - the model is not acted on before it has predicted one window, nor when its estimates
   moved and the steps did not follow (launch-bound timers); a move must promise more than
   the last moves fell short of their promises (a model its timers mislead stops moving
-  layers), until the steps show new conditions;
-- no move, the model's or one back to a plan measured faster, is made for a gain smaller
-  than twice what the steps of an unchanged plan drift from one window to the next
-  (``drift``): such a gain cannot be told from the drift, so neither the move nor its
-  verdict would rest on a measurement. On a host-bound GPU pipeline whose window medians
-  drifted 9-11% (gpt 12 x 768 on 2 x H100), moves one block either way for 5-8% measured
-  gains flapped 15 times in 400 steps.
+  layers), until the steps show new conditions.
 
 ``SweepPolicy`` (benchmarks) visits every split in turn so that one launch measures every
 static plan under the same conditions: the oracle the adaptive runs are judged against.
@@ -195,7 +189,6 @@ def predicted_slowdowns(
 
 
 _MISSES = 16  # the model's misses remembered for its tracking error
-_DRIFTS = 16  # window-to-window changes of an unchanged plan's steps remembered (drift)
 _SHORTFALLS = 3  # moves whose shortfall against their promise is remembered
 
 
@@ -240,10 +233,6 @@ class Controller:
         self._seen: tuple[Bounds, float, float] | None = None
         self._misses: list[float] = []
         self._shortfalls: list[float] = []  # of the last moves (see ``required_gain``)
-        # (plan, median step) of the last window, and log changes of the median between
-        # consecutive windows of one plan (see ``drift``).
-        self._level: tuple[Bounds, float] | None = None
-        self._drifts: list[float] = []
         # Ranks handed back on request (``dynpipe release``): never brought back by --elastic.
         self.excluded: frozenset[int] = frozenset()
 
@@ -264,10 +253,6 @@ class Controller:
         if self.settle > 0:
             self.settle -= 1
             return None
-        if self._level is not None and self._level[0] == window.key:
-            step = float(np.log(window.median_step_ms / max(self._level[1], 1e-9)))
-            self._drifts = [*self._drifts, step][-_DRIFTS:]
-        self._level = (window.key, window.median_step_ms)
         # Steps that jump beyond their noise under an unchanged plan are a change of
         # conditions whatever the timers say (launch-bound timers can hide one in noise).
         prev = self._seen
@@ -380,7 +365,7 @@ class Controller:
         if (
             best is not None
             and best[0] != key
-            and best[1] < here * (1 - max(cfg.min_gain, 2.0 * self.drift()))
+            and best[1] < here * (1 - cfg.min_gain)
             and (here - best[1]) * cfg.horizon_steps > pause
         ):
             return verdict(
@@ -471,20 +456,9 @@ class Controller:
         """The relative gain a model-proposed move needs: ``min_gain``, twice the model's
         measured tracking error, or what the last moves fell short of their promise by on
         average, whichever is most: where timers mislead the model (a launch-bound GPU), its
-        promises are measured to be empty and it stops moving layers; and at least twice
-        the steps' ``drift``."""
+        promises are measured to be empty and it stops moving layers."""
         short = float(np.expm1(np.mean(self._shortfalls))) if self._shortfalls else 0.0
-        return max(self.config.min_gain, short, 2.0 * self.drift())
-
-    def drift(self) -> float:
-        """Relative standard deviation of the change of an unchanged plan's median step from
-        one window to the next (robust: an onset is one outlier among them; 0 until six
-        such changes are known): what two window medians can differ by with nothing else
-        changed."""
-        if len(self._drifts) < 6:
-            return 0.0
-        x = np.asarray(self._drifts)
-        return float(np.expm1(1.4826 * np.median(np.abs(x - np.median(x)))))
+        return max(self.config.min_gain, short)
 
     @property
     def _state_bytes(self) -> np.ndarray:
@@ -607,7 +581,6 @@ class Controller:
             "pause_ms": self.pause_ms,
             "misses": self._misses,
             "shortfalls": self._shortfalls,
-            "drifts": self._drifts,
             "pending": None if self.pending is None else self.pending.to_dict(),
             "last": None if self.last is None else self.last.to_dict(),
         }
@@ -620,7 +593,6 @@ class Controller:
         self.pause_ms = state.get("pause_ms")
         self._misses = [float(x) for x in state.get("misses", [])]
         self._shortfalls = [float(x) for x in state.get("shortfalls", [])]
-        self._drifts = [float(x) for x in state.get("drifts", [])]
         self.pending = MoveRecord.from_dict(state["pending"]) if state.get("pending") else None
         self.last = MoveRecord.from_dict(state["last"]) if state.get("last") else None
 
