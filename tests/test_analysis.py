@@ -17,6 +17,7 @@ off before step 70; the light one 1.5x from step 20 to 45.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -233,3 +234,11 @@ def test_experiments_and_systems_from_file_names(tmp_path) -> None:
     assert group_experiments(LOGS) == {"logs": sorted(LOGS.glob("*.jsonl"))}
     with pytest.raises(UserError, match="no run logs under"):
         group_experiments(tmp_path / "none")
+
+
+def test_throughput_spans_steps_out_of_time_order(static) -> None:
+    # A log whose relaunches started over (nothing saved to resume from) holds steps out of
+    # time order: the span is from the earliest start to the latest end, never negative.
+    shuffled = dataclasses.replace(static, steps=static.steps.iloc[::-1].reset_index(drop=True))
+    assert throughput(shuffled) == pytest.approx(throughput(static))
+    assert throughput(shuffled) > 0

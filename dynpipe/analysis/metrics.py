@@ -94,8 +94,9 @@ def throughput(run: Run) -> float:
     s = run.steps
     if len(s) < 2:
         raise UserError(f"run {run.name} ({run.path}) has {len(s)} step(s); need two or more")
-    first = s.iloc[0]
-    span = float(s["t_end"].iloc[-1] - (first["t_end"] - first["step_ms"] / 1e3))
+    # From the earliest step's start to the latest step's end: a log whose relaunches
+    # started over (nothing saved to resume from) holds steps out of time order.
+    span = float(s["t_end"].max() - (s["t_end"] - s["step_ms"] / 1e3).min())
     return run.batch_size * len(s) / span
 
 
