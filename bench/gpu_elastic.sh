@@ -26,6 +26,8 @@ set -u
 O=$1
 mkdir -p "$O"
 T0=$(date +%s)
+# shellcheck source=bench/budget.sh
+. "$(dirname "$0")/budget.sh"
 BUDGET=${BUDGET:-560}
 RUN_TIMEOUT=${RUN_TIMEOUT:-90}
 DEVICE=${DEVICE:-cuda}
@@ -69,9 +71,8 @@ PY
 
 run() {  # name, nproc, extra args...
   local name=$1 n=$2; shift 2
-  local left=$(( BUDGET - ($(date +%s) - T0) - 15 ))
-  if [ "$left" -lt 30 ]; then echo "$name: skipped (${left}s of the budget left)"; return 0; fi
-  local limit=$(( left < RUN_TIMEOUT ? left : RUN_TIMEOUT ))
+  local limit
+  limit=$(run_limit "$name" 15 30) || return 0
   local t0=$(date +%s)
   mkdir -p "$O/$name"
   timeout "$limit" python3 -m dynpipe train --nproc "$n" --device "$DEVICE" "${EXTRA[@]}" \
