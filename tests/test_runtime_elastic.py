@@ -667,3 +667,94 @@ def test_a_checkpoint_of_an_elastic_plan_resumes_under_it_bit_identically(tmp_pa
         assert set(got) == set(want)
         for k in want:
             assert torch.equal(got[k], want[k]), (key, k)
+
+
+# ---- launching with idle ranks --------------------------------------------------------------
+
+LAUNCH_STEPS = 20
+
+
+def _idle_launch_run(rank: int, world: int, plan_path: str, log: str, elastic: bool) -> dict:
+    from dynpipe.runtime.adapt.config import AdaptConfig
+    from dynpipe.runtime.config import TrainConfig
+    from dynpipe.runtime.optim import OptimConfig
+    from dynpipe.runtime.topology import Topology
+    from dynpipe.runtime.train import train
+
+    # min_gain 0.99: the controller measures and probes but never moves, so the run holds
+    # the launch plan and its result is the static run's.
+    adapt = AdaptConfig(
+        mode="measured" if elastic else "static",
+        monitor_every=EVERY,
+        elastic=elastic,
+        min_gain=0.99,
+    )
+    cfg = TrainConfig(
+        model="mlp",
+        model_args=MODEL,
+        plan=plan_path,
+        steps=LAUNCH_STEPS,
+        batch_size=16,
+        microbatches=4,
+        progress=False,
+        log=log,
+        telemetry=False,
+        optim=OptimConfig(name="adamw", lr=1e-3, clip_grad=1.0),
+        adapt=adapt,
+    )
+    idle, probed, final = [], [], {}
+
+    def on_step(engine, res) -> None:
+        if engine.idle:
+            idle.append(res.step)
+            if res.timing.layers is not None:
+                probed.append(res.step)
+        if res.step == LAUNCH_STEPS - 1:
+            final.update(model=engine.model_state(), optim=engine.optim_state())
+
+    out = train(cfg, topo=Topology.from_env(device="cpu"), on_step=on_step)
+    return {"idle": idle, "probed": probed, "losses": out["losses"], **final}
+
+
+def test_an_elastic_launch_may_leave_ranks_idle_and_trains_like_the_plan_alone(tmp_path) -> None:
+    from dynpipe.models import get_model
+    from dynpipe.planner import Plan
+    from dynpipe.runtime.records import read_log
+
+    model = get_model("mlp", **MODEL)
+    plan_path = tmp_path / "plan.json"
+    Plan.from_bounds(model, [3, 5], microbatches=4).save(plan_path)
+    log = tmp_path / "idle.jsonl"
+    launched = run_ranks(_idle_launch_run, 3, str(plan_path), str(log), True, timeout_s=400)
+    alone = run_ranks(
+        _idle_launch_run, 2, str(plan_path), str(tmp_path / "alone.jsonl"), False, timeout_s=400
+    )
+    # Rank 2 holds nothing from the first step to the last, and times its device for the
+    # controller on the sampled steps.
+    assert launched[2]["value"]["idle"] == list(range(LAUNCH_STEPS))
+    assert launched[2]["value"]["probed"], "the idle rank never probed its device"
+    assert launched[0]["value"]["idle"] == [] and launched[1]["value"]["idle"] == []
+    decisions = list(read_log(log).events("decision"))
+    assert decisions and all(len(e["slowdown"]) == 3 for e in decisions)
+    for key in ("model", "optim"):
+        got, want = {}, {}
+        for r in launched[:2]:
+            got.update(r["value"][key])
+        for r in alone:
+            want.update(r["value"][key])
+        assert set(got) == set(want)
+        for k in want:
+            assert torch.equal(got[k], want[k]), (key, k)
+    assert launched[0]["value"]["losses"] == alone[0]["value"]["losses"]
+
+
+def test_a_plan_with_fewer_stages_than_ranks_needs_elastic() -> None:
+    from dynpipe.models import get_model
+    from dynpipe.planner import Plan
+    from dynpipe.planner.plan import PlanError
+
+    model = get_model("mlp", **MODEL)
+    plan = Plan.from_bounds(model, [3, 5], microbatches=4)
+    with pytest.raises(PlanError, match="train with --elastic to leave the other ranks idle"):
+        plan.validate(model, 3)
+    assert plan.validate(model, 3, elastic=True) is plan

@@ -376,10 +376,15 @@ class Plan:
                     f"(`dynpipe plan --gpus {world_size}`)"
                 )
             if world_size != self.world_size:
+                idle = (
+                    ", or train with --elastic to leave the other ranks idle"
+                    if self.num_stages < world_size and self.dp == 1
+                    else ""
+                )
                 raise PlanError(
                     f"plan has {self.num_stages} stages but the world has {world_size} ranks; "
                     f"launch with --nproc {self.num_stages} (one process per stage) or make a "
-                    f"{world_size}-stage plan"
+                    f"{world_size}-stage plan{idle}"
                 )
             bad = [r for r in self.ranks if not 0 <= r < self.num_stages]
             if bad:

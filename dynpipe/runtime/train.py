@@ -117,7 +117,9 @@ def resolve_plan(cfg: TrainConfig, model: LayeredModel, world_size: int) -> Plan
         )
         if dp > 1:
             plan = dataclasses.replace(plan, dp=dp)
-    plan.validate(model, world_size)
+    # With --elastic a plan may leave ranks idle from the start (a GPU held back until the
+    # controller finds it worth using); the idle ranks probe their devices like any other.
+    plan.validate(model, world_size, elastic=cfg.adapt.elastic and plan.dp == 1)
     from dynpipe.runtime.engine import check_batch
 
     check_batch(plan, cfg.batch_size)
