@@ -61,7 +61,7 @@ def _timed_step(device_ms: float, layer_ms: list[float]):
     # Pretend to be a GPU stage: events whose elapsed time is the device's.
     _Event.device_ms = device_ms
     timer.cuda = probe.cuda = True
-    timer._mark = probe._mark = _Event
+    timer._mark = probe._device_mark = _Event
     layers = [_Busy(ms) for ms in layer_ms]
     timer.sample_layers(True)
     for chunk in range(3):

@@ -112,25 +112,28 @@ class LayerProbe:
 
     def __init__(self, *, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self._mark = _marker(self.cuda)
+        self._device_mark = _marker(self.cuda)
         self.sampling = False
         self.dilation = 1.0
         self.chunk = 0
         # Per microbatch: forward marks [n + 1]; backward marks by boundary index; the
-        # backward's begin and end marks.
+        # backward's begin and end marks (see ``_mark``).
         self._fwd: dict[int, list] = {}
         self._bwd: dict[int, dict[int, object]] = {}
         self._bwd_edges: dict[int, tuple[object, object]] = {}
-        # GPU: the host's perf_counter at the same marks (the time to issue each layer).
-        self._hfwd: dict[int, list[float]] = {}
-        self._hbwd: dict[int, dict[int, float]] = {}
-        self._hbwd_edges: dict[int, tuple[float, float | None]] = {}
         self._n = 0
         self._t_last = 0.0  # host time of the last backward mark (dilation)
         # Data parallelism: gradients went to the all-reduce, so what follows in this
         # backward is waiting for other replicas, which emulation must not stretch.
         self._handed = False
         self.in_backward = False
+
+    def _mark(self) -> object:
+        """A boundary mark: ``perf_counter`` on CPU; on a GPU an event and the host's
+        ``perf_counter`` together (the device's and the host's time, from the same marks)."""
+        if self.cuda:
+            return self._device_mark(), time.perf_counter()
+        return self._device_mark()
 
     @property
     def active(self) -> bool:
@@ -156,32 +159,19 @@ class LayerProbe:
         chunk, rec = self.chunk, self.sampling
         fmarks = [self._mark()] if rec else None
         bmarks: dict[int, object] = {}
-        host = rec and self.cuda
-        t = time.perf_counter()
-        hmarks, hb = ([t], {}) if host else (None, None)
         if rec:
             self._fwd[chunk], self._bwd[chunk] = fmarks, bmarks  # type: ignore[assignment]
-        if hmarks is not None:
-            self._hfwd[chunk], self._hbwd[chunk] = hmarks, hb  # type: ignore[assignment]
-        self._hook(x, 0, bmarks, rec, hb)
+        self._hook(x, 0, bmarks, rec)
+        t = time.perf_counter()
         for j, layer in enumerate(layers):
             x = layer(x)
             t = self._stretch(t)
             if fmarks is not None:
                 fmarks.append(self._mark())
-            if hmarks is not None:
-                hmarks.append(t)
-            self._hook(x, j + 1, bmarks, rec, hb)
+            self._hook(x, j + 1, bmarks, rec)
         return x
 
-    def _hook(
-        self,
-        x: object,
-        boundary: int,
-        bmarks: dict[int, object],
-        rec: bool,
-        hb: dict[int, float] | None = None,
-    ) -> None:
+    def _hook(self, x: object, boundary: int, bmarks: dict[int, object], rec: bool) -> None:
         if not (isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()):
             return
 
@@ -189,8 +179,6 @@ class LayerProbe:
             self._t_last = self._stretch(self._t_last)
             if rec:
                 bmarks[boundary] = self._mark()
-            if hb is not None:
-                hb[boundary] = self._t_last
 
         x.register_hook(on_grad)
 
@@ -200,8 +188,6 @@ class LayerProbe:
         self.in_backward = True
         if self.sampling:
             self._bwd_edges[chunk] = (self._mark(), None)
-            if self.cuda:
-                self._hbwd_edges[chunk] = (self._t_last, None)
 
     def handed_to_reduce(self) -> None:
         """Gradients went to the data-parallel all-reduce: the compute since the last mark
@@ -216,8 +202,6 @@ class LayerProbe:
         self._handed = self.in_backward = False
         if self.sampling and chunk in self._bwd_edges:
             self._bwd_edges[chunk] = (self._bwd_edges[chunk][0], self._mark())
-        if self.sampling and chunk in self._hbwd_edges:
-            self._hbwd_edges[chunk] = (self._hbwd_edges[chunk][0], time.perf_counter())
 
     def collect(
         self,
@@ -227,15 +211,14 @@ class LayerProbe:
         the longer of the device's time and the host's (see the module docstring); NaN (an
         untimed backward) stays NaN."""
         fwd, bwd, edges, n = self._fwd, self._bwd, self._bwd_edges, self._n
-        hfwd, hbwd, hedges = self._hfwd, self._hbwd, self._hbwd_edges
         self._fwd, self._bwd, self._bwd_edges = {}, {}, {}
-        self._hfwd, self._hbwd, self._hbwd_edges = {}, {}, {}
         if not fwd:
             return None
-        f, b = self._medians(fwd, bwd, edges, n, lambda a, b: _elapsed_ms(self.cuda, a, b))
-        if not hfwd:
+        if not self.cuda:
+            f, b = self._medians(fwd, bwd, edges, n, lambda a, b: (b - a) * 1e3)
             return f, b, None, None
-        hf, hb = self._medians(hfwd, hbwd, hedges, n, lambda a, b: (b - a) * 1e3)
+        f, b = self._medians(fwd, bwd, edges, n, lambda a, b: a[0].elapsed_time(b[0]))
+        hf, hb = self._medians(fwd, bwd, edges, n, lambda a, b: (b[1] - a[1]) * 1e3)
         longer = lambda d, h: [max(x, y) if x == x else x for x, y in zip(d, h, strict=True)]  # noqa: E731
         return longer(f, hf), longer(b, hb), hf, hb
 
