@@ -9,6 +9,10 @@ gradients over the ``dp`` group. Rank ``r * pp + p`` is place ``p`` of replica `
 
 One replica (``dp == 1``) makes no mesh and no sub-groups: the pipeline uses the default
 group exactly as a single-pipeline run always has.
+
+A run that may change its shape while it trains (``--autodp``) makes the meshes of every
+shape of its world at start-up (``init_meshes``): new groups are collective, and made in
+the middle of a run, by ranks that disagree on when, they are where hangs come from.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ if TYPE_CHECKING:
 
     from dynpipe.runtime.topology import Topology
 
-__all__ = ["Mesh", "check_dp", "init_mesh"]
+__all__ = ["Mesh", "check_dp", "init_mesh", "init_meshes", "shapes"]
 
 
 def check_dp(dp: int, *, world_size: int) -> int:
@@ -38,6 +42,11 @@ def check_dp(dp: int, *, world_size: int) -> int:
             f"{' or '.join(map(str, divisors))}, or --nproc a multiple of {dp}"
         )
     return world_size // dp
+
+
+def shapes(world_size: int) -> list[tuple[int, int]]:
+    """Every ``(dp, pp)`` with ``dp * pp == world_size``, fewest replicas first."""
+    return [(d, world_size // d) for d in range(1, world_size + 1) if world_size % d == 0]
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,3 +138,9 @@ def init_mesh(topo: Topology, *, dp: int) -> Mesh:
 
         device_mesh = init_device_mesh(topo.device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
     return Mesh(dp=dp, pp=pp, rank=topo.rank, device_mesh=device_mesh)
+
+
+def init_meshes(topo: Topology) -> dict[int, Mesh]:
+    """This rank's mesh in every shape of the world, keyed by ``dp`` (collective: every
+    rank makes every shape's groups, in the same order, before training starts)."""
+    return {dp: init_mesh(topo, dp=dp) for dp, _ in shapes(topo.world_size)}
