@@ -242,6 +242,7 @@ class PipelineEngine:
         self.mesh = (
             mesh if mesh is not None else Mesh.single(rank=topo.rank, world_size=topo.world_size)
         )
+        self._own_group = group  # one pipeline's group (a reshape may come back to it)
         self.group = self.mesh.pp_group if self.mesh.dp > 1 else group
         self.slots = param_slots(model)
         self.timer = StageTimer(device=topo.device, enabled=config.timing)
@@ -314,7 +315,9 @@ class PipelineEngine:
         )
         submod: nn.Module = self.module
         self.reducer = None
-        if self.mesh.dp > 1:
+        # A stage whose layers are all frozen (--freeze) has no gradient to average (and
+        # DDP refuses a module with none); its copies in the other replicas hold the same.
+        if self.mesh.dp > 1 and any(p.requires_grad for p in self.named_params.values()):
             from dynpipe.runtime.dataparallel import ReplicaReducer
 
             _check_scale_grads()
@@ -393,6 +396,12 @@ class PipelineEngine:
         self.frozen = frozen
         for p in self.named_params.values():
             p.grad = None
+        if self.mesh.dp > 1 and not self.idle:
+            # DDP registered the parameters that required gradients when it was built; one
+            # that no longer gets any would leave its bucket waiting: the stage is rebuilt
+            # (every replica freezes at the same step, so the new reducers match).
+            self._build(self.plan, layers=self.module.layers, opt_state=keep)
+            return
         self._set_optimizer(keep)
 
     def take_grad_sq(self) -> tuple[torch.Tensor, int]:
@@ -465,12 +474,25 @@ class PipelineEngine:
         return self.stage_index is None
 
     def rebuild(
-        self, plan: Plan, *, layers: nn.ModuleDict, opt_state: dict[str, torch.Tensor]
+        self,
+        plan: Plan,
+        *,
+        layers: nn.ModuleDict,
+        opt_state: dict[str, torch.Tensor],
+        mesh: Mesh | None = None,
     ) -> None:
         """Become the stage ``plan`` gives this rank, from the given layers and their state.
 
-        The process group, the timer (and its emulated dilation) and the slot map stay.
+        The timer (and its emulated dilation) and the slot map stay; so does the process
+        group, unless ``mesh`` (a reshape to ``plan.dp`` replicas, ``--autodp``) gives this
+        rank its place in another shape, whose groups were made at start-up.
         """
+        if mesh is not None:
+            self.mesh = mesh
+            self.group = mesh.pp_group if mesh.dp > 1 else self._own_group
+            # Every replica's copies arrived checksummed from one source: they are
+            # identical, so DDP need not broadcast them again.
+            self._synced = True
         self._build(plan, layers=layers, opt_state=opt_state)
 
     @property

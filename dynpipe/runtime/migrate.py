@@ -19,6 +19,11 @@ replicas partial reduce drops) moves nothing and rebuilds the stages.
 A plan may leave ranks idle (one replica): a rank that goes idle sends all its layers and
 keeps none; one that comes back receives its layers like any other destination. Ranks are
 the world's, so the transfers, the vote and the rebuild are the same code either way.
+
+``reshape`` changes the number of replicas (``--autodp``): the same transfer, checksums,
+vote and rebuild, but the layers are copied, not moved (a new replica needs every layer
+its stages hold, from whichever rank holds one now), and each rank rebuilds at its place in
+the new shape's mesh.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from dynpipe.planner.diff import Transfer, diff
 from dynpipe.planner.plan import Plan
 from dynpipe.runtime.engine import PipelineEngine
 from dynpipe.runtime.health import Heartbeat
+from dynpipe.runtime.mesh import Mesh
 from dynpipe.runtime.topology import Topology, wait_all
 
 __all__ = [
@@ -43,6 +49,7 @@ __all__ = [
     "checksum",
     "pack",
     "repartition",
+    "reshape",
     "unpack",
     "warm_links",
 ]
@@ -306,29 +313,88 @@ def repartition(
     old = engine.plan
     # Plans name a stage's place in its pipeline; the wire needs the replica's own ranks.
     me, to_rank = engine.mesh.pp_rank, engine.mesh.global_rank
-    dev = engine.topo.device
-    timeout_s = engine.topo.timeout_s if timeout_s is None else timeout_s
     new_plan.validate(engine.model, engine.topo.world_size, elastic=True)
     stats = MigrationStats(transfers=diff(old, new_plan))
-    t0 = time.perf_counter()
     out_by_peer: dict[int, list[str]] = {}
     in_by_peer: dict[int, list[str]] = {}
     for t in stats.transfers:
         if t.src == me:
+            out_by_peer.setdefault(to_rank(t.dst), []).append(t.name)
+        if t.dst == me:
+            in_by_peer.setdefault(to_rank(t.src), []).append(t.name)
+    where = f"rank {engine.topo.rank} repartitioning {old!r} -> {new_plan!r}"
+    received = _transfer(
+        engine, out_by_peer, in_by_peer, stats=stats, where=where, timeout_s=timeout_s, beat=beat
+    )
+    _install(engine, new_plan, received, stats=stats, place=me)
+    return stats
+
+
+def reshape(
+    engine: PipelineEngine,
+    new_plan: Plan,
+    *,
+    mesh: Mesh,
+    copies: list[Transfer],
+    timeout_s: float | None = None,
+    beat: Heartbeat | None = None,
+) -> MigrationStats:
+    """Change the run's data x pipeline shape: ``new_plan`` (``new_plan.dp`` replicas) with
+    this rank at its place in ``mesh``, a mesh made at start-up (``init_meshes``).
+
+    ``copies``: the layers each rank lacks under the new shape and where it gets them, by
+    global rank (``autodp.copy_plan``); a source keeps what it sends (copies, not moves),
+    and drops afterwards what the new shape does not give it. The transfer, checksums and
+    all-or-nothing vote are ``repartition``'s. Collective, like ``repartition``.
+    """
+    me = engine.topo.rank
+    new_plan.validate(engine.model, engine.topo.world_size, elastic=True)
+    if new_plan.dp != mesh.dp:
+        raise ValueError(f"plan of {new_plan.dp} replicas for a mesh of {mesh.dp}")
+    stats = MigrationStats(transfers=list(copies))
+    out_by_peer: dict[int, list[str]] = {}
+    in_by_peer: dict[int, list[str]] = {}
+    for t in copies:
+        if t.src == me:
             out_by_peer.setdefault(t.dst, []).append(t.name)
         if t.dst == me:
             in_by_peer.setdefault(t.src, []).append(t.name)
+    old = engine.plan
+    where = (
+        f"rank {me} reshaping {old.dp} x {engine.mesh.pp} {old!r} -> {mesh.dp} x {mesh.pp} "
+        f"{new_plan!r}"
+    )
+    received = _transfer(
+        engine, out_by_peer, in_by_peer, stats=stats, where=where, timeout_s=timeout_s, beat=beat
+    )
+    _install(engine, new_plan, received, stats=stats, place=mesh.pp_rank, mesh=mesh)
+    return stats
 
-    where = f"rank {engine.topo.rank} repartitioning {old!r} -> {new_plan!r}"
-    peers = sorted(to_rank(p) for p in set(out_by_peer) | set(in_by_peer))
+
+def _transfer(
+    engine: PipelineEngine,
+    out_by_peer: dict[int, list[str]],
+    in_by_peer: dict[int, list[str]],
+    *,
+    stats: MigrationStats,
+    where: str,
+    timeout_s: float | None,
+    beat: Heartbeat | None,
+) -> dict[str, torch.Tensor]:
+    """Send each global rank of ``out_by_peer`` its layers' state, receive from each of
+    ``in_by_peer``, check every checksum and vote (collective). Returns what arrived, keyed
+    ``model/<layer>.<name>`` and ``optim/<layer>.<name>``."""
+    dev = engine.topo.device
+    timeout_s = engine.topo.timeout_s if timeout_s is None else timeout_s
+    t0 = time.perf_counter()
+    peers = sorted(set(out_by_peer) | set(in_by_peer))
     try:
         packed = {
-            to_rank(p): _message(_layer_payload(engine, names), dev)
-            for p, names in out_by_peer.items()
+            p: _message(_layer_payload(engine, names), dev) for p, names in out_by_peer.items()
         }
         t_packed = time.perf_counter()
         recv, stats.bytes_received = _exchange(
-            packed, sorted(to_rank(p) for p in in_by_peer), device=dev, timeout_s=timeout_s
+            packed, sorted(in_by_peer), device=dev, timeout_s=timeout_s
         )
     except MigrationError:
         raise
@@ -357,10 +423,26 @@ def repartition(
         world_size=engine.topo.world_size,
     )
     t1 = time.perf_counter()
+    stats.pack_s, stats.wire_s, stats.unpack_s = t_packed - t0, t_wired - t_packed, t1 - t_wired
+    return received
 
-    # Rebuild: kept layers are the same module objects (no copy); received ones are built
-    # from the model spec and loaded; optimizer state follows every parameter by name.
-    new_stage = new_plan.stage_of_rank(me)
+
+def _install(
+    engine: PipelineEngine,
+    new_plan: Plan,
+    received: dict[str, torch.Tensor],
+    *,
+    stats: MigrationStats,
+    place: int,
+    mesh: Mesh | None = None,
+) -> None:
+    """Rebuild this rank (``place`` in its pipeline under ``new_plan``) from the layers it
+    kept and those it received."""
+    t1 = time.perf_counter()
+    dev = engine.topo.device
+    # Kept layers are the same module objects (no copy); received ones are built from the
+    # model spec and loaded; optimizer state follows every parameter by name.
+    new_stage = new_plan.stage_of_rank(place)
     # A rank the new plan leaves idle keeps nothing: every layer it held was sent.
     held = range(0) if new_stage is None else range(*new_plan.bounds[new_stage])
     kept_opt = engine.optim_state()
@@ -384,8 +466,6 @@ def repartition(
                 {k[len("optim/") :]: v for k, v in received.items() if k.startswith(oprefix)}
             )
     t_built = time.perf_counter()
-    engine.rebuild(new_plan, layers=layers, opt_state=opt_state)
+    engine.rebuild(new_plan, layers=layers, opt_state=opt_state, mesh=mesh)
     t2 = time.perf_counter()
-    stats.pack_s, stats.wire_s, stats.unpack_s = t_packed - t0, t_wired - t_packed, t1 - t_wired
     stats.build_s, stats.engine_s = t_built - t1, t2 - t_built
-    return stats
