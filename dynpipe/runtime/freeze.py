@@ -20,10 +20,17 @@ first stage's layers, the first stage's range is extended before freezing (the s
 checksummed migration as any repartition); a stage left with nothing moves to the next
 rank or becomes idle, so the pipeline shrinks onto fewer ranks (an elastic plan). Later
 moves that would take the prefix out of the first stage are not made.
+
+Replicated (``--autodp`` reshaped the run, or launched it with ``--dp``): a rank cannot go
+idle, so every stage keeps a layer (``keep_prefix_in_stages``); a freeze that would leave
+one none is capped to the longest prefix that leaves each a layer, and the log says so
+(``freeze_capped``) - until a reshape to fewer stages makes room. The gradient norms are
+replica 0's (every replica holds the same averaged gradients).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -36,7 +43,13 @@ from dynpipe.planner.plan import Plan
 from dynpipe.runtime.engine import PipelineEngine
 from dynpipe.runtime.runlog import RunLog
 
-__all__ = ["FreezeRule", "Freezer", "frozen_prefix", "keep_prefix_on_first"]
+__all__ = [
+    "FreezeRule",
+    "Freezer",
+    "frozen_prefix",
+    "keep_prefix_in_stages",
+    "keep_prefix_on_first",
+]
 
 
 @dataclass(frozen=True)
@@ -96,6 +109,24 @@ def keep_prefix_on_first(
     return tuple(out)
 
 
+def keep_prefix_in_stages(
+    bounds: tuple[tuple[int, int], ...], *, frozen: int
+) -> tuple[tuple[int, int], ...] | None:
+    """``bounds`` (one range per stage, all held: a replicated plan) with the first stage
+    holding at least ``[0, frozen + 1)`` and every later stage still at least one layer,
+    boundaries moved no further than that takes; None if the stages cannot all keep one."""
+    n, stages = bounds[-1][1], len(bounds)
+    if frozen + stages > n:
+        return None
+    out, at = [], 0
+    for s, (_, b) in enumerate(bounds):
+        lo = frozen + 1 if s == 0 else at + 1
+        stop = min(max(b, lo), n - (stages - 1 - s))
+        out.append((at, stop))
+        at = stop
+    return tuple(out)
+
+
 class Freezer:
     """Runs the rule on every rank at window ends and applies it (collective)."""
 
@@ -103,13 +134,14 @@ class Freezer:
         self.rule, self.log = rule, log
         self.prev: np.ndarray | None = None
 
-    def check(self, engine: PipelineEngine, *, step: int, adapter=None) -> int | None:
+    def check(self, engine: PipelineEngine, *, step: int, adapter=None, autodp=None) -> int | None:
         """After ``step`` (a window's last): the window's gradient norms from every rank,
         the rule, and, if the prefix grows, the move and the freeze. Returns the new frozen
-        length, or None when nothing changed."""
-        if engine.mesh.dp > 1:
-            raise UserError("--freeze with --dp > 1 is not supported; drop one of them")
+        length, or None when nothing changed. ``autodp``: told each move's pause."""
         sq, steps = engine.take_grad_sq()
+        if engine.mesh.replica != 0:
+            # Every replica holds the same averaged gradients: replica 0's are counted once.
+            sq = torch.zeros_like(sq)
         sq = sq.to(engine.topo.device)
         if engine.topo.world_size > 1:
             dist.all_reduce(sq)  # each layer's sum lives on the one rank that holds it
@@ -127,27 +159,55 @@ class Freezer:
             return None
         world = engine.topo.world_size
         plan = engine.plan
-        wide = keep_prefix_on_first(plan.wide_bounds(world), frozen=k)
+        wanted = k
+        if plan.dp > 1:
+            # No rank may go idle: every stage keeps a layer, the prefix is capped to that.
+            k = min(k, plan.num_layers - plan.num_stages)
+            if k <= engine.frozen:
+                if self.log is not None:
+                    self.log.event(
+                        "freeze_capped",
+                        step=step + 1,
+                        wanted=wanted,
+                        frozen=engine.frozen,
+                        shape=[plan.dp, plan.num_stages],
+                        reason=f"{plan.dp} replicas of {plan.num_stages} stages: each stage "
+                        "keeps a layer that trains",
+                    )
+                return None
+            now_b = tuple(plan.bounds)
+            want_b = keep_prefix_in_stages(now_b, frozen=k)
+            assert want_b is not None
+        else:
+            now_b = plan.wide_bounds(world)
+            want_b = keep_prefix_on_first(now_b, frozen=k)
         moved = None
-        if wide != plan.wide_bounds(world):
+        if want_b != now_b:
             from dynpipe.runtime.migrate import repartition
 
-            new_plan = Plan.from_wide_bounds(
-                engine.model,
-                wide,
-                schedule=plan.schedule,
-                microbatches=plan.microbatches,
-                meta={**plan.meta, "method": "freeze", "decided_at": step + 1},
-            )
+            meta = {**plan.meta, "method": "freeze", "decided_at": step + 1}
+            kw = {"schedule": plan.schedule, "microbatches": plan.microbatches, "meta": meta}
+            if plan.dp > 1:
+                new_plan = dataclasses.replace(
+                    Plan.from_bounds(engine.model, list(want_b), ranks=plan.ranks, **kw),
+                    dp=plan.dp,
+                    shares=plan.shares,
+                    dropped=plan.dropped,
+                )
+            else:
+                new_plan = Plan.from_wide_bounds(engine.model, want_b, **kw)
             stats = repartition(engine, new_plan)
             moved = [repr(t) for t in stats.transfers]
             pause_ms = (stats.transfer_s + stats.rebuild_s) * 1e3
             if adapter is not None:
                 adapter.policy.applied(step=step + 1, pause_ms=pause_ms, moved_bytes=0)
+            if autodp is not None:
+                autodp.measured(pause_ms)
         old = engine.frozen
         engine.freeze(k)
         if self.log is not None:
             names = engine.model.layer_names
+            extra = {"wanted": wanted} if wanted != k else {}
             self.log.event(
                 "freeze",
                 step=step + 1,
@@ -158,6 +218,7 @@ class Freezer:
                 threshold=self.rule.threshold,
                 plan=engine.plan.to_dict(),
                 transfers=moved,
-                idle=engine.plan.idle_ranks(world),
+                idle=engine.plan.idle_ranks(world) if plan.dp == 1 else [],
+                **extra,
             )
         return k
