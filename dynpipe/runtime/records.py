@@ -386,6 +386,36 @@ EVENTS: dict[str, EventSpec] = {
             ("step", "frozen", "layers", "changes_training", "plan"),
         ),
         EventSpec(
+            "freeze_capped",
+            "replicated: the rule asked to freeze [0, `wanted`) before `step` but every "
+            "stage must keep a layer, so [0, `frozen`) stays frozen",
+            ("step", "wanted", "frozen", "shape"),
+        ),
+        EventSpec(
+            "autodp",
+            "--autodp's check at the freeze check before `step`: the model's step time of "
+            "the `current` [replicas, stages] and of the best candidate shape `proposed` "
+            "(every candidate in `shapes`), the predicted pause, and whether to `take` it",
+            ("step", "frozen", "current", "current_ms", "proposed", "take", "reason"),
+        ),
+        EventSpec(
+            "reshape",
+            "from `step` the run has `new_shape` [replicas, stages] (was `old_shape`): "
+            "`copies` each layer a rank lacked from a rank holding it, `bytes` in all, and "
+            "the pause by part",
+            (
+                "step",
+                "old_shape",
+                "new_shape",
+                "old_plan",
+                "new_plan",
+                "bytes",
+                "transfer_ms",
+                "rebuild_ms",
+                "pause_ms",
+            ),
+        ),
+        EventSpec(
             "stage_count",
             "from `step` the plan leaves other ranks idle: `stages` active stages (was "
             "`old_stages`) on ranks `active`; `idle` ranks hold no layer and take part in "
