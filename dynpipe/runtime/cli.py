@@ -51,7 +51,7 @@ _GROUPS = (
     ("evaluation", ("eval_every", "eval_batches")),
     (
         "freezing (changes what training computes)",
-        ("freeze", "freeze_every", "freeze_threshold", "freeze_alpha"),
+        ("freeze", "freeze_every", "freeze_threshold", "freeze_alpha", "autodp"),
     ),
 )
 # Set by hand (``--model-arg``), or config dataclasses of their own.

@@ -85,6 +85,13 @@ class TrainConfig:
         which it has converged.
     freeze_alpha: the largest fraction of the layers still training that one check may
         freeze (at least one; the last layer always trains).
+    autodp: with ``freeze``: at every freeze check, change the run's data x pipeline shape
+        live to more replicas of fewer stages when the frozen prefix makes that predicted
+        faster by the adaptation rule (gain >= ``--min-gain``, paying the pause back within
+        ``--horizon`` steps), hosting the extra replicas on the ranks the shorter pipeline
+        frees (PipeTransformer's AutoDP); a launch with ``dp`` starts from that shape. The
+        step keeps its microbatches, so the batch shares and the gradient averaging are
+        those of ``dp``.
     """
 
     model: str = "mlp"
@@ -122,6 +129,7 @@ class TrainConfig:
     freeze_every: int = field(default=20, metadata={"metavar": "N"})
     freeze_threshold: float = 0.05
     freeze_alpha: float = 0.5
+    autodp: bool = False
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -175,10 +183,15 @@ class TrainConfig:
                 f"--elastic changes the stage count of one pipeline; --dp {self.dp} replicas "
                 "are not supported with it (drop --elastic or --dp)"
             )
-        if self.freeze and self.dp is not None and self.dp > 1:
+        if self.autodp and not self.freeze:
             raise UserError(
-                f"--freeze is for one pipeline; --dp {self.dp} replicas are not supported "
-                "with it (drop --freeze or --dp)"
+                "--autodp hosts pipeline replicas on the GPUs that freezing frees; it needs "
+                "--freeze (add --freeze, which changes what training computes, or drop --autodp)"
+            )
+        if self.freeze and not self.autodp and self.dp is not None and self.dp > 1:
+            raise UserError(
+                f"--freeze is for one pipeline unless --autodp; --dp {self.dp} replicas are "
+                "not supported with it (drop --freeze or --dp, or add --autodp)"
             )
         if self.freeze:
             from dynpipe.runtime.freeze import FreezeRule

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from dynpipe.runtime.checkpointer import Checkpointer, SaveRecord
 from dynpipe.runtime.config import TrainConfig
 from dynpipe.runtime.engine import EngineConfig, NonFiniteLoss, PipelineEngine, StepResult
 from dynpipe.runtime.health import Heartbeat, StageFailure, read_progress
-from dynpipe.runtime.mesh import Mesh, init_mesh
+from dynpipe.runtime.mesh import Mesh, init_mesh, init_meshes
 from dynpipe.runtime.records import (
     LayerTimes,
     ReplicaTiming,
@@ -123,6 +124,16 @@ def resolve_plan(cfg: TrainConfig, model: LayeredModel, world_size: int) -> Plan
     from dynpipe.runtime.engine import check_batch
 
     check_batch(plan, cfg.batch_size)
+    if cfg.autodp:
+        from dynpipe.runtime.autodp import check_autodp
+
+        check_autodp(
+            world_size=world_size,
+            dp=plan.dp,
+            microbatches=plan.microbatches,
+            schedule=plan.schedule,
+            num_layers=len(model),
+        )
     return plan
 
 
@@ -473,13 +484,20 @@ def _checkpoint_plan(meta: dict[str, Any], model: LayeredModel, world_size: int)
 
 
 def _open(
-    cfg: TrainConfig, model: LayeredModel, plan: Plan, topo: Topology, *, mesh: Mesh | None = None
+    cfg: TrainConfig,
+    model: LayeredModel,
+    plan: Plan,
+    topo: Topology,
+    *,
+    mesh: Mesh | None = None,
+    meshes: dict[int, Mesh] | None = None,
 ) -> tuple[PipelineEngine, int, dict[str, Any] | None, list[tuple[str, str]]]:
     """The engine, the first step to run, the automatic resume's checkpoint meta (None on a
     fresh start or a ``--resume PATH``), and the checkpoints skipped as unusable.
 
     ``mesh``: the run's replicas; a checkpoint's plan for another number of replicas is not
-    resumed under (the command line's plan is)."""
+    resumed under (the command line's plan is), unless ``meshes`` holds every shape's mesh
+    (``--autodp``: a run that changed shape resumes in the shape it saved)."""
 
     def build(p: Plan) -> PipelineEngine:
         return PipelineEngine(
@@ -489,7 +507,7 @@ def _open(
             config=EngineConfig(
                 batch_size=cfg.batch_size, optim=cfg.optim, bf16=cfg.bf16, timing=cfg.timing
             ),
-            mesh=mesh,
+            mesh=meshes[p.dp] if meshes is not None else mesh,
         )
 
     engine: PipelineEngine | None = None
@@ -499,7 +517,7 @@ def _open(
         try:
             meta = read_marker(path).meta
             want = (_checkpoint_plan(meta, model, topo.world_size) if automatic else None) or plan
-            if want.dp != plan.dp:
+            if want.dp != plan.dp and (meshes is None or want.dp not in meshes):
                 want = plan
             if engine is None or engine.plan != want:
                 engine = build(want)
@@ -561,10 +579,12 @@ def train(
     model, data = build_model_and_data(cfg)
     plan = resolve_plan(cfg, model, topo.world_size)
     ckpt = _checkpointer(cfg, topo)
-    # The mesh of the run's replicas (collective); every plan of the run keeps its dp.
-    mesh = init_mesh(topo, dp=plan.dp)
-    engine, start, meta, skipped = _open(cfg, model, plan, topo, mesh=mesh)
-    plan = engine.plan
+    # The mesh of the run's replicas (collective); every plan of the run keeps its dp,
+    # unless --autodp may change it: then every shape's mesh is made now.
+    meshes = init_meshes(topo) if cfg.autodp else None
+    mesh = meshes[plan.dp] if meshes is not None else init_mesh(topo, dp=plan.dp)
+    engine, start, meta, skipped = _open(cfg, model, plan, topo, mesh=mesh, meshes=meshes)
+    plan, mesh = engine.plan, engine.mesh
     initial_plan = (
         Plan.from_dict(meta["initial_plan"]) if meta and meta.get("initial_plan") else plan
     )
@@ -598,16 +618,25 @@ def train(
         elif lost is not None:
             log.event("recovered", attempt=topo.restart_attempt, step=start, **lost)
     mb = cfg.batch_size // plan.total_microbatches
-    if policy is None:
-        policy = make_policy(
+    injected = policy is not None
+    link_bw = None
+    if not injected:
+        link_bw = _link_bandwidth(cfg, model, topo=topo, microbatch_size=mb, log=log)
+
+    def policy_for(p: Plan) -> Policy | None:
+        """The configured policy for plans of ``p``'s shape."""
+        return make_policy(
             cfg.adapt,
             model=model,
             microbatch_size=mb,
-            num_ranks=plan.num_stages if plan.dp > 1 else topo.world_size,
+            num_ranks=p.num_stages if p.dp > 1 else topo.world_size,
             predictor=cfg.predictor,
-            dp=plan.dp,
-            link_bandwidth=_link_bandwidth(cfg, model, topo=topo, microbatch_size=mb, log=log),
+            dp=p.dp,
+            link_bandwidth=link_bw,
         )
+
+    if not injected:
+        policy = policy_for(plan)
     every = cfg.adapt.monitor_every if policy is not None else cfg.log_every
     steplog = _StepLog(topo=topo, plan=plan, log=log, batch_size=cfg.batch_size, mesh=mesh)
     adapter = None
@@ -622,7 +651,8 @@ def train(
             warm_bytes=warm_bytes(model, microbatch_size=mb, cuda=topo.is_cuda),
             # Release / reclaim requests live beside the run log; its writer reads them.
             requests=log.path.parent if log is not None else None,
-            request_rank=plan.stages[-1].rank if plan.dp == 1 else 0,
+            # Replica 0's last stage: its place is its global rank.
+            request_rank=plan.stages[-1].rank,
         )
         if meta is not None and meta.get("adapt_state") is not None:
             adapter.load_state(meta["adapt_state"])
@@ -630,9 +660,6 @@ def train(
                 pause_ms = (time.time() - meta["decided_time"]) * 1e3
                 moved = sum(t.nbytes or 0 for t in diff(Plan.from_dict(meta["plan"]), plan))
                 policy.applied(step=start, pause_ms=pause_ms, moved_bytes=moved)
-    save = functools.partial(
-        _save, ckpt, engine, cfg, topo=topo, initial_plan=initial_plan, adapter=adapter
-    )
     freezer = None
     if cfg.freeze:
         from dynpipe.runtime.freeze import Freezer, FreezeRule
@@ -641,6 +668,10 @@ def train(
             every=cfg.freeze_every, threshold=cfg.freeze_threshold, alpha=cfg.freeze_alpha
         )
         freezer = Freezer(rule=rule, log=log)
+        if meta is not None and meta.get("freeze_norms") is not None:
+            import numpy as np
+
+            freezer.prev = np.asarray(meta["freeze_norms"], dtype=np.float64)
         engine.track_grads = True
         if log is not None:
             log.event(
@@ -651,6 +682,19 @@ def train(
                 alpha=rule.alpha,
                 frozen=engine.frozen,
             )
+    save = functools.partial(
+        _save,
+        ckpt,
+        engine,
+        cfg,
+        topo=topo,
+        initial_plan=initial_plan,
+        adapter=adapter,
+        freezer=freezer,
+    )
+    autodp = None
+    if cfg.autodp and meshes is not None:
+        autodp = _autodp(cfg, model, meshes=meshes, microbatch_size=mb, link_bw=link_bw, log=log)
     evaluator = _evaluator(cfg, model, topo)
     runner = _scenario_runner(cfg, engine=engine, topo=topo, targets=initial_plan.ranks)
     sampler = _sampler(cfg, topo)
@@ -688,6 +732,17 @@ def train(
             timeout_s=topo.timeout_s,
         )
 
+    last: _Gathered | None = None  # the last window gathered
+    if adapter is not None and autodp is not None:
+
+        def unreplicate(released: frozenset[int], at: int) -> bool:
+            """A release request while replicated: one pipeline over the other ranks."""
+            autodp.to_one_pipeline(engine, released=released, step=at, beat=beat)
+            if not injected:
+                adapter.policy = _shape_policy(policy_for, engine, adapter)
+            return True
+
+        adapter.unreplicate = unreplicate
     stream: BatchStream | CyclicBatches | None = None
     if engine.is_first or engine.is_last:
         stream = open_stream(start)
@@ -726,9 +781,10 @@ def train(
             if on_step is not None:
                 on_step(engine, res)
             if (step + 1) % every == 0 or step + 1 == cfg.steps:
-                steplog.plan = engine.plan
+                steplog.plan, steplog.mesh = engine.plan, engine.mesh
                 steplog.probe_layer = engine.probe_layer
                 got = steplog.flush(sampler.window() if sampler else None)
+                last = got if got is not None else last
                 if adapter is not None and got is not None and step + 1 < cfg.steps:
                     adapter.window(
                         _window(
@@ -739,7 +795,19 @@ def train(
                         )
                     )
             if freezer is not None and (step + 1) % cfg.freeze_every == 0 and step + 1 < cfg.steps:
-                freezer.check(engine, step=step, adapter=adapter)
+                freezer.check(engine, step=step, adapter=adapter, autodp=autodp)
+                if autodp is not None and last is not None:
+                    stats = autodp.check(
+                        engine,
+                        step=step,
+                        layers=last.layers,
+                        step_ms=float(statistics.median(r["step_ms"] for r in last.records)),
+                        free_bytes=last.free_bytes,
+                        released=adapter.released if adapter is not None else frozenset(),
+                        beat=beat,
+                    )
+                    if stats is not None and adapter is not None and not injected:
+                        adapter.policy = _shape_policy(policy_for, engine, adapter)
             if evaluator is not None and evaluator.due(step):
                 evaluator.run(engine, step=step, topo=topo, log=log)
             if bar is not None:
@@ -777,6 +845,41 @@ def train(
         "plan": engine.plan,
         "log": str(log.path) if log else None,
     }
+
+
+def _autodp(
+    cfg: TrainConfig,
+    model: LayeredModel,
+    *,
+    meshes: dict[int, Mesh],
+    microbatch_size: int,
+    link_bw: float | None,
+    log: RunLog | None,
+):
+    from dynpipe.planner.costs import OPTIMIZER_STATE, CostModel
+    from dynpipe.runtime.autodp import AutoDP
+
+    kw: dict[str, Any] = {"bandwidth": link_bw} if link_bw else {}
+    if cfg.optim.name in OPTIMIZER_STATE:
+        kw["optimizer"] = cfg.optim.name
+    base = CostModel.from_model(model, microbatch_size=microbatch_size, num_devices=1, **kw)
+    return AutoDP(
+        meshes=meshes,
+        base=base,
+        min_gain=cfg.adapt.min_gain,
+        horizon_steps=cfg.adapt.horizon_steps,
+        log=log,
+    )
+
+
+def _shape_policy(policy_for: Callable[[Plan], Policy | None], engine, adapter: Adapter):
+    """The configured policy for the engine's new shape (a reshape starts its history
+    afresh: another shape's measurements say little about this one), told which ranks are
+    handed back."""
+    policy = policy_for(engine.plan)
+    if policy is not None and hasattr(policy, "excluded"):
+        policy.excluded = adapter.released
+    return policy if policy is not None else adapter.policy
 
 
 def _evaluator(cfg: TrainConfig, model: LayeredModel, topo: Topology):
@@ -861,6 +964,7 @@ def _save(
     adapter: Adapter | None,
     extra: dict[str, Any] | None = None,
     block: bool = False,
+    freezer: Any = None,
 ) -> Path:
     """Checkpoint this rank's state after ``step`` steps (collective), with what a resume
     needs to continue as this run would have: the plan, the initial plan (scenario targets)
@@ -880,6 +984,10 @@ def _save(
         "data_position": step,
         "world_size": topo.world_size,
         "frozen": engine.frozen,  # --freeze: layers [0, frozen) train no more
+        # ... and the last check's gradient norms, which the next check compares with.
+        "freeze_norms": (
+            None if freezer is None or freezer.prev is None else freezer.prev.tolist()
+        ),
     }
     # Replicas hold identical copies: replica 0's are written (keys are layer names, so
     # the checkpoint loads under any dp x pp shape, or into one process).

@@ -14,6 +14,9 @@ One pipeline's bounds travel as one range per rank of the world (``Plan.wide_bou
 an empty range for a rank the plan leaves idle, so a decision may change the number of
 stages; a change of the idle ranks is logged as ``stage_count``, and a rank that goes idle
 says so on its standard error.
+
+With replicas no rank can go idle: a release request is carried out by ``unreplicate``
+(``--autodp``: back to one pipeline over the other ranks), or refused in one line.
 """
 
 from __future__ import annotations
@@ -75,6 +78,10 @@ class Adapter:
         self._requested_at: float | None = None  # the request file's time, where read
         self.beat: Heartbeat | None = None
         self._first: dict | None = None  # the last move, to log its first step
+        # (released ranks, first step) -> whether the run left its replicas for one
+        # pipeline without them (--autodp); None: requests while replicated are refused.
+        self.unreplicate: Callable[[frozenset[int], int], bool] | None = None
+        self._refused: frozenset[int] = frozenset()
         warm_ms = None
         if mode != "restart":
             from dynpipe.runtime.migrate import warm_links
@@ -98,6 +105,8 @@ class Adapter:
         t0 = time.perf_counter()
         if self.engine.plan.dp == 1 and self._requests(window, t0):
             return None  # a release or reclaim moved layers: the next window is the policy's
+        if self.engine.plan.dp > 1 and self._replicated_requests(window):
+            return None  # the run left its replicas: the next window is the new policy's
         decision = self.policy.observe(window)
         if decision is None:
             return None
@@ -216,6 +225,57 @@ class Adapter:
             )
         self._apply(new_plan, window, decide_ms)
         return True
+
+    def _replicated_requests(self, window: Window) -> bool:
+        """Release requests while replicated: carried out by ``unreplicate``, else refused
+        (once per request, in the log and on standard error). True if layers moved."""
+        want = self._poll()
+        gone = want - self.released
+        if not gone:
+            self.released = want  # reclaims of ranks that were never left
+            return False
+        cur = self.engine.plan
+        if len(want) >= self.topo.world_size:
+            why = "it would leave no rank to train on"
+        elif self.unreplicate is None:
+            why = (
+                f"every rank is a stage of one of {cur.dp} replicas; launch with --autodp "
+                f"to let a replicated run go back to one pipeline, or restart on fewer ranks"
+            )
+        elif self.unreplicate(want, window.step + 1):
+            self.released = want
+            self.engine.release(self.topo.rank in want)
+            if hasattr(self.policy, "excluded"):
+                self.policy.excluded = want
+            if self.log is not None:
+                at = self._requested_at
+                self.log.event(
+                    "release",
+                    step=window.step + 1,
+                    ranks=sorted(gone),
+                    reclaimed=[],
+                    released=sorted(want),
+                    active=list(self.engine.plan.ranks),
+                    waited_s=None if at is None else round(time.time() - at, 4),
+                    replicas_left=cur.dp,
+                )
+            return True
+        else:
+            why = "the run could not leave its replicas"
+        if want != self._refused:
+            self._refused = want
+            if self.log is not None:
+                self.log.event(
+                    "release", step=window.step + 1, ranks=sorted(gone), reclaimed=[], refused=why
+                )
+            if self.topo.rank == self.request_rank:
+                print(
+                    f"dynpipe: release of ranks {sorted(gone)} refused at step "
+                    f"{window.step + 1}: {why}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return False
 
     def _vetoed(self, decision: Decision) -> bool:
         """A decision that would give a released rank layers, or take frozen layers (or the
