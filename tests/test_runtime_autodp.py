@@ -70,9 +70,12 @@ def _run(rank: int, world: int, cfg) -> dict:
     return {"shapes": shapes, "losses": out["losses"], "start": out["start"], **final}
 
 
-def _reference(cfg, *, freezes: dict[int, int], reshaped_at: int, steps: int):
+def _reference(
+    cfg, *, freezes: dict[int, int], reshaped_at: int, steps: int, until: int | None = None
+):
     """Single-process accumulation over the run's 6 microbatches, frozen as the run froze,
-    grouped 3 + 3 (each replica's sum, then the two added) from the reshape on."""
+    grouped 3 + 3 (each replica's sum, then the two added) from the reshape on (until step
+    ``until``, if the run left its replicas then)."""
     from dynpipe.runtime.reference import ReferenceTrainer
     from dynpipe.runtime.train import build_model_and_data
 
@@ -82,7 +85,8 @@ def _reference(cfg, *, freezes: dict[int, int], reshaped_at: int, steps: int):
     for s in range(steps):
         if s in freezes:
             ref.freeze(freezes[s])
-        ref.groups = (3, 3) if s >= reshaped_at else None
+        replicated = s >= reshaped_at and (until is None or s < until)
+        ref.groups = (3, 3) if replicated else None
         losses.append(ref.step(s, data.batch(s, BATCH)))
     return ref.model_state(), ref.optim_state(), losses
 
@@ -181,6 +185,20 @@ def test_a_checkpoint_after_the_reshape_resumes_in_the_new_shape(tmp_path) -> No
         _same(o, want_o, f"optimizer state of replica {replica}")
     for got in res:
         assert got["value"]["losses"] == want_l[15:]
+    # Without --autodp, as one pipeline of 4 stages: the checkpoint's layers are keyed by
+    # name, the frozen prefix is restored on the first stage (the ranks it empties idle),
+    # and training goes on as single-process accumulation (no grouping).
+    one = _cfg(str(tmp_path / "one"), STEPS, **{**kw, "autodp": False})
+    pipe = run_ranks(_run, 4, one, timeout_s=300)
+    assert [r["value"]["start"] for r in pipe] == [15] * 4
+    frozen = {10: 4, 15: 6, **{e.step: e["frozen"] for e in read_log(one.log).events("freeze")}}
+    assert frozen == {10: 4, 15: 6, 20: 7}, frozen  # one pipeline: nothing caps the rule
+    want_m, want_o, want_l = _reference(one, freezes=frozen, reshaped_at=10, steps=STEPS, until=15)
+    m, o = _merged(pipe, 0)
+    _same(m, want_m, "parameters as one pipeline")
+    _same(o, want_o, "optimizer state as one pipeline")
+    alone = pipe[0]["value"]
+    assert alone["losses"] == want_l[15:]
 
 
 # ---- a release request while replicated: back to one pipeline without the rank -------------

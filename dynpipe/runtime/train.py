@@ -519,6 +519,8 @@ def _open(
             want = (_checkpoint_plan(meta, model, topo.world_size) if automatic else None) or plan
             if want.dp != plan.dp and (meshes is None or want.dp not in meshes):
                 want = plan
+            if automatic and meta.get("frozen"):
+                want = _holding_prefix(want, model, frozen=int(meta["frozen"]), topo=topo)
             if engine is None or engine.plan != want:
                 engine = build(want)
             if automatic and meta.get("frozen"):
@@ -532,6 +534,29 @@ def _open(
     if engine is None or engine.plan != plan:
         engine = build(plan)
     return engine, 0, None, skipped
+
+
+def _holding_prefix(plan: Plan, model: LayeredModel, *, frozen: int, topo: Topology) -> Plan:
+    """``plan`` with its first stage holding the frozen prefix and a layer that trains (a
+    checkpoint with frozen layers resumed under another plan than its own)."""
+    if plan.stages[0].stop > frozen:
+        return plan
+    from dynpipe.runtime.freeze import keep_prefix_in_stages, keep_prefix_on_first
+
+    kw = {"schedule": plan.schedule, "microbatches": plan.microbatches, "meta": plan.meta}
+    if plan.dp == 1:
+        wide = keep_prefix_on_first(plan.wide_bounds(topo.world_size), frozen=frozen)
+        return Plan.from_wide_bounds(model, wide, **kw)
+    bounds = keep_prefix_in_stages(tuple(plan.bounds), frozen=frozen)
+    if bounds is None:
+        raise UserError(
+            f"the checkpoint froze {frozen} of {plan.num_layers} layers, which leaves "
+            f"{plan.num_layers - frozen} for {plan.num_stages} stages of {plan.dp} replicas; "
+            f"resume with --dp {topo.world_size} (or --autodp, in the shape it was saved in)"
+        )
+    return dataclasses.replace(
+        Plan.from_bounds(model, list(bounds), ranks=plan.ranks, **kw), dp=plan.dp
+    )
 
 
 def _link_bandwidth(
