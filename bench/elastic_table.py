@@ -6,8 +6,11 @@ raw logs only.
 Phases (from ``OUTDIR/meta.json``): before the interferer (steps 10 to onset), during it
 (onset + 10 to its end: the first windows of a reaction are left out of every run alike),
 after it (end + 10 to the last step). Each cell is the median step time in ms and the run's
-stage counts seen in that phase. Freeze runs: the held-out accuracy over wall time, and the
-time each run first reaches the target (the lower of the two runs' best accuracies).
+stage counts seen in that phase. Freeze runs (without freezing, with it, and with
+``--autodp`` where it ran): the held-out accuracy over wall time, the time each run first
+reaches the target (the lowest of the runs' best accuracies), each run's median step time
+after its last freeze or reshape, and the autodp run's reshapes (shape before and after,
+bytes copied, pause).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 from dynpipe.runtime.records import read_log
 
 RUNS = ("keep-static", "keep-measured", "drop-static", "elastic", "release")
+FREEZE_RUNS = ("nofreeze", "freeze", "freeze-autodp")
 
 
 def _phases(meta: dict) -> list[tuple[str, int, int]]:
@@ -70,23 +74,35 @@ def main(argv: list[str]) -> int:
                 f"request was written; active ranks {e.get('active')}"
             )
     evals = {}
-    for run in ("nofreeze", "freeze"):
+    for run in FREEZE_RUNS:
         log = out / run / "log.jsonl"
-        if log.is_file():
-            recs = read_log(log)
-            t0 = recs.headers[0].time if recs.headers else 0.0
-            evals[run] = [(e.time - t0, e.step, e.accuracy) for e in recs.evals]
-            frozen = [(e.step, e["frozen"]) for e in recs.events("freeze")]
-            if frozen:
-                print(f"{run}: frozen prefix (step, layers): {frozen}")
-    if len(evals) == 2 and all(evals.values()):
-        target = min(max(a or 0.0 for _, _, a in v) for v in evals.values())
-        print(f"time to accuracy {target:.4f} (the lower of the two runs' best):")
-        for run, v in evals.items():
+        if not log.is_file():
+            continue
+        recs = read_log(log)
+        t0 = recs.headers[0].time if recs.headers else 0.0
+        evals[run] = [(e.time - t0, e.step, e.accuracy) for e in recs.evals]
+        frozen = [(e.step, e["frozen"]) for e in recs.events("freeze")]
+        if frozen:
+            print(f"{run}: frozen prefix (step, layers): {frozen}")
+        for e in recs.events("reshape"):
+            print(
+                f"{run}: step {e.step}: {e['old_shape'][0]} x {e['old_shape'][1]} -> "
+                f"{e['new_shape'][0]} x {e['new_shape'][1]} ({e.get('reason')}), "
+                f"{e['bytes']} bytes copied, pause {e['pause_ms']:.1f} ms"
+            )
+        settled = max([s for s, _ in frozen] + [e.step for e in recs.events("reshape")], default=0)
+        tail = [r.step_ms for r in recs.steps if r.step >= settled + 10]
+        if tail:
+            print(f"{run}: median step {statistics.median(tail):.2f} ms from step {settled + 10}")
+    done = {run: v for run, v in evals.items() if v}
+    if len(done) >= 2:
+        target = min(max(a or 0.0 for _, _, a in v) for v in done.values())
+        print(f"time to accuracy {target:.4f} (the lowest of the runs' best):")
+        for run, v in done.items():
             hit = next(((t, s) for t, s, a in v if (a or 0.0) >= target), None)
             last = v[-1]
             where = f"{hit[0]:.1f} s (step {hit[1]})" if hit else "not reached"
-            print(f"  {run:<9} {where}; final accuracy {last[2]:.4f} at step {last[1]}")
+            print(f"  {run:<14} {where}; final accuracy {last[2]:.4f} at step {last[1]}")
     return 0
 
 

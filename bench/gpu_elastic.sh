@@ -13,6 +13,10 @@
 #   freeze / nofreeze  gpt on real text (pystdlib) with --eval-every, both --adapt measured
 #                  --elastic, with and without --freeze: time to accuracy (freezing changes
 #                  what training computes)
+#   freeze-autodp  (AUTODP=1, the default; AUTODP=0 leaves it out) the freeze run with
+#                  --autodp: GPUs the frozen prefix frees host more pipeline replicas, live;
+#                  last, so the runs above are the same either way (on CPU it freezes with
+#                  threshold 1e9, as fast as --freeze-alpha allows, so the check reshapes)
 # bench/elastic_table.py prints per-phase median step times (before / during / after the
 # interferer) and the freeze runs' time to accuracy from the raw logs.
 #   bench/gpu_elastic.sh OUTDIR
@@ -32,6 +36,7 @@ BUDGET=${BUDGET:-560}
 RUN_TIMEOUT=${RUN_TIMEOUT:-90}
 DEVICE=${DEVICE:-cuda}
 NGPU=${NGPU:-4}
+AUTODP=${AUTODP:-1}
 L=$(( NGPU - 1 ))
 if [ "$NGPU" -lt 2 ]; then echo "NGPU must be >= 2, got $NGPU"; exit 2; fi
 STEPS=130; ONSET=30; END=90; EVERY=5
@@ -42,14 +47,14 @@ if [ "$DEVICE" = cuda ]; then
   TEXT=(--model gpt --model-arg depth=8 --model-arg width=512 --model-arg heads=8
         --model-arg seq_len=256 --data pystdlib --batch-size 64 --microbatches 8)
   EXTRA=(--bf16 --device-batches 4)
-  FREEZE_STEPS=600; EVAL_EVERY=50
+  FREEZE_STEPS=600; EVAL_EVERY=50; AUTODP_THRESHOLD=0.05
 else
   SCENARIO=recipes/scenarios/emulate-10x-rank$L.toml
   MODEL=(--model mlp --model-arg depth=6 --model-arg width=64 --batch-size 32 --microbatches 4)
   TEXT=(--model gpt --model-arg depth=2 --model-arg width=32 --model-arg heads=2
         --model-arg seq_len=16 --data pystdlib --batch-size 16 --microbatches 4)
   EXTRA=(--pin-cores)
-  FREEZE_STEPS=60; EVAL_EVERY=20
+  FREEZE_STEPS=60; EVAL_EVERY=20; AUTODP_THRESHOLD=1e9
 fi
 pack() {
   python3 bench/elastic_table.py "$O" > "$O/table.out" 2>&1
@@ -118,3 +123,8 @@ run nofreeze "$NGPU" "${TEXT[@]}" --steps "$FREEZE_STEPS" --eval-every "$EVAL_EV
   --elastic
 run freeze "$NGPU" "${TEXT[@]}" --steps "$FREEZE_STEPS" --eval-every "$EVAL_EVERY" --adapt measured \
   --elastic --freeze --freeze-every 20 --freeze-threshold 0.05
+if [ "$AUTODP" = 1 ]; then
+  run freeze-autodp "$NGPU" "${TEXT[@]}" --steps "$FREEZE_STEPS" --eval-every "$EVAL_EVERY" \
+    --adapt measured --elastic --freeze --freeze-every 20 --freeze-threshold "$AUTODP_THRESHOLD" \
+    --autodp
+fi
