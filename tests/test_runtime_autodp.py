@@ -292,6 +292,51 @@ def test_a_release_while_replicated_goes_back_to_one_pipeline_without_the_rank(t
     assert res[0]["value"]["losses"] == losses
 
 
+def _replicated_release(rank: int, world: int, cfg) -> dict:
+    from pathlib import Path
+
+    from dynpipe.cli import main
+    from dynpipe.runtime.topology import Topology
+    from dynpipe.runtime.train import train
+
+    idle: list[int] = []
+
+    def on_step(engine, res) -> None:
+        if engine.idle:
+            idle.append(res.step)
+        if rank == 0 and res.step == 2:
+            assert main(["release", "--rank", "3", str(Path(cfg.log).parent)]) == 0
+
+    out = train(cfg, topo=Topology.from_env(device="cpu"), on_step=on_step, policy=_Still())
+    return {"idle": idle, "steps": len(out["losses"])}
+
+
+@pytest.mark.slow
+def test_without_autodp_a_release_while_replicated_is_refused_in_one_line(tmp_path) -> None:
+    from dynpipe.runtime.adapt.config import AdaptConfig
+    from dynpipe.runtime.config import TrainConfig
+    from dynpipe.runtime.records import read_log
+
+    cfg = TrainConfig(
+        model="mlp",
+        model_args=MODEL,
+        steps=15,
+        batch_size=16,
+        microbatches=2,
+        dp=2,
+        progress=False,
+        telemetry=False,
+        log=str(tmp_path / "run" / "log.jsonl"),
+        adapt=AdaptConfig(mode="measured", monitor_every=EVERY),
+    )
+    res = run_ranks(_replicated_release, 4, cfg, timeout_s=300)
+    assert all(r["value"] == {"idle": [], "steps": 15} for r in res), res  # it trains on
+    rel = read_log(cfg.log).events("release")
+    # Refused once (the request stays pending, not re-reported every window).
+    assert [(e.step, e["ranks"]) for e in rel] == [(5, [3])], rel
+    assert "launch with --autodp" in rel[0]["refused"]
+
+
 # ---- the decision and the copies (pure logic, no process group) -----------------------------
 
 N = 12
