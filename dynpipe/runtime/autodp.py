@@ -582,8 +582,11 @@ class AutoDP:
         stats = reshape(engine, plan, mesh=mesh, copies=copies, beat=beat)
         pause_ms = decide_ms + (stats.transfer_s + stats.rebuild_s) * 1e3
         sent = torch.tensor([stats.bytes_sent], dtype=torch.int64, device=engine.topo.device)
+        slowest = torch.tensor([pause_ms], dtype=torch.float64, device=engine.topo.device)
         if world > 1:
             dist.all_reduce(sent)  # every rank knows what it sent; the sum is what moved
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the job waits for the last rank
+        pause_ms = float(slowest.item())
         self.measured(pause_ms)
         if self.log is not None:
             self.log.event(

@@ -402,7 +402,7 @@ EVENTS: dict[str, EventSpec] = {
             "reshape",
             "from `step` the run has `new_shape` [replicas, stages] (was `old_shape`): "
             "`copies` each layer a rank lacked from a rank holding it, `bytes` in all, and "
-            "the pause by part",
+            "the pause by part (`pause_ms`: the slowest rank's)",
             (
                 "step",
                 "old_shape",
