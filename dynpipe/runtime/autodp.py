@@ -481,7 +481,7 @@ class AutoDP:
                 step=step + 1,
                 min_gain=self.min_gain,
                 horizon_steps=self.horizon_steps,
-                rebuild_ms=self.pause_ms if self.pause_ms is not None else step_ms,
+                rebuild_ms=self._agreed_pause(engine, default=step_ms),
                 memory_bytes=self._memory(engine, free_bytes),
             )
         taken = self._agree(verdict, engine)
@@ -619,6 +619,20 @@ class AutoDP:
                 flush=True,
             )
         return stats
+
+    def _agreed_pause(self, engine: PipelineEngine, *, default: float) -> float:
+        """The last measured pause, the slowest rank's (each rank timed its own part of a
+        freeze's migration), so every rank decides on the same number; ``default`` before
+        any (collective)."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([-1.0 if self.pause_ms is None else self.pause_ms], dtype=torch.float64)
+        if engine.topo.world_size > 1:
+            t = t.to(engine.topo.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        got = float(t.item())
+        return default if got < 0 else got
 
     def _memory(self, engine: PipelineEngine, free: Sequence[float] | None) -> float | None:
         """The bytes one rank may hold in any shape: the least, over ranks, of what its

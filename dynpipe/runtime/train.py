@@ -28,6 +28,7 @@ from dynpipe.runtime.adapt.loop import Adapter
 from dynpipe.runtime.adapt.make import activation_bytes, make_policy, warm_bytes
 from dynpipe.runtime.adapt.policy import Policy
 from dynpipe.runtime.adapt.window import Window
+from dynpipe.runtime.autodp import AutoDP
 from dynpipe.runtime.checkpoint import (
     CheckpointCorrupt,
     find_checkpoint,
@@ -880,9 +881,9 @@ def _autodp(
     microbatch_size: int,
     link_bw: float | None,
     log: RunLog | None,
-):
+) -> AutoDP:
+    """--autodp's check, pricing the model at the run's microbatch size and links."""
     from dynpipe.planner.costs import OPTIMIZER_STATE, CostModel
-    from dynpipe.runtime.autodp import AutoDP
 
     kw: dict[str, Any] = {"bandwidth": link_bw} if link_bw else {}
     if cfg.optim.name in OPTIMIZER_STATE:
@@ -897,7 +898,9 @@ def _autodp(
     )
 
 
-def _shape_policy(policy_for: Callable[[Plan], Policy | None], engine, adapter: Adapter):
+def _shape_policy(
+    policy_for: Callable[[Plan], Policy | None], engine: PipelineEngine, adapter: Adapter
+) -> Policy:
     """The configured policy for the engine's new shape (a reshape starts its history
     afresh: another shape's measurements say little about this one), told which ranks are
     handed back."""
