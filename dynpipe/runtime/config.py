@@ -78,7 +78,7 @@ class TrainConfig:
         whose gradient norm changed by less than ``freeze_threshold`` (relative) since the
         last check are frozen, at most ``freeze_alpha`` of the training layers per check;
         frozen layers skip backward and hold no optimizer state, and a stage left with no
-        layers goes idle (one pipeline only).
+        layers goes idle (one pipeline; replicated, such a freeze is capped instead).
     freeze_every: steps between freeze checks (the window a layer's gradient norm is
         averaged over).
     freeze_threshold: relative change of a layer's gradient norm between two checks under
