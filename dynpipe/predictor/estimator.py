@@ -14,13 +14,14 @@ layers (VGG's last two linear layers run at a median 0.69 of their alone time be
 full-duty GEMM, at both batch sizes), so a floor at 1 is a bias there, not a guard.
 
 - ``SlowdownRegressor``: gradient-boosted trees (xgboost), monotone in the telemetry that
-  physics orders (more utilisation by other processes never makes a layer slower in total;
-  a higher clock never makes it slower). By default (``target="shape"``) two boosters: one
-  for the *level*, the mean log slowdown of the layers measured in one telemetry window, from
-  the window's telemetry and batch size only (one row per window); one for the *shape*, each
-  layer's log slowdown relative to that level. Their sum is the prediction, so absolute predictions are what they
-  were, while the runtime, which scales each device's predictions to what its held layers
-  measure, uses only the shape: the level cancels there exactly.
+  physics orders (more utilisation by other processes, all else equal, never makes a layer
+  faster; a higher clock never makes it slower). By default (``target="shape"``) two
+  boosters: one for the *level*, the mean log slowdown of the layers measured in one
+  telemetry window, from the window's telemetry and batch size only (one row per window);
+  one for the *shape*, each layer's log slowdown relative to that level. Their sum is the
+  prediction, so absolute predictions stay meaningful, while the runtime, which scales each
+  device's predictions to what its held layers measure, uses only the shape: the level
+  cancels there exactly.
 - ``ForestSlowdown``, ``RidgeSlowdown``: a random forest (what the original DynPipe used, there
   per stage over GPU counters) and a linear model, on the same features.
 - ``NoInterference``: slowdown 1 everywhere (a planner that ignores interference).
