@@ -7,7 +7,11 @@ without preparation and with the random-forest baseline for comparison.
 
     python bench/bench_predictor.py                                # synthetic-data predictor
     python bench/bench_predictor.py --predictor predictor/cpu.json.gz
+    python bench/bench_predictor.py --predictor old.json.gz new.json.gz --threads 1  # side by side
     python bench/bench_predictor.py --layers 400 --devices 16 --threads 1
+
+Several predictors given are timed in one run, interleaved call by call, so that their
+ratio does not depend on what else the host did meanwhile.
 """
 
 from __future__ import annotations
@@ -41,25 +45,35 @@ def _layers(n: int, kinds: tuple[str, ...], rng: np.random.Generator) -> pd.Data
     )
 
 
-def _time(fn, *, repeats: int, warmup: int = 5) -> tuple[list[float], list[float]]:
-    """Wall and calling-thread CPU milliseconds per call. Single-threaded, CPU time is what a
-    call costs on an idle core; wall time adds waiting for other processes on a busy host."""
-    for _ in range(warmup):
-        fn()
-    wall, cpu = [], []
-    for _ in range(repeats):
-        t0, c0 = time.perf_counter(), time.thread_time()
-        fn()
-        cpu.append((time.thread_time() - c0) * 1e3)
-        wall.append((time.perf_counter() - t0) * 1e3)
-    return wall, cpu
+def _time(calls: dict, *, warmup: int = 5) -> dict[str, tuple[list[float], list[float]]]:
+    """Wall and calling-thread CPU milliseconds per call of each ``{key: (fn, repeats)}``,
+    interleaved call by call. Single-threaded, CPU time is what a call costs on an idle
+    core; wall time adds waiting for other processes on a busy host."""
+    for fn, _ in calls.values():
+        for _ in range(warmup):
+            fn()
+    out: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in calls}
+    for r in range(max(reps for _, reps in calls.values())):
+        for key, (fn, reps) in calls.items():
+            if r >= reps:
+                continue
+            t0, c0 = time.perf_counter(), time.thread_time()
+            fn()
+            out[key][1].append((time.thread_time() - c0) * 1e3)
+            out[key][0].append((time.perf_counter() - t0) * 1e3)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--predictor", help="saved predictor (default: fit one on synthetic profiles)")
+    ap.add_argument(
+        "--predictor",
+        nargs="+",
+        metavar="PATH",
+        help="saved predictor(s) (default: fit xgb and rf on synthetic profiles)",
+    )
     ap.add_argument("--layers", type=int, default=200)
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=200)
@@ -78,12 +92,12 @@ def main() -> None:
     rng = np.random.default_rng(0)
     jobs = {} if args.threads is None else {"n_jobs": args.threads}
     if args.predictor:
-        pred = load_predictor(args.predictor)
-        if args.threads is not None and "n_jobs" in pred.estimator.get_params():
-            pred.estimator.set_params(n_jobs=args.threads)
-            if hasattr(pred.estimator, "booster_"):
-                pred.estimator.booster_.set_param({"nthread": args.threads})
-        preds = {f"{pred.estimator_name} ({Path(args.predictor).name})": pred}
+        preds = {}
+        for path in args.predictor:
+            pred = load_predictor(path)
+            if args.threads is not None:
+                pred.estimator.set_predict_threads(args.threads)
+            preds[f"{pred.estimator_name} ({Path(path).name})"] = pred
     else:
         data = synthetic_profiles()
         preds = {
@@ -95,7 +109,7 @@ def main() -> None:
         f"{len(os.sched_getaffinity(0))} CPUs, load average {load:.1f}, "
         f"threads {args.threads or 'default'}"
     )
-    results = {}
+    calls = {}
     for name, pred in preds.items():
         layers = _layers(args.layers, pred.schema.kinds, rng)
         a_f = rng.uniform(0.05, 5.0, args.layers)
@@ -118,26 +132,26 @@ def main() -> None:
 
         fwd, _ = call()
         assert fwd.shape == (args.devices, args.layers)
-        for variant, fn in (
-            ("prepared", call),
-            ("unprepared", lambda call=call, layers=layers: call(layers=layers)),
-        ):
-            if not name.startswith("xgb") and variant == "unprepared":
-                continue
-            reps = args.repeats if name.startswith("xgb") else max(20, args.repeats // 10)
-            ms, cpu = _time(fn, repeats=reps)
-            key = f"{name} {variant}"
-            results[key] = {
-                "median_ms": statistics.median(ms),
-                "p90_ms": float(np.percentile(ms, 90)),
-                "median_thread_cpu_ms": statistics.median(cpu),
-                "repeats": len(ms),
-            }
-            print(
-                f"{key:<24} {args.layers} layers x {args.devices} devices: "
-                f"median {statistics.median(ms):7.3f} ms  p90 {np.percentile(ms, 90):7.3f} ms  "
-                f"(thread CPU median {statistics.median(cpu):6.3f} ms)"
+        reps = args.repeats if name.startswith("xgb") else max(20, args.repeats // 10)
+        calls[f"{name} prepared"] = (call, reps)
+        if name.startswith("xgb"):
+            calls[f"{name} unprepared"] = (
+                lambda call=call, layers=layers: call(layers=layers),
+                reps,
             )
+    results = {}
+    for key, (ms, cpu) in _time(calls).items():
+        results[key] = {
+            "median_ms": statistics.median(ms),
+            "p90_ms": float(np.percentile(ms, 90)),
+            "median_thread_cpu_ms": statistics.median(cpu),
+            "repeats": len(ms),
+        }
+        print(
+            f"{key:<24} {args.layers} layers x {args.devices} devices: "
+            f"median {statistics.median(ms):7.3f} ms  p90 {np.percentile(ms, 90):7.3f} ms  "
+            f"(thread CPU median {statistics.median(cpu):6.3f} ms)"
+        )
     if args.json:
         Path(args.json).write_text(
             json.dumps(

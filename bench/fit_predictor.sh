@@ -50,5 +50,5 @@ python bench/bench_predictor.py --predictor "predictor/${NAME}.json.gz" --thread
 #    platforms, so expect this to be poor; it is the reason a GPU predictor is fitted at all).
 if [ -f predictor/cpu.json.gz ]; then
     python -m dynpipe predictor eval predictor/cpu.json.gz "${DATA[@]}" --splits condition \
-        --compare none -o "predictor/${NAME}_report/cpu_transfer"
+        -o "predictor/${NAME}_report/cpu_transfer"
 fi

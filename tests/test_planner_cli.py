@@ -119,9 +119,11 @@ def test_profile_and_predictor_inputs(tmp_path, capsys) -> None:
     assert plan.stages[1].fwd_ms == pytest.approx(2.0 * 3)  # head alone, measured 2x slower
 
     # A learned predictor: a busy device 1 must get less work than a quiet one.
-    pred = fit_predictor(synthetic_profiles(models=("mlp_a",), seed=0), estimator="ridge")
+    data = synthetic_profiles(models=("mlp_a",), seed=0)
+    pred = fit_predictor(data, estimator="ridge")
     path = save_predictor(pred, tmp_path / "p.json")
-    quiet = dict.fromkeys(pred.schema.telemetry, 0.0)
+    none = data[data["condition"] == "none"].iloc[0]  # a quiet device's telemetry
+    quiet = {k: float(none[k]) for k in pred.schema.telemetry}
     busy = {**quiet, "tel_other_util": 95.0, "tel_other_procs": 2.0, "tel_other_mem_util": 60.0}
     loads = {}
     for name, windows in (("quiet", [quiet, quiet]), ("busy", [quiet, busy])):

@@ -1,6 +1,6 @@
 """Fitted estimators as plain JSON: hyper-parameters, learned arrays, no pickled objects.
 
-``encode_estimator`` turns a fitted ``SlowdownRegressor`` (its booster in xgboost's own JSON
+``encode_estimator`` turns a fitted ``SlowdownRegressor`` (its boosters in xgboost's own JSON
 model format), ``ForestSlowdown`` (every tree's node arrays and the imputer's medians),
 ``RidgeSlowdown`` (medians, scaling and coefficients) or ``NoInterference`` into a dict of
 numbers, strings and lists; ``decode_estimator`` rebuilds an estimator that predicts the same
@@ -157,6 +157,18 @@ def _linear_arrays(model: Any) -> LinearArrays:
     )
 
 
+def _booster_json(booster: Any) -> dict[str, Any]:
+    return json.loads(bytes(booster.save_raw(raw_format="json")))
+
+
+def _booster(doc: dict[str, Any]) -> Any:
+    import xgboost as xgb
+
+    booster = xgb.Booster()
+    booster.load_model(bytearray(json.dumps(doc).encode()))
+    return booster
+
+
 def encode_estimator(est: Any) -> dict[str, Any]:
     """A fitted estimator of ``dynpipe.predictor.estimator`` as a JSON-ready dict."""
     from dynpipe.predictor.estimator import (
@@ -171,7 +183,10 @@ def encode_estimator(est: Any) -> dict[str, Any]:
         fitted = _fitted_common(est)
         fitted["monotone_constraints_"] = dict(getattr(est, "monotone_constraints_", {}))
         # xgboost's own JSON model format: plain numbers, portable across xgboost versions.
-        fitted["booster"] = json.loads(bytes(est.booster_.save_raw(raw_format="json")))
+        fitted["booster"] = _booster_json(est.booster_)
+        if getattr(est, "level_booster_", None) is not None:
+            fitted["level_booster"] = _booster_json(est.level_booster_)
+            fitted["level_columns_"] = [int(i) for i in est.level_columns_]
     elif isinstance(est, ForestSlowdown):
         fitted = {**_fitted_common(est), **_forest_arrays(est.model_).to_json()}
     elif isinstance(est, RidgeSlowdown):
@@ -200,17 +215,20 @@ def decode_estimator(doc: dict[str, Any]) -> Any:
     }
     try:
         cls = classes[doc["class"]]
-        est = cls(**doc["params"])
+        params = dict(doc["params"])
+        if cls is SlowdownRegressor:
+            # Files written before the shape target hold one booster on the slowdown itself.
+            params.setdefault("target", "slowdown")
+        est = cls(**params)
         fitted = doc["fitted"]
         est.n_features_in_ = int(fitted["n_features_in_"])
         if "feature_names_in_" in fitted:
             est.feature_names_in_ = np.asarray(fitted["feature_names_in_"], dtype=object)
         if cls is SlowdownRegressor:
-            import xgboost as xgb
-
-            booster = xgb.Booster()
-            booster.load_model(bytearray(json.dumps(fitted["booster"]).encode()))
-            est.booster_ = booster
+            est.booster_ = _booster(fitted["booster"])
+            if est.target == "shape":
+                est.level_booster_ = _booster(fitted["level_booster"])
+                est.level_columns_ = np.asarray(fitted["level_columns_"], dtype=np.int64)
             est.monotone_constraints_ = {
                 str(k): int(v) for k, v in fitted["monotone_constraints_"].items()
             }

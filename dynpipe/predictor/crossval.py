@@ -28,6 +28,7 @@ the current stage matches its measurement, scored the same way as ``StageMean``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -39,14 +40,25 @@ from sklearn.model_selection import GridSearchCV, GroupKFold, LeaveOneGroupOut
 from dynpipe.errors import UserError
 from dynpipe.predictor.estimator import StageMean
 from dynpipe.predictor.features import extract_features
+from dynpipe.predictor.floor import sibling_floor
 from dynpipe.predictor.stages import (
     assign_stages,
     measured_stage_slowdown,
+    run_ids,
     run_keys,
     stage_sums,
 )
 
-__all__ = ["SPLITS", "TUNE_GRID", "Evaluation", "ape_summary", "cv_folds", "evaluate", "score"]
+__all__ = [
+    "SPLITS",
+    "TUNE_GRID",
+    "Evaluation",
+    "ape_summary",
+    "cv_folds",
+    "evaluate",
+    "score",
+    "takes_runs",
+]
 
 SPLITS: tuple[str, ...] = ("condition", "model", "interferer", "device")
 # Grid for nested tuning of the xgboost model (--tune); small on purpose: each point is a
@@ -132,6 +144,11 @@ def _inner_groups(df: pd.DataFrame, split: str) -> np.ndarray:
     return (df["device_name"].astype(str) + "/" + df["condition"].astype(str)).to_numpy()
 
 
+def takes_runs(est: BaseEstimator) -> bool:
+    """Whether ``est.fit`` takes ``runs=`` (which rows share one telemetry window)."""
+    return "runs" in inspect.signature(type(est).fit).parameters
+
+
 def _fit_predict(
     est: BaseEstimator,
     X: pd.DataFrame,
@@ -139,10 +156,12 @@ def _fit_predict(
     folds: list[tuple[np.ndarray, np.ndarray]],
     *,
     tune_groups: np.ndarray | None,
+    runs: np.ndarray,
 ) -> np.ndarray:
     oof = np.full(len(X), np.nan)
     for train, test in folds:
         model = clone(est)
+        extra = {"runs": runs[train]} if takes_runs(est) else {}
         if tune_groups is not None:
             n_inner = min(3, len(np.unique(tune_groups[train])))
             model = GridSearchCV(
@@ -152,9 +171,9 @@ def _fit_predict(
                 scoring="neg_mean_absolute_percentage_error",
                 n_jobs=1,
             )
-            model.fit(X.iloc[train], y[train], groups=tune_groups[train])
+            model.fit(X.iloc[train], y[train], groups=tune_groups[train], **extra)
         else:
-            model.fit(X.iloc[train], y[train])
+            model.fit(X.iloc[train], y[train], **extra)
         oof[test] = model.predict(X.iloc[test])
     return oof
 
@@ -185,6 +204,7 @@ def _summarise(layers: pd.DataFrame, stages: pd.DataFrame) -> dict:
             "by_kind": _breakdown(lay, "kind"),
             "by_interferer": _breakdown(lay, "interferer"),
             "by_phase": _breakdown(lay, "phase"),
+            **{f"by_{c}": _breakdown(lay, c) for c in ("condition", "model") if c in lay},
         },
         "stage": {
             "all": ape_summary(stg["measured_ms"].to_numpy(), stg["predicted_ms"].to_numpy()),
@@ -267,6 +287,7 @@ def evaluate(
     X, schema = extract_features(df)
     y = df["slowdown"].to_numpy(dtype=np.float64)
     alone = df["time_alone_ms"].to_numpy(dtype=np.float64)
+    runs = run_ids(df)
     stage_ids = {s: assign_stages(df, n_stages=s) for s in n_stages}
     stage_ids = {s: sid for s, sid in stage_ids.items() if (sid >= 0).any()}
 
@@ -295,7 +316,7 @@ def evaluate(
                 lay, stg = (f.assign(split=split, estimator=name) for f in sm_frames)
             else:
                 groups = _inner_groups(df, split) if name in tune else None
-                oof = _fit_predict(est, X, y, folds, tune_groups=groups) * alone
+                oof = _fit_predict(est, X, y, folds, tune_groups=groups, runs=runs) * alone
                 lay = _layer_frame(df, oof, split=split, estimator=name)
                 parts = [
                     stage_sums(df, stage=sid, predicted_ms=oof).assign(n_stages=s)
@@ -318,6 +339,7 @@ def evaluate(
             "no cross-validation split is possible: the profiles need at least two interference "
             "conditions or two models"
         )
+    layers_all = pd.concat(layer_frames, ignore_index=True)
     summary = {
         "data": {
             "rows": len(df),
@@ -337,12 +359,39 @@ def evaluate(
         "tuned": list(tune),
         "calibrated": [f"{n}+measured" for n in calibrate if n in estimators],
         "results": results,
+        "floor": _floor(df, layers_all),
     }
     return Evaluation(
-        summary=summary,
-        layers=pd.concat(layer_frames, ignore_index=True),
-        stages=pd.concat(stage_frames, ignore_index=True),
+        summary=summary, layers=layers_all, stages=pd.concat(stage_frames, ignore_index=True)
     )
+
+
+def _floor(df: pd.DataFrame, layers: pd.DataFrame) -> dict:
+    """The identical-layer floor (``floor.sibling_floor``) and every estimator's error on the
+    same rows, per split: what of its error measurement noise alone explains."""
+    floor = sibling_floor(df)
+    if floor.empty:
+        return {"rows": 0}
+    keys = [*run_keys(df), "layer_index", "phase"]
+    on = floor[keys].drop_duplicates()
+    lay = layers[layers["interferer"] != "none"].dropna(subset=["predicted_ms"])
+    same = lay.merge(on, on=keys, how="inner")
+    return {
+        "rows": len(floor),
+        "sibling": ape_summary(floor["measured_ms"].to_numpy(), floor["predicted_ms"].to_numpy()),
+        "by_model": _breakdown(floor, "model"),
+        "by_kind": _breakdown(floor, "kind"),
+        "estimators": {
+            str(split): {
+                str(name): {
+                    "all": ape_summary(g["measured_ms"].to_numpy(), g["predicted_ms"].to_numpy()),
+                    "by_model": _breakdown(g, "model"),
+                }
+                for name, g in part.groupby("estimator", sort=False)
+            }
+            for split, part in same.groupby("split", sort=False)
+        },
+    }
 
 
 def _jsonable(params: dict) -> dict:

@@ -3,7 +3,8 @@
 Two groups of features, and nothing else:
 
 - static, per (layer, phase): log FLOPs, log parameter / input / output bytes, log arithmetic
-  intensity, log batch size, log alone time, one-hot layer kind and phase;
+  intensity, log batch size, log alone time, the rates the layer achieves alone (FLOPs and
+  bytes per ms of its alone time), one-hot layer kind and phase;
 - telemetry of the device, ``tel_*`` columns as the profiler records them (NaN where the
   platform has no such reading).
 
@@ -29,11 +30,13 @@ from dynpipe.errors import UserError
 from dynpipe.profiler.schema import EXTRA_COLUMNS
 
 __all__ = [
-    "ALONE_COLUMN",
+    "ALONE_DEPENDENT",
     "NUMERIC_STATIC",
+    "NUMERIC_STATIC_V1",
     "PHASES",
     "STATIC_INPUTS",
     "FeatureSchema",
+    "alone_dependent",
     "check_same_names",
     "extract_features",
     "log_alone",
@@ -52,7 +55,8 @@ STATIC_INPUTS: tuple[str, ...] = (
     "out_bytes",
     "time_alone_ms",
 )
-NUMERIC_STATIC: tuple[str, ...] = (
+# Schema version 1 (predictors fitted before the achieved rates were features).
+NUMERIC_STATIC_V1: tuple[str, ...] = (
     "log_flops",
     "log_param_bytes",
     "log_in_bytes",
@@ -61,10 +65,14 @@ NUMERIC_STATIC: tuple[str, ...] = (
     "log_batch_size",
     "log_time_alone_ms",
 )
+# The rates a layer achieves alone tell a launch- or latency-bound layer (far below the
+# device's peak FLOP rate and bandwidth: a co-located job slows it little, or not at all)
+# from a compute- or bandwidth-bound one of the same size.
+NUMERIC_STATIC: tuple[str, ...] = (*NUMERIC_STATIC_V1, "log_flops_per_ms", "log_bytes_per_ms")
+# Features computed from the alone time: the run-time path refills them per device.
+ALONE_DEPENDENT: tuple[str, ...] = ("log_time_alone_ms", "log_flops_per_ms", "log_bytes_per_ms")
 PHASES: tuple[str, ...] = ("fwd", "bwd")
-# Position of the alone-time feature: the run-time path refills it per device.
-ALONE_COLUMN = NUMERIC_STATIC.index("log_time_alone_ms")
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -73,17 +81,30 @@ class FeatureSchema:
 
     ``kinds`` is the one-hot vocabulary of layer kinds seen in training; ``telemetry`` the
     ``tel_*`` columns. A layer kind outside the vocabulary gets an all-zero one-hot (the
-    model then predicts from its size and intensity alone) and a warning.
+    model then predicts from its size and intensity alone) and a warning. ``version`` fixes
+    the numeric static features: 1 for predictors saved before the achieved rates were added
+    (``NUMERIC_STATIC_V1``), 2 for ``NUMERIC_STATIC``.
     """
 
     kinds: tuple[str, ...]
     telemetry: tuple[str, ...]
     version: int = SCHEMA_VERSION
 
+    def __post_init__(self) -> None:
+        if self.version not in (1, SCHEMA_VERSION):
+            raise UserError(
+                f"feature schema version {self.version} is not one this dynpipe reads (1 or "
+                f"{SCHEMA_VERSION}); refit the predictor with `dynpipe predictor fit`"
+            )
+
+    @property
+    def numeric(self) -> tuple[str, ...]:
+        return NUMERIC_STATIC_V1 if self.version == 1 else NUMERIC_STATIC
+
     @property
     def names(self) -> list[str]:
         return [
-            *NUMERIC_STATIC,
+            *self.numeric,
             *(f"kind_{k}" for k in self.kinds),
             *(f"phase_{p}" for p in PHASES),
             *self.telemetry,
@@ -91,7 +112,7 @@ class FeatureSchema:
 
     @property
     def n_static(self) -> int:
-        return len(NUMERIC_STATIC) + len(self.kinds) + len(PHASES)
+        return len(self.numeric) + len(self.kinds) + len(PHASES)
 
     def to_dict(self) -> dict:
         return {
@@ -150,6 +171,21 @@ def log_alone(time_alone_ms: np.ndarray) -> np.ndarray:
     return np.log10(np.maximum(time_alone_ms, 1e-6))
 
 
+def alone_dependent(
+    *, flops: np.ndarray, nbytes: np.ndarray, time_alone_ms: np.ndarray
+) -> dict[str, np.ndarray]:
+    """The ``ALONE_DEPENDENT`` features (arrays broadcast: ``[n]`` layers against ``[d, n]``
+    alone times gives ``[d, n]``). A layer without FLOPs (an embedding lookup) has rate 0."""
+    alone = np.maximum(np.asarray(time_alone_ms, dtype=np.float64), 1e-6)
+    flops = np.asarray(flops, dtype=np.float64)
+    nbytes = np.asarray(nbytes, dtype=np.float64)
+    return {
+        "log_time_alone_ms": log_alone(alone),
+        "log_flops_per_ms": _log10(flops / alone),
+        "log_bytes_per_ms": _log10(nbytes / alone),
+    }
+
+
 def static_block(
     *,
     kind: Sequence[str] | np.ndarray,
@@ -161,26 +197,26 @@ def static_block(
     out_bytes: np.ndarray,
     time_alone_ms: np.ndarray,
     kinds: Sequence[str],
+    numeric: Sequence[str] = NUMERIC_STATIC,
 ) -> np.ndarray:
-    """Static feature matrix ``[n, n_static]`` in schema order (numeric, kind one-hot, phase)."""
+    """Static feature matrix ``[n, n_static]`` in schema order (``numeric`` features, kind
+    one-hot, phase)."""
     flops = np.asarray(flops, dtype=np.float64)
     nbytes = (
         np.asarray(param_bytes, dtype=np.float64)
         + np.asarray(in_bytes, dtype=np.float64)
         + np.asarray(out_bytes, dtype=np.float64)
     )
-    alone = np.asarray(time_alone_ms, dtype=np.float64)
-    numeric = np.column_stack(
-        [
-            _log10(flops),
-            _log10(np.asarray(param_bytes, dtype=np.float64)),
-            _log10(np.asarray(in_bytes, dtype=np.float64)),
-            _log10(np.asarray(out_bytes, dtype=np.float64)),
-            np.log10(np.maximum(flops, 1.0) / np.maximum(nbytes, 1.0)),
-            np.log2(np.maximum(np.asarray(batch_size, dtype=np.float64), 1.0)),
-            log_alone(alone),
-        ]
-    )
+    columns = {
+        "log_flops": _log10(flops),
+        "log_param_bytes": _log10(np.asarray(param_bytes, dtype=np.float64)),
+        "log_in_bytes": _log10(np.asarray(in_bytes, dtype=np.float64)),
+        "log_out_bytes": _log10(np.asarray(out_bytes, dtype=np.float64)),
+        "log_arith_intensity": np.log10(np.maximum(flops, 1.0) / np.maximum(nbytes, 1.0)),
+        "log_batch_size": np.log2(np.maximum(np.asarray(batch_size, dtype=np.float64), 1.0)),
+        **alone_dependent(flops=flops, nbytes=nbytes, time_alone_ms=time_alone_ms),
+    }
+    numeric = np.column_stack([columns[name] for name in numeric])
     kind_arr = np.asarray(kind, dtype=object)
     phase_arr = np.asarray(phase, dtype=object)
     one_hot_kind = (
@@ -244,6 +280,7 @@ def extract_features(
         out_bytes=df["out_bytes"].to_numpy(),
         time_alone_ms=alone,
         kinds=schema.kinds,
+        numeric=schema.numeric,
     )
     tel = df[list(schema.telemetry)].to_numpy(dtype=np.float64)
     X = pd.DataFrame(np.hstack([static, tel]), columns=schema.names, index=df.index)

@@ -128,9 +128,76 @@ def render_markdown(summary: dict, *, primary: str, figure: str | None = None) -
             ],
         )
         lines.append("")
+    lines += _calibrated_section(summary, primary=primary)
+    lines += _floor_section(summary, primary=primary)
     if figure:
         lines += [f"![predicted vs measured]({figure})", ""]
     return "\n".join(lines)
+
+
+def _calibrated_section(summary: dict, *, primary: str) -> list[str]:
+    """Per held-out condition: the learned model calibrated on the stage a device holds and
+    scored on the layers of its other stages, beside measurement alone (``stage-mean``)."""
+    res = summary["results"].get("condition", {})
+    cal, base = res.get(f"{primary}+measured"), res.get("stage-mean")
+    if cal is None:
+        return []
+    names = [f"{primary}+measured"] + (["stage-mean"] if base else [])
+    out = [
+        f"## Calibrated per-layer accuracy, by held-out condition ({primary}+measured)",
+        "",
+        "Folds as in the held-out conditions table. Per run and per balanced split, the "
+        "device holds one stage, the prediction is scaled so that stage's layers sum to what "
+        "they measure (the runtime's rule), and every layer of the other stages is scored (one "
+        "error per layer, phase, split and held stage). `stage-mean` scales every layer alike.",
+        "",
+    ]
+    for by, title in (("condition", "condition"), ("model", "model"), ("phase", "phase")):
+        rows = []
+        for key, v in cal["layer"].get(f"by_{by}", {}).items():
+            row = [key, str(v["n"]), _pct(v["mape"]), _pct(v["p90"])]
+            if base:
+                row.append(_pct(base["layer"].get(f"by_{by}", {}).get(key, {}).get("mape")))
+            rows.append(row)
+        la = cal["layer"]["all"]
+        row = ["**all**", str(la["n"]), f"**{_pct(la['mape'])}**", _pct(la["p90"])]
+        if base:
+            row.append(_pct(base["layer"]["all"]["mape"]))
+        rows.append(row)
+        header = [title, "layers", f"{names[0]} MAPE %", "p90 %"]
+        if base:
+            header.append("stage-mean MAPE %")
+        out += [*_table(header, rows), ""]
+    return out
+
+
+def _floor_section(summary: dict, *, primary: str) -> list[str]:
+    floor = summary.get("floor") or {}
+    if not floor.get("rows"):
+        return []
+    out = [
+        "## Measurement floor: identical layers in one window",
+        "",
+        f"{floor['rows']} interfered rows belong to classes of three or more identical layers "
+        "(same model, kind, FLOPs and bytes; measured in one window). Predicting each from its "
+        "siblings' measured times is as well as a per-layer predictor can do there; the "
+        "estimators' errors on the same rows are beside it (held-out conditions).",
+        "",
+    ]
+    models = list(floor["by_model"])
+    est = floor.get("estimators", {}).get("condition", {})
+    names = [n for n in (f"{primary}+measured", "stage-mean", primary) if n in est]
+    rows = [
+        ["siblings (floor)", _pct(floor["sibling"]["mape"])]
+        + [_pct(floor["by_model"][m]["mape"]) for m in models]
+    ]
+    for n in names:
+        rows.append(
+            [n, _pct(est[n]["all"]["mape"])]
+            + [_pct(est[n]["by_model"].get(m, {}).get("mape")) for m in models]
+        )
+    out += [*_table(["predictor", "MAPE %", *(f"{m} %" for m in models)], rows), ""]
+    return out
 
 
 def plot_pred_vs_measured(

@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from dynpipe.errors import UserError
-from dynpipe.predictor.features import ALONE_COLUMN, log_alone, static_block
+from dynpipe.predictor.features import ALONE_DEPENDENT, alone_dependent, static_block
 from dynpipe.predictor.io import Predictor
 
 __all__ = ["PreparedLayers", "predict_layer_times", "prepare_layers", "rescale_to_measured"]
@@ -32,11 +32,14 @@ _LAYER_COLUMNS = ("kind", "param_bytes", "in_bytes", "out_bytes", "fwd_flops", "
 @dataclass(frozen=True)
 class PreparedLayers:
     """Static features of a model's layers for one predictor: rows ``0..L-1`` are the
-    forward of each layer, rows ``L..2L-1`` its backward."""
+    forward of each layer, rows ``L..2L-1`` its backward. ``flops`` and ``nbytes`` (per row)
+    are what the features that depend on the alone time are recomputed from on every call."""
 
     n_layers: int
     static: np.ndarray
     feature_names: tuple[str, ...]
+    flops: np.ndarray
+    nbytes: np.ndarray
 
     def __repr__(self) -> str:
         return f"PreparedLayers({self.n_layers} layers, {len(self.feature_names)} features)"
@@ -105,20 +108,30 @@ def prepare_layers(
             f"(it knows {', '.join(predictor.schema.kinds)}); predicting them from size and intensity",
             stacklevel=2,
         )
-    both = lambda col: np.concatenate([df[col].to_numpy(), df[col].to_numpy()])  # noqa: E731
+
+    def both(col: str) -> np.ndarray:
+        return np.concatenate([df[col].to_numpy(), df[col].to_numpy()]).astype(np.float64)
+
+    flops = np.concatenate([df["fwd_flops"].to_numpy(), df["bwd_flops"].to_numpy()])
+    flops = flops.astype(np.float64)
     static = static_block(
         kind=np.concatenate([kinds, kinds]),
         phase=np.array(["fwd"] * n + ["bwd"] * n, dtype=object),
         batch_size=np.concatenate([batch, batch]),
-        flops=np.concatenate([df["fwd_flops"].to_numpy(), df["bwd_flops"].to_numpy()]),
+        flops=flops,
         param_bytes=both("param_bytes"),
         in_bytes=both("in_bytes"),
         out_bytes=both("out_bytes"),
         time_alone_ms=np.ones(2 * n),  # refilled per call from the alone times given then
         kinds=predictor.schema.kinds,
+        numeric=predictor.schema.numeric,
     )
     return PreparedLayers(
-        n_layers=n, static=np.ascontiguousarray(static), feature_names=tuple(predictor.schema.names)
+        n_layers=n,
+        static=np.ascontiguousarray(static),
+        feature_names=tuple(predictor.schema.names),
+        flops=flops,
+        nbytes=both("param_bytes") + both("in_bytes") + both("out_bytes"),
     )
 
 
@@ -188,7 +201,11 @@ def predict_layer_times(
     n_static = prep.static.shape[1]
     X = np.empty((n_dev, 2 * n, n_static + tel.shape[1]))
     X[:, :, :n_static] = prep.static
-    X[:, :, ALONE_COLUMN] = log_alone(alone)
+    refill = alone_dependent(flops=prep.flops, nbytes=prep.nbytes, time_alone_ms=alone)
+    numeric = predictor.schema.numeric
+    for name in ALONE_DEPENDENT:
+        if name in numeric:
+            X[:, :, numeric.index(name)] = refill[name]
     X[:, :, n_static:] = tel[:, None, :]
     flat = X.reshape(n_dev * 2 * n, -1)
     est = predictor.estimator

@@ -21,6 +21,7 @@ __all__ = [
     "assign_stages",
     "balanced_ranges",
     "measured_stage_slowdown",
+    "run_ids",
     "run_keys",
     "stage_sums",
 ]
@@ -33,6 +34,11 @@ def run_keys(df: pd.DataFrame, *, with_condition: bool = True) -> list[str]:
     """The ``RUN_KEYS`` present in ``df`` (without ``condition``: a model's family of runs)."""
     keys = [k for k in RUN_KEYS if k in df.columns]
     return keys if with_condition else [k for k in keys if k != "condition"]
+
+
+def run_ids(df: pd.DataFrame) -> np.ndarray:
+    """One id per row, equal for the rows of one run (one telemetry window of the profiler)."""
+    return df.groupby(run_keys(df), sort=False).ngroup().to_numpy()
 
 
 def balanced_ranges(weights: Sequence[float], *, n_stages: int) -> list[tuple[int, int]]:

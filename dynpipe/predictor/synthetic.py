@@ -4,7 +4,9 @@ It follows the profile schema (one row per layer, phase and interference conditi
 physics the predictor relies on: a layer's slowdown under interference depends on how much of
 its alone time is compute-bound, memory-bound or launch overhead (its arithmetic intensity and
 size), and on how hard each kind of interferer presses on those resources. Telemetry is a
-noisy function of the interferer's pressure, so slowdown is learnable from telemetry alone.
+noisy function of the interferer's pressure, so slowdown is learnable from telemetry alone;
+as in a profile, one window's telemetry means (one model, batch size and condition) are in
+every row measured in it.
 
 It is no substitute for measured data: real accuracy numbers come only from ``profiles/``.
 """
@@ -177,6 +179,11 @@ def synthetic_profiles(
                             )
                         )
     df = pd.DataFrame(rows)
+    # The profiler samples telemetry through a whole (model, batch size, condition) window
+    # and writes the window's means into every row measured in it: do the same.
+    tel = [c for c in df.columns if c.startswith("tel_")]
+    window = df.groupby(["model", "batch_size", "condition"], sort=False)[tel]
+    df[tel] = window.transform("mean")
     # time_alone_ms is the measured median under "none", as the profiler records it.
     keys = ["model", "batch_size", "layer_index", "phase"]
     alone = df[df["interferer"] == "none"].set_index(keys)["time_ms"]

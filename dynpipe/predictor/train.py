@@ -10,10 +10,11 @@ import numpy as np
 import pandas as pd
 
 from dynpipe.errors import UserError
-from dynpipe.predictor.crossval import TUNE_GRID
+from dynpipe.predictor.crossval import TUNE_GRID, takes_runs
 from dynpipe.predictor.estimator import make_estimator
 from dynpipe.predictor.features import extract_features
 from dynpipe.predictor.io import Predictor, dataset_fingerprint, library_versions
+from dynpipe.predictor.stages import run_ids
 
 __all__ = ["LEARNED", "fit_predictor"]
 
@@ -61,6 +62,7 @@ def fit_predictor(
     est = make_estimator(estimator, **dict(params or {}))
     X, schema = extract_features(df)
     y = df["slowdown"].to_numpy(dtype=np.float64)
+    extra = {"runs": run_ids(df)} if takes_runs(est) else {}
     if tune:
         if estimator != "xgb":
             raise UserError(f"--tune is for the xgb estimator only, not {estimator!r}")
@@ -76,10 +78,10 @@ def fit_predictor(
             cv=GroupKFold(n_splits=n),
             scoring="neg_mean_absolute_percentage_error",
         )
-        search.fit(X, y, groups=groups)
+        search.fit(X, y, groups=groups, **extra)
         est = search.best_estimator_
     else:
-        est.fit(X, y)
+        est.fit(X, y, **extra)
     return Predictor(
         estimator=est,
         schema=schema,
