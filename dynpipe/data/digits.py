@@ -124,7 +124,8 @@ class DigitsImageSource(IndexedSource):
         if min(h, w) < 1 or channels < 1:
             raise UserError(
                 f"digits images need a size >= 1 and channels >= 1, got {h}x{w} with "
-                f"{channels} channels; build the model with image_size >= 8"
+                f"{channels} channels; give a positive image_size (8 or more keeps every "
+                "pixel of the 8x8 digits)"
             )
         images, y, train, test = _load()
         raw = images[train] / _INK
