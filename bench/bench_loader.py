@@ -2,10 +2,15 @@
 
     python bench/bench_loader.py                          # vgg16 224x224, batch 64
     python bench/bench_loader.py --workers 0 2 4 --compute-ms 35 --steps 40
+    # the digits as augmented 224x224 images for resnet50 at batch 256 (bench/gpu_tta.sh):
+    python bench/bench_loader.py --data digits --model resnet50 --batch-size 256 \
+        --compute-ms 110 --workers 0 1 2 4
 
 A loop that sleeps ``--compute-ms`` per step stands in for the GPU step (vgg16 at 224x224,
-batch 64: about 35 ms on an H100) and takes each step's synthetic batch either straight from
-``source.batch`` (what ``workers=0`` does) or from a ``BatchStream`` with N workers. Prints
+batch 64: about 35 ms on an H100) and takes each step's batch (``--data``: synthetic, or
+digits, which an image model gets as images) either straight from ``source.batch`` (what
+``workers=0`` does) or from a ``BatchStream`` with N workers. Prints the batch's cost
+in-process, on one thread as a loader worker makes it and on this process's threads, then
 the mean wall time per step after the first few (worker start-up is reported apart). With
 enough cores it should fall to ``max(compute, batch cost / workers)``.
 """
@@ -13,6 +18,7 @@ enough cores it should fall to ``max(compute, batch cost / workers)``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -46,8 +52,22 @@ def run(source, *, workers: int, batch_size: int, steps: int, compute_s: float) 
     return {"first_s": first, "step_ms": 1e3 * statistics.mean(walls[skip:])}
 
 
+def _batch_ms(source, batch_size: int, *, threads: int) -> float:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        source.batch(0, batch_size)  # warm: caches, first-touch allocations
+        t = time.perf_counter()
+        for step in range(1, 4):
+            source.batch(step, batch_size)
+        return 1e3 * (time.perf_counter() - t) / 3
+    finally:
+        torch.set_num_threads(before)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", default="synthetic", choices=["synthetic", "digits"])
     p.add_argument("--model", default="vgg16")
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--batch-size", type=int, default=64)
@@ -56,15 +76,14 @@ def main() -> None:
     p.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     args = p.parse_args()
     model = get_model(args.model, image_size=args.image_size)
-    source = get_data("synthetic", model=model)
-    t = time.perf_counter()
-    for step in range(3):
-        source.batch(step, args.batch_size)
-    batch_ms = 1e3 * (time.perf_counter() - t) / 3
+    source = get_data(args.data, model=model)
+    one = _batch_ms(source, args.batch_size, threads=1)  # as a loader worker makes it
+    many = _batch_ms(source, args.batch_size, threads=torch.get_num_threads())
     print(
-        f"{args.model} {args.image_size}px batch {args.batch_size}: {batch_ms:.0f} ms per "
-        f"batch in-process ({torch.get_num_threads()} threads); {os.cpu_count()} cores; "
-        f"compute stand-in {args.compute_ms:g} ms"
+        f"{args.data} for {args.model} {args.image_size}px, batch {args.batch_size}: "
+        f"{one:.0f} ms per batch on 1 thread, {many:.0f} ms on {torch.get_num_threads()}; "
+        f"{os.cpu_count()} cores; compute stand-in {args.compute_ms:g} ms, so "
+        f"{math.ceil(one / args.compute_ms)} worker(s) of one thread keep up"
     )
     for w in args.workers:
         r = run(

@@ -181,8 +181,8 @@ def test_digits_are_standardised_and_fit_the_mlp() -> None:
     assert get_data("digits", model=model).num_samples == src.num_samples
     with pytest.raises(UserError, match=r"shape \(64,\).*in_features"):
         get_data("digits", model=get_model("mlp", in_features=32))
-    with pytest.raises(UserError, match="use --model mlp"):
-        src.model_kwargs("vgg16")
+    with pytest.raises(UserError, match="use --model mlp or vgg16 or resnet50"):
+        src.model_kwargs("gpt")
     assert src.model_kwargs("my_factory") == {}  # a user model: its fit is checked later
 
 
@@ -385,7 +385,7 @@ def test_imagefolder_missing_folder_is_a_user_error(tmp_path) -> None:
 def test_get_data_rejects_unknown_names_options_and_paths(tmp_path) -> None:
     with pytest.raises(UserError, match="choose one of synthetic, digits"):
         get_data("mnist")
-    with pytest.raises(UserError, match="no option bogus; its options are none"):
+    with pytest.raises(UserError, match="no option bogus; its options are image_size, augment"):
         get_data("digits", bogus=1)
     with pytest.raises(UserError, match=r"splits train, test \(test: held out\); got split='val'"):
         get_data("digits", split="val")

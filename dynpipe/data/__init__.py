@@ -5,7 +5,8 @@
     source = get_data("text", path="input.txt", model=model, seed=0)
     x, y = source.batch(step, batch_size)
 
-Sources: ``synthetic`` (shaped to any model), ``digits`` (scikit-learn, bundled),
+Sources: ``synthetic`` (shaped to any model), ``digits`` (scikit-learn, bundled: flat
+features for an mlp, augmented images at the model's size for a conv net),
 ``cifar10`` and ``imagefolder`` (local folders, through torchvision), ``text`` (a local
 file as bytes), ``pystdlib`` (this Python's own standard library sources as bytes: real
 text on any machine with Python). Nothing is ever downloaded.
@@ -87,11 +88,32 @@ def _synthetic(
 
 
 def _digits(
-    *, model: LayeredModel | None, path: str | None, seed: int, split: str = "train"
+    *,
+    model: LayeredModel | None,
+    path: str | None,
+    seed: int,
+    split: str = "train",
+    image_size: int | None = None,
+    augment: bool | None = None,
 ) -> BatchSource:
-    from dynpipe.data.digits import DigitsSource
+    from dynpipe.data.digits import DigitsImageSource, DigitsSource
 
     _no_path("digits", path)
+    # The model picks the form: images for one that takes (C, H, W), else flat features.
+    spec = model.input_spec if model is not None else None
+    if spec is not None and len(spec.shape) == 3:
+        c, h, w = (int(d) for d in spec.shape)
+        size = (h, w) if image_size is None else image_size
+        return DigitsImageSource(
+            split=split, seed=seed, image_size=size, channels=c, augment=augment
+        )
+    if image_size is not None:
+        return DigitsImageSource(split=split, seed=seed, image_size=image_size, augment=augment)
+    if augment:
+        raise UserError(
+            "digits augmentation applies to images; give image_size (or an image model) "
+            "or drop augment"
+        )
     return DigitsSource(split=split, seed=seed)
 
 
