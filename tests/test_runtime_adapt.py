@@ -120,6 +120,8 @@ def test_controller_adapts_to_emulated_slowdown_and_moves_back(tmp_path) -> None
     reps = recs.events("repartition")
     assert any(e["emulated"] for e in recs.events("interference_start"))
     assert reps, recs.events("decision")
+    # Every window's decision records what deciding cost, moves or not.
+    assert all(e["decide_ms"] >= 0 for e in recs.events("decision"))
     first = reps[0]
     assert ONSET < first.step <= ONSET + 10, first.step
     # It moved layers off the slowed stage 1.

@@ -736,6 +736,8 @@ def test_an_elastic_launch_may_leave_ranks_idle_and_trains_like_the_plan_alone(t
     assert launched[0]["value"]["idle"] == [] and launched[1]["value"]["idle"] == []
     decisions = list(read_log(log).events("decision"))
     assert decisions and all(len(e["slowdown"]) == 3 for e in decisions)
+    # Every window's decision records what deciding cost, moves or not.
+    assert all(e["decide_ms"] >= 0 for e in decisions)
     for key in ("model", "optim"):
         got, want = {}, {}
         for r in launched[:2]:

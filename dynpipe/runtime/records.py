@@ -343,7 +343,8 @@ EVENTS: dict[str, EventSpec] = {
         EventSpec(
             "decision",
             "the policy's verdict on the window before `step`: per-device slowdowns, the "
-            "model's step time now and under the proposal, and `bounds` if it moves",
+            "model's step time now and under the proposal, `bounds` if it moves, and "
+            "`decide_ms`: what the window's requests, policy and agreement took",
             ("step", "mode", "slowdown", "current_ms", "proposed_ms", "repartition", "reason"),
         ),
         EventSpec(

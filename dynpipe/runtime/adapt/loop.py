@@ -129,7 +129,10 @@ class Adapter:
                 self.log.event("judged", move_step=j.pop("step"), step=window.step, **j)
             d = decision.to_dict()
             d.pop("judged")
-            self.log.event("decision", **d)
+            # Every window's own cost (requests, the policy, the agreement), not only a move's:
+            # on a GPU-bound run the time between a window's last step and the next is what
+            # adapting costs when nothing moves.
+            self.log.event("decision", decide_ms=round(decide_ms, 3), **d)
         if agreed is not None:
             self._apply(self._plan(*agreed, decided_at=decision.step), window, decide_ms)
         return decision
