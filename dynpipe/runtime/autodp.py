@@ -50,10 +50,9 @@ import numpy as np
 from dynpipe.errors import UserError
 from dynpipe.planner.costs import CostModel
 from dynpipe.planner.diff import Transfer
-from dynpipe.planner.evaluate import stage_costs
 from dynpipe.planner.plan import Plan
 from dynpipe.planner.shape import evaluate_shape, reduce_tail_ms
-from dynpipe.planner.simulate import step_times
+from dynpipe.runtime.adapt.policy import predicted_step_ms
 
 if TYPE_CHECKING:
     from dynpipe.runtime.engine import PipelineEngine
@@ -220,19 +219,6 @@ def collapse_frozen(costs: CostModel, *, frozen: int) -> CostModel:
     )
 
 
-def _pipeline_ms(costs: CostModel, bounds: Bounds, *, schedule: str, microbatches: int) -> float:
-    sc = stage_costs(costs, bounds, schedule=schedule, microbatches=microbatches)
-    return float(
-        step_times(
-            np.array([sc.fwd_ms]),
-            np.array([sc.bwd_ms]),
-            np.array([sc.comm_ms]),
-            schedule=schedule,
-            microbatches=microbatches,
-        )[0]
-    )
-
-
 def held_ranges(plan: Plan, *, world_size: int) -> tuple[tuple[int, int], ...]:
     """The layers every global rank holds under ``plan``, one ``(start, stop)`` per rank
     (empty: idle): a replicated plan's stage ranges repeated per replica, one pipeline's
@@ -339,7 +325,7 @@ def decide_shape(
     cur_bounds = tuple((max(0, a - k), b - k) for a, b in plan.bounds)
     per = plan.microbatches if plan.shares is None else max(plan.replica_microbatches)
     cm = unit.for_devices(plan.num_stages)
-    current = _pipeline_ms(cm, cur_bounds, schedule=plan.schedule, microbatches=per)
+    current = predicted_step_ms(cm, cur_bounds, schedule=plan.schedule, microbatches=per)
     current += reduce_tail_ms(unit, bounds=cur_bounds, replicas=plan.dp)
     shapes = candidate_shapes(
         world_size,
