@@ -12,7 +12,7 @@ import time
 import torch
 from torch import nn
 
-from dynpipe.runtime.timing import StageTimer
+from dynpipe.runtime.timing import SAMPLED_MICROBATCHES, StageTimer, sampled_chunks
 
 
 class _Event:
@@ -103,3 +103,40 @@ def test_cpu_stage_has_one_time():
     lt = timer.collect(schedule_ms=1.0).layers
     assert lt.launch_fwd_ms is None and lt.launch_bwd_ms is None
     assert len(lt.fwd_ms) == 1 and lt.fwd_ms[0] > 0
+
+
+def test_sampled_chunks_spread_over_the_step():
+    assert sampled_chunks(8) == {2, 4, 6}
+    assert sampled_chunks(4) == {1, 2, 3}
+    assert sampled_chunks(3) == {0, 1, 2} and sampled_chunks(1) == {0}
+    assert sampled_chunks(0) == frozenset()
+    for m in range(1, 40):
+        got = sampled_chunks(m)
+        assert len(got) == min(m, SAMPLED_MICROBATCHES) and got <= set(range(m))
+
+
+def test_a_sampled_step_times_only_its_sampled_microbatches():
+    """Layers are marked on the sampled microbatches alone; the others run unmarked (no
+    forward marks, no backward hooks), and the stage timer still sees every one."""
+    timer = StageTimer(device=torch.device("cpu"))
+    probe = timer.layers
+    layers = [_Busy(1.0), _Busy(3.0)]
+    timer.sample_layers(True, microbatches=8)
+    for chunk in range(8):
+        probe.chunk = chunk
+        timer.start()
+        out = probe.run(layers, torch.ones(4, requires_grad=True))
+        timer.stop("fwd")
+        timer.start()
+        probe.begin_backward(chunk)
+        out.sum().backward()
+        probe.end_backward(chunk)
+        timer.stop("bwd")
+        marked = set(probe._fwd)
+        assert marked == {c for c in sampled_chunks(8) if c <= chunk}
+    timing = timer.collect(schedule_ms=1.0)
+    assert len(timing.fwd_ms) == 8 and len(timing.bwd_ms) == 8
+    lt = timing.layers
+    assert 1.0 <= lt.fwd_ms[0] < lt.fwd_ms[1] and 1.0 <= lt.bwd_ms[0] < lt.bwd_ms[1]
+    # The next step samples nothing unless asked again.
+    assert not probe.sampling and timer.collect(schedule_ms=1.0).layers is None

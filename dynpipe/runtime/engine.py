@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -510,6 +510,7 @@ class PipelineEngine:
         batch: tuple[torch.Tensor, torch.Tensor] | None,
         *,
         sample_layers: bool = False,
+        while_device_runs: Callable[[], None] | None = None,
     ) -> StepResult:
         """One optimizer step over ``batch`` (the whole batch; split into microbatches here).
 
@@ -518,15 +519,22 @@ class PipelineEngine:
         still the whole step's batch: each replica takes its share here.
         ``sample_layers``: also time every layer this stage holds
         (``StepResult.timing.layers``).
+        ``while_device_runs``: host work (the adaptation policy) run once the whole step is
+        queued and before the step's one synchronisation, so on a GPU it overlaps the
+        device's work instead of leaving the device idle between two steps; it must not
+        touch the device or a collective. Its time counts in the step's ``step_ms`` as far
+        as it outlasts the device.
         """
         if self.idle:
-            return self._idle_step(step, sample_layers=sample_layers)
+            return self._idle_step(
+                step, sample_layers=sample_layers, while_device_runs=while_device_runs
+            )
         dev = self.topo.device
         x, y = batch if batch is not None else (None, None)
         dp = self.mesh.dp > 1
         if dp:
             x, y = self._share(x), self._share(y)
-        self.timer.sample_layers(sample_layers)
+        self.timer.sample_layers(sample_layers, microbatches=self.microbatches)
         t0 = time.perf_counter()
         for p in self.named_params.values():
             p.grad = None
@@ -586,6 +594,8 @@ class PipelineEngine:
             self.optimizer.step()
         if work is not None:
             work.wait()
+        if while_device_runs is not None:
+            while_device_runs()
         # The step's one host synchronisation: it also completes the timing events, which sit
         # on the same stream before it.
         loss = float(vec[n] / self.plan.counted_microbatches if dp else vec[n])
@@ -608,7 +618,13 @@ class PipelineEngine:
             end_time=time.time(),
         )
 
-    def _idle_step(self, step: int, *, sample_layers: bool) -> StepResult:
+    def _idle_step(
+        self,
+        step: int,
+        *,
+        sample_layers: bool,
+        while_device_runs: Callable[[], None] | None = None,
+    ) -> StepResult:
         """An idle rank's part of a step: the probe on sampled steps, then the step's one
         all-reduce with zeros (it holds no loss and no gradient)."""
         t0 = time.perf_counter()
@@ -619,6 +635,8 @@ class PipelineEngine:
         vec = torch.zeros(n + 1, dtype=torch.float32, device=self.topo.device)
         if self.topo.world_size > 1:
             dist.all_reduce(vec, group=self.group)
+        if while_device_runs is not None:
+            while_device_runs()
         total = clip_coefficient(vec[:n], clip)[0] if clip > 0 else None
         loss = float(vec[n])
         t1 = time.perf_counter()
