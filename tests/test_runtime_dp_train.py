@@ -144,7 +144,8 @@ class _Forced:
         pass
 
 
-# After the window ending at step 1: shares 6/2; after step 3: layers 5|3 and shares 2/6.
+# After the window ending at step 1: shares 6/2 from step 3 (the policy reads a window while
+# the next step runs; the move follows that step); after step 3: layers 5|3, shares 2/6 from 5.
 MOVES = {1: (((0, 4), (4, 8)), (6, 2)), 3: (((0, 5), (5, 8)), (2, 6))}
 
 
@@ -162,7 +163,7 @@ def test_adaptation_loop_shifts_shares_and_moves_layers_of_every_replica(tmp_pat
 
     torch.set_num_threads(1)
     values = [r["value"] for r in run_ranks(_adapting, 4, str(tmp_path))]
-    shares = {0: (4, 4), 1: (4, 4), 2: (6, 2), 3: (6, 2), 4: (2, 6), 5: (2, 6)}
+    shares = {0: (4, 4), 1: (4, 4), 2: (4, 4), 3: (6, 2), 4: (6, 2), 5: (2, 6)}
     cfg = _cfg(str(tmp_path), steps=6)
     want = _reference(dataclasses.replace(cfg, microbatches=8), lambda s: shares[s])
     for replica in (0, 1):
@@ -176,10 +177,10 @@ def test_adaptation_loop_shifts_shares_and_moves_layers_of_every_replica(tmp_pat
     assert seen[1][2] == (6, 2)
     log = read_log(tmp_path / "log.jsonl")
     reshare = log.events("reshare")
-    assert [e.step for e in reshare] == [2] and reshare[0]["shares"] == [6, 2]
+    assert [e.step for e in reshare] == [3] and reshare[0]["shares"] == [6, 2]
     assert not reshare[0]["partial"]
     rep = log.events("repartition")
-    assert [e.step for e in rep] == [4] and rep[0]["new_plan"]["shares"] == [2, 6]
+    assert [e.step for e in rep] == [5] and rep[0]["new_plan"]["shares"] == [2, 6]
     steps = log.steps
-    assert [s.replicas[1].microbatches for s in steps] == [4, 4, 2, 2, 6, 6]
+    assert [s.replicas[1].microbatches for s in steps] == [4, 4, 4, 2, 2, 6]
     assert all(s.replicas[r].stages[1].rank == 2 * r + 1 for s in steps for r in (0, 1))

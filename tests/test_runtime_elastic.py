@@ -231,7 +231,8 @@ def test_plan_wide_bounds_round_trip_and_elastic_validation() -> None:
 # ---- the training loop: forced stage counts through an injected policy ----------------------
 
 TRAIN_STEPS, EVERY = 45, 5
-# Window ending at step -> the plan from the next step on, one range per rank (empty: idle).
+# Window ending at step -> the plan from two steps later on (the policy reads a window while
+# the next step runs; the move follows that step), one range per rank (empty: idle).
 FORCED = {
     9: ((0, 3), (3, 6), (6, 8), (8, 8)),  # 3 stages, rank 3 idle
     19: ((0, 5), (5, 5), (5, 8), (8, 8)),  # 2 stages, ranks 1 and 3 idle
@@ -335,17 +336,17 @@ def test_training_drops_to_three_then_two_stages_and_grows_back_like_a_static_ru
             assert torch.equal(got[k], want[k]), (key, k)
     assert forced[0]["value"]["losses"] == static[0]["value"]["losses"]
     idle = [r["value"]["idle"] for r in forced]
-    assert idle[3] == list(range(10, 30))
-    assert idle[1] == list(range(20, 30))
-    assert idle[0] == list(range(30, 40))
+    assert idle[3] == list(range(11, 31))
+    assert idle[1] == list(range(21, 31))
+    assert idle[0] == list(range(31, 41))
     assert idle[2] == []
     recs = read_log(log)
     counts = [(e.step, e["stages"], e["idle"]) for e in recs.events("stage_count")]
-    assert counts == [(10, 3, [3]), (20, 2, [1, 3]), (30, 3, [0]), (40, 4, [])], counts
+    assert counts == [(11, 3, [3]), (21, 2, [1, 3]), (31, 3, [0]), (41, 4, [])], counts
     reps = recs.events("repartition")
-    assert [e.step for e in reps] == [10, 20, 30, 40]
+    assert [e.step for e in reps] == [11, 21, 31, 41]
     # The idle ranks' probes reached the controller: it priced the idle devices.
-    decisions = [e for e in recs.events("decision") if 10 <= e.step < 40]
+    decisions = [e for e in recs.events("decision") if 11 <= e.step < 41]
     assert decisions and all(len(e["slowdown"]) == 4 for e in decisions)
 
 

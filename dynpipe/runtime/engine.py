@@ -680,7 +680,7 @@ class PipelineEngine:
             was = probe.sampling
 
             def once(timed: bool) -> None:
-                probe.sampling, probe.chunk = timed, 0
+                probe.sampling, probe.chunk, probe.chunks = timed, 0, None
                 ctx = (
                     torch.autocast(device_type="cuda", dtype=torch.bfloat16)
                     if bf16

@@ -759,6 +759,14 @@ def train(
         )
 
     last: _Gathered | None = None  # the last window gathered
+
+    def flush_steps() -> None:
+        """The steps since the last window reach the log under the plan they ran, before a
+        move between windows changes it (collective: every rank moves)."""
+        steplog.plan, steplog.mesh = engine.plan, engine.mesh
+        steplog.probe_layer = engine.probe_layer
+        steplog.flush()
+
     if adapter is not None and autodp is not None:
 
         def unreplicate(released: frozenset[int], at: int) -> bool:
@@ -796,7 +804,11 @@ def train(
             sample = cfg.timing and ((step + 1) % every == 0 or step + 1 == cfg.steps)
             try:
                 res = engine.step(
-                    step, stream.batch(step) if stream is not None else None, sample_layers=sample
+                    step,
+                    stream.batch(step) if stream is not None else None,
+                    sample_layers=sample,
+                    # The policy reads the last window while the device runs this step.
+                    while_device_runs=adapter.think if adapter is not None else None,
                 )
             except NonFiniteLoss:
                 raise
@@ -806,12 +818,15 @@ def train(
             steplog.add(res)
             if on_step is not None:
                 on_step(engine, res)
+            if adapter is not None:
+                adapter.finish(step, before_move=flush_steps)
             if (step + 1) % every == 0 or step + 1 == cfg.steps:
                 steplog.plan, steplog.mesh = engine.plan, engine.mesh
                 steplog.probe_layer = engine.probe_layer
                 got = steplog.flush(sampler.window() if sampler else None)
                 last = got if got is not None else last
-                if adapter is not None and got is not None and step + 1 < cfg.steps:
+                # A window's move starts a step after it (``Adapter``): only with steps left.
+                if adapter is not None and got is not None and step + 2 < cfg.steps:
                     adapter.window(
                         _window(
                             got,

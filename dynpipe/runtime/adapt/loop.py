@@ -3,7 +3,15 @@
 Run by the training loop once per monitoring window, with the window every rank gathered
 (every rank holds the same numbers). The policy decides on every rank, but the plan is still
 taken from one rank and broadcast, so ranks can never act on different plans; every rank
-then builds the new plan from the same bounds in one place (``_plan``). A move is applied
+then builds the new plan from the same bounds in one place (``_plan``).
+
+The policy reads a window while the device runs the next step (``window`` keeps it,
+``think`` runs in the engine's ``while_device_runs``, ``finish`` follows that step): a
+decision takes a few milliseconds of host time, and made between two steps it left every
+GPU idle for that long once a window (on 2 x H200, vgg16 at 51 ms a step, the step after a
+window started 11 ms late against 2-3 ms in a static run). A move therefore starts one step
+after the window that asked for it, which is the window the policy lets settle after a move
+anyway; the steps before the move reach the log under the plan they ran. A move is applied
 live (``migrate.repartition``) or, in ``restart`` mode, by the training loop's restart hook
 (checkpoint, exit, relaunch). With pipeline replicas a decision may also change the batch
 shares or the replicas partial reduce leaves out; a change of those alone moves no layer
@@ -49,6 +57,19 @@ __all__ = ["Adapter", "RestartHook"]
 RestartHook = Callable[["Adapter", Plan, int, float], NoReturn]
 
 
+@dataclasses.dataclass
+class _Pending:
+    """A window the policy has yet to read, and what it made of it."""
+
+    window: Window
+    plan: Plan  # the plan in force at the window's end
+    policy: Policy
+    thought: bool = False
+    decision: Decision | None = None
+    policy_ms: float = 0.0
+    error: BaseException | None = None
+
+
 class Adapter:
     """Monitor windows -> policy -> (live or restart) repartition, on every rank.
 
@@ -82,6 +103,7 @@ class Adapter:
         # pipeline without them (--autodp); None: requests while replicated are refused.
         self.unreplicate: Callable[[frozenset[int], int], bool] | None = None
         self._refused: frozenset[int] = frozenset()
+        self._pending: _Pending | None = None
         warm_ms = None
         if mode != "restart":
             from dynpipe.runtime.migrate import warm_links
@@ -98,18 +120,53 @@ class Adapter:
                 links_warmed_ms=warm_ms,
             )
 
-    def window(self, window: Window) -> Decision | None:
-        """Feed one window (its last step is ``window.step``); move if the policy says so."""
+    def window(self, window: Window) -> None:
+        """Take one window (its last step is ``window.step``). Release and reclaim requests
+        are acted on now; the policy reads the window in ``think``, during the next step."""
         if self._first is not None:
             self._log_first_step(window)
+        self._pending = None
         t0 = time.perf_counter()
         if self.engine.plan.dp == 1 and self._requests(window, t0):
-            return None  # a release or reclaim moved layers: the next window is the policy's
+            return  # a release or reclaim moved layers: the next window is the policy's
         if self.engine.plan.dp > 1 and self._replicated_requests(window):
-            return None  # the run left its replicas: the next window is the new policy's
-        decision = self.policy.observe(window)
-        if decision is None:
+            return  # the run left its replicas: the next window is the new policy's
+        self._pending = _Pending(window=window, plan=self.engine.plan, policy=self.policy)
+
+    def think(self) -> None:
+        """The policy's verdict on the pending window: host work alone (no device, no
+        collective), which the training loop runs while the device computes the next step.
+        A window whose plan or policy has changed since (a freeze moved layers, a reshape)
+        describes a plan that is gone: it is not read."""
+        p = self._pending
+        if p is None or p.thought:
+            return
+        p.thought = True
+        if self.engine.plan is not p.plan or self.policy is not p.policy:
+            return
+        t0 = time.perf_counter()
+        try:
+            p.decision = self.policy.observe(p.window)
+        except Exception as exc:  # raised in ``finish``, not as the step's failure
+            p.error = exc
+        p.policy_ms = (time.perf_counter() - t0) * 1e3
+
+    def finish(
+        self, step: int, *, before_move: Callable[[], object] | None = None
+    ) -> Decision | None:
+        """After step ``step`` (the one ``think`` ran in): agree on the pending decision and
+        make its move, whose first step is ``step + 1``. ``before_move``: called on every
+        rank just before layers move (the training loop logs the steps run so far, under the
+        plan they ran)."""
+        self.think()  # a loop that gave the engine no ``while_device_runs``
+        p, self._pending = self._pending, None
+        if p is None or p.decision is None:
+            if p is not None and p.error is not None:
+                raise p.error
             return None
+        window, first = p.window, step + 1
+        decision = dataclasses.replace(p.decision, step=first)
+        t0 = time.perf_counter()
         if decision.repartition and self._vetoed(decision):
             if hasattr(self.policy, "pending"):
                 self.policy.pending = None  # the move it recorded is not made
@@ -121,7 +178,7 @@ class Adapter:
                 f"{sorted(self.released)} or moves frozen layers off the first stage",
             )
         agreed = self._agree(decision if decision.repartition else None)
-        decide_ms = (time.perf_counter() - t0) * 1e3
+        agree_ms = (time.perf_counter() - t0) * 1e3
         if self.log is not None:
             if decision.judged is not None:
                 # ``move_step``: the move's first step; ``step``: the window that judged it.
@@ -129,12 +186,20 @@ class Adapter:
                 self.log.event("judged", move_step=j.pop("step"), step=window.step, **j)
             d = decision.to_dict()
             d.pop("judged")
-            # Every window's own cost (requests, the policy, the agreement), not only a move's:
-            # on a GPU-bound run the time between a window's last step and the next is what
-            # adapting costs when nothing moves.
-            self.log.event("decision", decide_ms=round(decide_ms, 3), **d)
+            # Every window's own cost, not only a move's: the policy's host time (spent while
+            # the device ran step ``first - 1``) and the agreement's (between two steps).
+            self.log.event(
+                "decision",
+                window_step=window.step,
+                decide_ms=round(p.policy_ms, 3),
+                agree_ms=round(agree_ms, 3),
+                **d,
+            )
         if agreed is not None:
-            self._apply(self._plan(*agreed, decided_at=decision.step), window, decide_ms)
+            if before_move is not None:
+                before_move()
+            new_plan = self._plan(*agreed, decided_at=window.step + 1)
+            self._apply(new_plan, window, first=first, exposed_ms=agree_ms, decide_ms=p.policy_ms)
         return decision
 
     def _poll(self) -> frozenset[int]:
@@ -226,7 +291,9 @@ class Adapter:
                 active=list(new_plan.ranks),
                 waited_s=None if at is None else round(time.time() - at, 4),
             )
-        self._apply(new_plan, window, decide_ms)
+        self._apply(
+            new_plan, window, first=window.step + 1, exposed_ms=decide_ms, decide_ms=decide_ms
+        )
         return True
 
     def _replicated_requests(self, window: Window) -> bool:
@@ -295,17 +362,22 @@ class Adapter:
             return any(r in self.released for r in self.engine.plan.ranks)
         return any(bounds[r][1] > bounds[r][0] for r in self.released)
 
-    def _apply(self, new_plan: Plan, window: Window, decide_ms: float) -> None:
-        step = window.step + 1  # the first step under the new plan
+    def _apply(
+        self, new_plan: Plan, window: Window, *, first: int, exposed_ms: float, decide_ms: float
+    ) -> None:
+        """Move to ``new_plan``, whose first step is ``first``. ``exposed_ms``: what deciding
+        cost between two steps (part of the move's pause); ``decide_ms``: the policy's time
+        (logged; spent while the device ran a step)."""
+        step = first
         if self.mode == "restart":
             if self.restart is None:
                 raise RuntimeError("restart mode needs the training loop's restart hook")
-            self.restart(self, new_plan, step, decide_ms)
+            self.restart(self, new_plan, step, exposed_ms)
         from dynpipe.runtime.migrate import repartition
 
         old = self.engine.plan
         stats = repartition(self.engine, new_plan, beat=self.beat)
-        pause_ms = decide_ms + (stats.transfer_s + stats.rebuild_s) * 1e3
+        pause_ms = exposed_ms + (stats.transfer_s + stats.rebuild_s) * 1e3
         moved = self._bytes(stats)  # collective: every rank takes part
         self.policy.applied(step=step, pause_ms=pause_ms, moved_bytes=moved)
         world = self.topo.world_size
