@@ -342,9 +342,11 @@ EVENTS: dict[str, EventSpec] = {
         ),
         EventSpec(
             "decision",
-            "the policy's verdict on the window before `step`: per-device slowdowns, the "
-            "model's step time now and under the proposal, `bounds` if it moves, and "
-            "`decide_ms`: what the window's requests, policy and agreement took",
+            "the policy's verdict on the window ending at `window_step`, taking effect at "
+            "`step` (the policy reads a window while the next step runs): per-device "
+            "slowdowns, the model's step time now and under the proposal, `bounds` if it "
+            "moves, `decide_ms`: the policy's host time (overlapping that step's device "
+            "work), `agree_ms`: the agreement between steps",
             ("step", "mode", "slowdown", "current_ms", "proposed_ms", "repartition", "reason"),
         ),
         EventSpec(
