@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from torch import nn
 
-from dynpipe.runtime.timing import SAMPLED_MICROBATCHES, StageTimer, sampled_chunks
+from dynpipe.runtime.timing import (
+    SAMPLED_MICROBATCHES,
+    StageTimer,
+    _discount_marks,
+    sampled_chunks,
+)
 
 
 class _Event:
@@ -137,6 +143,23 @@ def test_a_sampled_step_times_only_its_sampled_microbatches():
     timing = timer.collect(schedule_ms=1.0)
     assert len(timing.fwd_ms) == 8 and len(timing.bwd_ms) == 8
     lt = timing.layers
-    assert 1.0 <= lt.fwd_ms[0] < lt.fwd_ms[1] and 1.0 <= lt.bwd_ms[0] < lt.bwd_ms[1]
+    assert all(x > 0 for x in lt.fwd_ms + lt.bwd_ms), lt
     # The next step samples nothing unless asked again.
     assert not probe.sampling and timer.collect(schedule_ms=1.0).layers is None
+
+
+def test_what_the_marks_cost_the_host_is_taken_back_from_host_bound_layers():
+    # Marked microbatches 0.45 ms longer than unmarked ones: the three host-bound layers
+    # (cost == issue time) give back 0.15 ms each; the device-bound one keeps its cost.
+    cost, launch = [2.0, 0.4, 0.3, 0.5], [0.3, 0.4, 0.3, 0.5]
+    stage = [3.2, 3.2, 3.65, 3.2, 3.65, 3.2, 3.65, 3.2]
+    timed = [False, False, True, False, True, False, True, False]
+    got, got_launch = _discount_marks(cost, launch, stage, timed)
+    assert got == pytest.approx([2.0, 0.25, 0.15, 0.35])
+    assert got_launch == pytest.approx([0.3, 0.25, 0.15, 0.35])
+    # At most half of a layer's cost; CPU (no issue times): every layer is the host's.
+    got, none = _discount_marks([1.0, 0.1], None, [5.0, 4.0], [True, False])
+    assert got == pytest.approx([0.5, 0.05]) and none is None
+    # Marked microbatches no slower, or every microbatch marked: nothing changes.
+    assert _discount_marks(cost, launch, [3.1, 3.2], [True, False]) == (cost, launch)
+    assert _discount_marks(cost, launch, [3.2, 3.6], [True, True]) == (cost, launch)

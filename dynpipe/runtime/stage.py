@@ -78,6 +78,7 @@ class TimedPipelineStage(PipelineStage):
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any):
         chunk = _chunk(args, kwargs, "bwd_chunk_id")
+        self.timer.layers.chunk = chunk
         self.timer.start()
         self.timer.layers.begin_backward(chunk)
         out = super().backward_one_chunk(*args, **kwargs)
