@@ -17,6 +17,9 @@
 #                   (gpu-gemm-long-stage0.toml): the scaling figure's one-GPU point
 #   tta-restart-2   2 GPUs, --adapt restart: the same decisions applied by checkpoint,
 #                   exit and relaunch (the original DynPipe's way)
+#   tta-static-4, tta-adaptive-4   4 GPUs (4 stages, the interferer on stage 1 as in the
+#                   2-GPU runs): the scaling figure's four-GPU points (not in the default
+#                   RUNS; name them on a 4-GPU host)
 # Every run trains the same model on the same batches (same seed): the eval curves over
 # steps agree, and time to a target is what adaptation changes. Then `dynpipe figures`
 # draws time to accuracy (the 2-GPU runs) and throughput against GPU count (all runs), with
@@ -134,8 +137,10 @@ for r in ${RUNS:-static-2 adaptive-2 static-1 restart-2}; do
     static-2) run tta-static-2 2 --adapt static --scenario "$S1" ;;
     adaptive-2) run tta-adaptive-2 2 --adapt adaptive --predictor "$PREDICTOR" --scenario "$S1" ;;
     static-1) run tta-static-1 1 --adapt static --scenario "$S0" ;;
+    static-4) run tta-static-4 4 --adapt static --scenario "$S1" ;;
+    adaptive-4) run tta-adaptive-4 4 --adapt adaptive --predictor "$PREDICTOR" --scenario "$S1" ;;
     restart-2) run tta-restart-2 2 --adapt restart --predictor "$PREDICTOR" --scenario "$S1" \
                  --save-dir "$O/ckpt" ;;
-    *) echo "unknown run $r (static-2, adaptive-2, static-1, restart-2)"; exit 2 ;;
+    *) echo "unknown run $r (static-2, adaptive-2, static-1, restart-2, static-4, adaptive-4)"; exit 2 ;;
   esac
 done
