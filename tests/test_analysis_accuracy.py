@@ -132,6 +132,25 @@ def test_scaling_reads_world_sizes_and_per_step_throughput(logs, tmp_path) -> No
         plot_scaling([r for r in runs if r.world_size == 2])
 
 
+def test_runs_of_one_mode_on_other_device_counts_are_one_system(logs, tmp_path) -> None:
+    """The scaling figure's line per system needs a static run on 2 devices and one on 4
+    (same model and interference) to be one system, not two static variants."""
+    import json
+
+    lines = (logs / "static_2.jsonl").read_text().splitlines()
+    header = json.loads(lines[0])
+    header["world_size"] = 4
+    (tmp_path / "four").mkdir()
+    (tmp_path / "four" / "static_2.jsonl").write_text(
+        "\n".join([json.dumps(header), *lines[1:]]) + "\n"
+    )
+    runs = load_runs([logs / "static_2.jsonl", tmp_path / "four" / "static_2.jsonl"])
+    assert [r.system for r in runs] == ["static", "static"]
+    assert sorted(r.world_size for r in runs) == [2, 4] and len({r.name for r in runs}) == 2
+    table = scaling_table(runs)
+    assert set(table["system"]) == {"static"} and set(table["world_size"]) == {2, 4}
+
+
 def test_figures_cli_draws_both_and_summary_gives_ratios(logs, tmp_path) -> None:
     out = tmp_path / "figs"
     buf = io.StringIO()

@@ -320,8 +320,9 @@ def load_runs(
 ) -> list[Run]:
     """Load logs; ``labels`` maps a system name to a log (loaded too if not in ``paths``).
 
-    A run's system is its label, else its adapt mode. Two unlabelled runs of one mode, model
-    and interference are different systems (a static run of another plan, say): each is
+    A run's system is its label, else its adapt mode. Two unlabelled runs of one mode, model,
+    interference and device count are different systems (a static run of another plan,
+    say; runs on other device counts are the same system at another scale): each is
     named after what its file name adds to the others' (``static`` and ``static_tuned`` for
     ``…-static.jsonl`` and ``…-static_tuned.jsonl``). Run names are then made unique by
     folder or file name, so runs of one system under different interference stay apart.
@@ -331,11 +332,12 @@ def load_runs(
         for p in expand_log_paths([log]):
             by_path[p.resolve()] = name
     runs = [load_run(p, label=lab) for p, lab in by_path.items()]
-    groups: dict[tuple[str, str, str], list[Run]] = {}
+    groups: dict[tuple[str, str, str, int], list[Run]] = {}
     for run, lab in zip(runs, by_path.values(), strict=True):
         if lab is None:
-            groups.setdefault((run.system, run.model, run.condition), []).append(run)
-    for (mode, _, _), group in groups.items():
+            key = (run.system, run.model, run.condition, run.world_size)
+            groups.setdefault(key, []).append(run)
+    for (mode, _, _, _), group in groups.items():
         if len(group) < 2:
             continue
         common = _common_prefix([r.path.stem for r in group])
