@@ -71,16 +71,22 @@ def _timed_step(device_ms: float, layer_ms: list[float]):
     layers = [_Busy(ms) for ms in layer_ms]
     timer.sample_layers(True)
     for chunk in range(3):
-        probe.chunk = chunk
-        timer.start()
-        out = probe.run(layers, torch.ones(4, requires_grad=True))
-        timer.stop("fwd")
-        timer.start()
-        probe.begin_backward(chunk)
-        out.sum().backward()
-        probe.end_backward(chunk)
-        timer.stop("bwd")
+        _microbatch(timer, layers, chunk)
     return timer.collect(schedule_ms=1.0).layers
+
+
+def _microbatch(timer: StageTimer, layers: list[nn.Module], chunk: int) -> None:
+    """One microbatch's forward and backward as the pipeline stage runs them."""
+    probe = timer.layers
+    probe.chunk = chunk
+    timer.start()
+    out = probe.run(layers, torch.ones(4, requires_grad=True))
+    timer.stop("fwd")
+    timer.start()
+    probe.begin_backward(chunk)
+    out.sum().backward()
+    probe.end_backward(chunk)
+    timer.stop("bwd")
 
 
 def test_host_bound_layers_cost_their_issue_time():
@@ -129,15 +135,7 @@ def test_a_sampled_step_times_only_its_sampled_microbatches():
     layers = [_Busy(1.0), _Busy(3.0)]
     timer.sample_layers(True, microbatches=8)
     for chunk in range(8):
-        probe.chunk = chunk
-        timer.start()
-        out = probe.run(layers, torch.ones(4, requires_grad=True))
-        timer.stop("fwd")
-        timer.start()
-        probe.begin_backward(chunk)
-        out.sum().backward()
-        probe.end_backward(chunk)
-        timer.stop("bwd")
+        _microbatch(timer, layers, chunk)
         marked = set(probe._fwd)
         assert marked == {c for c in sampled_chunks(8) if c <= chunk}
     timing = timer.collect(schedule_ms=1.0)
