@@ -123,7 +123,8 @@ def test_controller_adapts_to_emulated_slowdown_and_moves_back(tmp_path) -> None
     # Every window's decision records what deciding cost, moves or not.
     assert all(e["decide_ms"] >= 0 for e in recs.events("decision"))
     first = reps[0]
-    assert ONSET < first.step <= ONSET + 10, first.step
+    # Within two windows of the onset, plus the step during which the policy reads one.
+    assert ONSET < first.step <= ONSET + 11, first.step
     # It moved layers off the slowed stage 1.
     assert first["new_plan"]["stages"][1]["start"] > first["old_plan"]["stages"][1]["start"]
     # The plan it settled on during the slowdown runs within 10% of the best static plan for
