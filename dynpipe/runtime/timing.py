@@ -265,17 +265,17 @@ class LayerProbe:
         untimed backward) stays NaN."""
         fwd, bwd, edges, n = self._fwd, self._bwd, self._bwd_edges, self._n
         self._fwd, self._bwd, self._bwd_edges = {}, {}, {}
+        if self._pool is not None:
+            # Handed out again from the next mark on; the marks below keep their times until
+            # recorded over, which no step does before this one's are read.
+            self._pool.reset()
         if not fwd:
-            if self._pool is not None:
-                self._pool.reset()
             return None
         if not self.cuda:
             f, b = self._medians(fwd, bwd, edges, n, lambda a, b: (b - a) * 1e3)
             return f, b, None, None
         f, b = self._medians(fwd, bwd, edges, n, lambda a, b: a[0].elapsed_time(b[0]))
         hf, hb = self._medians(fwd, bwd, edges, n, lambda a, b: (b[1] - a[1]) * 1e3)
-        if self._pool is not None:
-            self._pool.reset()  # every event is read: the next sampled step records over them
         longer = lambda d, h: [max(x, y) if x == x else x for x, y in zip(d, h, strict=True)]  # noqa: E731
         return longer(f, hf), longer(b, hb), hf, hb
 
@@ -341,7 +341,8 @@ class StageTimer:
         """Time every layer during the next step (only when the timers are enabled), on
         ``sampled_chunks(microbatches)`` of its microbatches (every one if None)."""
         self.layers.sampling = on and self.enabled
-        self.layers.chunks = None if microbatches is None else sampled_chunks(microbatches)
+        if self.layers.sampling:  # read only while sampling: nothing to work out otherwise
+            self.layers.chunks = None if microbatches is None else sampled_chunks(microbatches)
 
     def start(self) -> None:
         """A microbatch's forward or backward begins (``layers.chunk`` names it)."""

@@ -760,12 +760,12 @@ def train(
 
     last: _Gathered | None = None  # the last window gathered
 
-    def flush_steps() -> None:
-        """The steps since the last window reach the log under the plan they ran, before a
-        move between windows changes it (collective: every rank moves)."""
+    def flush_steps(telemetry: dict[str, float] | None = None) -> _Gathered | None:
+        """Gather and log the steps since the last flush under the plan they ran: at a
+        window's end, and before a move between windows changes the plan (collective)."""
         steplog.plan, steplog.mesh = engine.plan, engine.mesh
         steplog.probe_layer = engine.probe_layer
-        steplog.flush()
+        return steplog.flush(telemetry)
 
     if adapter is not None and autodp is not None:
 
@@ -821,9 +821,7 @@ def train(
             if adapter is not None:
                 adapter.finish(step, before_move=flush_steps)
             if (step + 1) % every == 0 or step + 1 == cfg.steps:
-                steplog.plan, steplog.mesh = engine.plan, engine.mesh
-                steplog.probe_layer = engine.probe_layer
-                got = steplog.flush(sampler.window() if sampler else None)
+                got = flush_steps(sampler.window() if sampler else None)
                 last = got if got is not None else last
                 # A window's move starts a step after it (``Adapter``): only with steps left.
                 if adapter is not None and got is not None and step + 2 < cfg.steps:
