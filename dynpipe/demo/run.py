@@ -79,12 +79,13 @@ class DemoConfig:
 
     # Scenario lengths, in whole windows: the clean phase calibrates the clean costs (its
     # first window settles); the adaptive run moves two windows after the onset (the first
-    # window shows the jump, the next confirms it), so the interference lasts five or nine
-    # windows for most of its steps to run on the new split; the run ends three or nine
-    # windows after it, time to move back and be measured there.
+    # window shows the jump, the next confirms it) and its first window on the new split
+    # still settles, so the interference lasts six or nine windows for most of its steps to
+    # run settled on the new split (with five, the median took in the slow steps before the
+    # move); the run ends three or nine windows after it, to move back and be measured there.
     @property
     def steps(self) -> int:
-        return 100 if self.quick else 240
+        return 110 if self.quick else 240
 
     @property
     def onset(self) -> int:
@@ -92,7 +93,7 @@ class DemoConfig:
 
     @property
     def departure(self) -> int:
-        return 70 if self.quick else 150
+        return 80 if self.quick else 150
 
     @property
     def eval_every(self) -> int:
