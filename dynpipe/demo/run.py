@@ -78,11 +78,13 @@ class DemoConfig:
     seed: int = 0
 
     # Scenario lengths, in whole windows: the clean phase calibrates the clean costs (its
-    # first window settles); the adaptive run moves two windows after the onset (the first
-    # window shows the jump, the next confirms it) and its first window on the new split
-    # still settles, so the interference lasts six or nine windows for most of its steps to
-    # run settled on the new split (with five, the median took in the slow steps before the
-    # move); the run ends three or nine windows after it, to move back and be measured there.
+    # first window settles). The adaptive run moves two windows after the onset: on the
+    # first, the model's estimates move further than the steps (the model leaves out the
+    # time stages wait on each other), which the controller does not act on. Its first
+    # window on the new split settles too, so the interference lasts six or nine windows
+    # for most of its steps to run settled on the new split (with five, the median took in
+    # the slow steps before the move). The run ends three or nine windows after it, to move
+    # back and be measured there.
     @property
     def steps(self) -> int:
         return 110 if self.quick else 240
