@@ -1,6 +1,6 @@
 """``dynpipe demo``: the report from two run logs (exact, on logs written here), and the
-quick demo end to end: a real interferer slows the static run, the adaptive run is faster
-during it, moves only after the onset, recovers after the end, and both end equally accurate.
+quick demo end to end: the slowdown slows the static run, the adaptive run is faster during
+it, moves only after the onset, recovers after the end, and both end equally accurate.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import time
 import pytest
 
 # Adaptive over static during the interference, the margin README.md states for the demo.
-MARGIN = 1.2
-# How much busy loops on a shared 2-core machine slow a stage varies from run to run (other
-# jobs share the cores too, and the scheduler favours a process that often waits): up to
-# three demo runs, of which one must show every property.
+MARGIN = 1.5
+# Other jobs on a shared 2-core machine change how fast each run goes, and a demo measures
+# its two runs one after the other: up to three demo runs, of which one must show every
+# property.
 TRIALS = 3
 
 
@@ -86,11 +86,27 @@ def test_report_compares_phases_moves_and_accuracy(tmp_path) -> None:
     assert [m["split"] for m in s["moves_during"]] == [[8, 2]]
     assert [m["step"] for m in s["moves_after"]] == [45]
     assert s["back_to_initial_plan"] and s["after_vs_before"] == 1.1
+    assert s["after_vs_static"] == 1.1  # against the first plan's steps in the static run
     assert s["same_final_accuracy"] and s["runs"]["static"]["launch_s"] == 9
     assert s["runs"]["adaptive"]["wall_s"] == pytest.approx((20 * 20 + 20 * 30 + 20 * 22) / 1e3)
     text = format_report(s)
     assert "slowed the static run 3.00x, the adaptive run 1.50x" in text and "2.00x faster" in text
     assert "1 before the onset, 1 during, 1 after" in text and "(equal:" in text
+    assert "after the interference the adaptive run's split" not in text  # back on 5|5
+
+    # Ending on another split, the report says how it ran against the first one.
+    _write_log(
+        tmp_path / "moved.jsonl",
+        mode="measured",
+        step_ms={"before": 20.0, "during": 30.0, "after": 19.0},
+        moves=[(25, [8, 2]), (45, [6, 4])],
+    )
+    s = summarise(tmp_path / "static.jsonl", tmp_path / "moved.jsonl")
+    assert not s["back_to_initial_plan"] and s["after_vs_static"] == 0.95
+    assert (
+        "split [6, 4] took 0.95x the static run's step time on [5, 5] (0.95x its own steps"
+        in format_report(s)
+    )
 
 
 def _demo(out) -> tuple[dict, str, float]:

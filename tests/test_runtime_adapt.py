@@ -37,7 +37,7 @@ def _adapt_then_static(rank: int, world: int, scenario: str, log: str) -> dict:
     from dynpipe.runtime.topology import Topology
     from dynpipe.runtime.train import train
 
-    # One thread per rank (two ranks share two cores), and the demo's 15% minimum gain:
+    # One thread per rank (two ranks share two cores), and a 15% minimum gain:
     # beside a busy loop on a 2-core machine a clean window's stage timers swing past 5%,
     # while the 3x slowdown this test is about promises far more.
     torch.set_num_threads(1)

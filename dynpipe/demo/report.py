@@ -93,8 +93,10 @@ def summarise(
         "moves_during": [m for m in moves if onset is not None and onset <= m["step"] < stop],
         "moves_after": [m for m in moves if stop is not None and m["step"] >= stop],
         "back_to_initial_plan": ad["final_split"] == ad["initial_split"],
-        # The plan it ended on runs as fast after the interference as the first one did before.
+        # The plan it ended on runs as fast after the interference as the first one did before
+        # (the same run, earlier) and as the first one did after it (the static run).
         "after_vs_before": ratio(after_ms, before_ms),
+        "after_vs_static": ratio(after_ms, st["step_ms"]["after"]),
         "same_final_accuracy": (
             st["final_eval"] is not None
             and ad["final_eval"] is not None
@@ -146,6 +148,13 @@ def format_report(s: dict[str, Any]) -> str:
         lines.append(
             f"    step {m['step']}: split {m['split']}, {m['bytes']:,} bytes, "
             f"pause {m['pause_ms']:.0f} ms"
+        )
+    vs_static, vs_before = s["after_vs_static"], s["after_vs_before"]
+    if vs_static and vs_before and ad["final_split"] != ad["initial_split"]:
+        lines.append(
+            f"after the interference the adaptive run's split {ad['final_split']} took "
+            f"{vs_static:.2f}x the static run's step time on {ad['initial_split']} "
+            f"({vs_before:.2f}x its own steps before the interference)"
         )
     lines.append(
         f"wall time (training, from the logs): static {st['wall_s']:.1f} s, adaptive "
