@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from dynpipe.planner.costs import CostModel
+from dynpipe.planner.evaluate import stage_costs
 from dynpipe.runtime.adapt.config import AdaptConfig
 from dynpipe.runtime.adapt.estimates import CostEstimates
-from dynpipe.runtime.adapt.policy import Controller, SweepPolicy, layer_classes, moved_bytes
+from dynpipe.runtime.adapt.policy import (
+    Controller,
+    SweepPolicy,
+    layer_classes,
+    moved_bytes,
+    planner_costs,
+)
 from dynpipe.runtime.adapt.record import MoveRecord, PlanMemory
 from dynpipe.runtime.adapt.window import Window
 
@@ -154,6 +163,62 @@ def test_identical_layers_share_a_clean_cost_and_interference_at_start_is_seen()
     )  # fmt: skip
     est.update(_window(4, EVEN, np.ones(L), slow=(3.0, 1.0)))
     assert est.slow[0] > 2.0 and est.slow[1] == pytest.approx(1.0)
+
+
+def test_a_gpu_stage_costs_its_device_sum_or_its_host_sum_not_each_layers_longer_time() -> None:
+    """Layers alternately bound by the device and by the host: the stage runs as long as the
+    longer of the two sums (the host issues one layer while the device runs another), which
+    the planner's model reproduces, and prices other splits the same way."""
+    dev = np.array([1.0, 0.2] * 5)
+    host = np.array([0.2, 1.0] * 5)
+    # Stage 1's host is slower than its device (3.06 against 2.0 ms) but faster than stage 0
+    # (3.4): it keeps ahead while the stage waits for its inputs, so its timer reads 2.0.
+    host[5:] *= 0.9
+    cost = np.maximum(dev, host)
+    stage = np.array([max(dev[a:b].sum(), host[a:b].sum()) for a, b in EVEN])
+    stage[1] = dev[5:].sum()  # stage 1 waits for its inputs: its host keeps ahead
+    w = Window(
+        step=4,
+        bounds=EVEN,
+        ranks=(0, 1),
+        microbatches=M,
+        schedule="1f1b",
+        step_ms=np.full(5, M * stage.max() * 3 + stage.sum() * 3),
+        stage_fwd_ms=np.tile(stage * M, (5, 1)),
+        stage_bwd_ms=np.tile(2 * stage * M, (5, 1)),
+        layer_fwd_ms=cost,
+        layer_bwd_ms=2 * cost,
+        sampled_fwd_ms=stage,
+        sampled_bwd_ms=2 * stage,
+        host_fwd_ms=host,
+        host_bwd_ms=2 * host,
+        device_fwd_ms=dev,
+        device_bwd_ms=2 * dev,
+    )
+    est = CostEstimates(
+        prior_fwd=np.ones(L), prior_bwd=2 * np.ones(L), classes=np.arange(L), num_ranks=2,
+        window=8, jump=0.1,
+    )  # fmt: skip
+    est.update(w)
+    assert est.has_host
+    cm = planner_costs(_base(), est, w)
+    now = stage_costs(cm, EVEN, microbatches=M)
+    # Stage 0 as its timer measured it (its layers' longer times summed say 5.0); stage 1 at
+    # its host's time, what it costs once it bounds the step (its layers' longer times: 4.6).
+    assert np.allclose(now.fwd_ms, [3.4, 3.06]) and cost[:5].sum() == pytest.approx(5.0)
+    other = stage_costs(cm, ((0, 3), (3, 10)), microbatches=M)
+    assert other.fwd_ms[0] == pytest.approx(max(dev[:3].sum(), host[:3].sum()))
+    assert other.fwd_ms[1] == pytest.approx(max(dev[3:].sum(), host[3:].sum()))
+    assert other.bwd_ms[1] == pytest.approx(2 * max(dev[3:].sum(), host[3:].sum()))
+    # Without the host's and the device's own times (CPU, older logs) nothing changes.
+    est_cpu = CostEstimates(
+        prior_fwd=np.ones(L), prior_bwd=2 * np.ones(L), classes=np.arange(L), num_ranks=2,
+        window=8, jump=0.1,
+    )  # fmt: skip
+    bare = dataclasses.replace(w, host_fwd_ms=None, host_bwd_ms=None, device_fwd_ms=None)
+    est_cpu.update(bare)
+    assert not est_cpu.has_host
+    assert planner_costs(_base(), est_cpu, bare).host_fwd_ms is None
 
 
 def test_controller_moves_to_the_measured_best_split_once_its_model_is_checked() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dynpipe.errors import UserError
 from dynpipe.planner.baselines import even_bounds, parameter_bounds
 from dynpipe.planner.costs import CostModel
 from dynpipe.planner.dp import plan_partition, solve_bottleneck
@@ -92,6 +94,46 @@ def test_dp_equals_brute_force(inst) -> None:
     assert res.step_ms == pytest.approx(step_brute, rel=1e-9, abs=1e-12)
     assert res.optimal_bottleneck_ms == pytest.approx(t_brute, rel=1e-9, abs=1e-12)
     assert res.bottleneck_ms >= res.optimal_bottleneck_ms * (1 - 1e-12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(instances)
+def test_host_bound_stages_plan_exactly(inst) -> None:
+    """With host issue times a stage costs the longer of its device's sum and its host's:
+    the planner still finds the brute-force optimum of the simulated step."""
+    seed, layers, stages, micro, schedule = inst
+    stages = min(stages, layers)
+    rng = np.random.default_rng(seed)
+    cm = random_costs(rng, layers, stages, comm=bool(seed % 2))
+    # Host times around the device times: some layers host-bound, some device-bound.
+    host_f = cm.fwd_ms[0] * rng.uniform(0.3, 2.5, layers)
+    host_b = cm.bwd_ms[0] * rng.uniform(0.3, 2.5, layers)
+    hc = dataclasses.replace(
+        cm,
+        host_fwd_ms=np.repeat(host_f[None], stages, axis=0),
+        host_bwd_ms=np.repeat(host_b[None], stages, axis=0),
+    )
+    _, step_brute, bounds_brute = brute(hc, stages, micro, schedule)
+    res = plan_partition(hc, num_stages=stages, schedule=schedule, microbatches=micro)
+    assert res.exhaustive
+    assert res.step_ms == pytest.approx(step_brute, rel=1e-9, abs=1e-12)
+    sc = stage_costs(hc, res.bounds, schedule=schedule, microbatches=micro)
+    for s, (a, b) in enumerate(res.bounds):
+        assert sc.fwd_ms[s] == pytest.approx(
+            max(cm.fwd_ms[s, a:b].sum(), host_f[a:b].sum()), rel=1e-12
+        )
+    # The device sums alone are a lower bound of the same partition's step.
+    plain = stage_costs(cm, bounds_brute, schedule=schedule, microbatches=micro)
+    assert (
+        sum(plain.fwd_ms)
+        <= sum(stage_costs(hc, bounds_brute, schedule=schedule, microbatches=micro).fwd_ms) + 1e-12
+    )
+
+
+def test_host_times_must_come_for_both_phases() -> None:
+    cm = random_costs(np.random.default_rng(0), 4, 2)
+    with pytest.raises(UserError, match="host times for one phase only"):
+        dataclasses.replace(cm, host_fwd_ms=cm.fwd_ms)
 
 
 @settings(max_examples=150, deadline=None)

@@ -77,8 +77,9 @@ def stage_costs(
     fwd, bwd, comm, send, mem, stat, act = [], [], [], [], [], [], []
     static = cm.static_bytes
     for s, (a, b) in enumerate(bounds):
-        fwd.append(float(cm.fwd_ms[s, a:b].sum() + cm.stage_fwd_ms[s]))
-        bwd.append(float(cm.bwd_ms[s, a:b].sum() + cm.stage_bwd_ms[s]))
+        f, b_ = cm.stage_ms(s, a, b)
+        fwd.append(f)
+        bwd.append(b_)
         st = float(static[a:b].sum())
         ac = float(cm.act_bytes[a:b].sum())
         stat.append(int(st))

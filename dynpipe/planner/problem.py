@@ -72,6 +72,8 @@ class Problem:
     """Prefix sums of one instance: ``S`` stages on the ``S`` devices of ``costs``.
 
     P[s, j]: forward + backward ms of layers ``[0, j)`` on device ``s`` (Pf, Pb apart).
+    Hf, Hb: the host's issue times the same way, or None (``CostModel.host_fwd_ms``); they
+        enter only the scored metrics, never the pruning bounds.
     C[s, j]: ms to move the activation of a boundary after layer ``j - 1`` over link ``s``
         (``inf`` where no boundary can be: ``j = 0`` and ``j = L``).
     Q[s, j]: bytes layers ``[0, j)`` would occupy on stage ``s`` (static + in-flight).
@@ -99,6 +101,10 @@ class Problem:
         self.Pf = np.hstack([z, np.cumsum(cm.fwd_ms, axis=1)])
         self.Pb = np.hstack([z, np.cumsum(cm.bwd_ms, axis=1)])
         self.P = self.Pf + self.Pb
+        self.Hf = self.Hb = None
+        if cm.host_fwd_ms is not None and cm.host_bwd_ms is not None:
+            self.Hf = np.hstack([z, np.cumsum(cm.host_fwd_ms, axis=1)])
+            self.Hb = np.hstack([z, np.cumsum(cm.host_bwd_ms, axis=1)])
         # Pmin[s, i]: least work layers [0, i) can cost on any of devices 0..s-1 — a lower
         # bound on the time before stage s can start its first forward plus finish backward.
         w = cm.fwd_ms + cm.bwd_ms
@@ -189,6 +195,12 @@ class Problem:
         # prunes with (built from layer costs alone) stays a lower bound: still exact.
         fwd = self.Pf[s, b] - self.Pf[s, a] + self.costs.stage_fwd_ms[None, :]
         bwd = self.Pb[s, b] - self.Pb[s, a] + self.costs.stage_bwd_ms[None, :]
+        if self.Hf is not None:
+            # The host's issue time bounds a stage too (``CostModel.host_fwd_ms``); it only
+            # ever adds, so the bounds below, built from the layers' device times, stay
+            # lower bounds and the search stays exact.
+            fwd = np.maximum(fwd, self.Hf[s, b] - self.Hf[s, a])
+            bwd = np.maximum(bwd, self.Hb[s, b] - self.Hb[s, a])
         comm = self.C[s[:-1], b[:, :-1]] if self.S > 1 else np.zeros((len(cuts), 0))
         fits = np.all(self.Q[s, b] - self.Q[s, a] <= self.lim, axis=1)
         return {

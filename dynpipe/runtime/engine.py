@@ -705,7 +705,7 @@ class PipelineEngine:
             got = probe.collect()
         if got is None:
             return None
-        f, b, hf, hb = got
+        f, b, hf, hb, df, db = got
         return LayerTiming(
             fwd_ms=f,
             bwd_ms=b,
@@ -713,6 +713,8 @@ class PipelineEngine:
             stage_bwd_ms=float(b[0]),
             launch_fwd_ms=hf,
             launch_bwd_ms=hb,
+            device_fwd_ms=df,
+            device_bwd_ms=db,
         )
 
     def _share(self, t: torch.Tensor | None) -> torch.Tensor | None:

@@ -254,7 +254,8 @@ class LayerTimes(Record):
     None where a layer was not timed). stage_fwd_ms / stage_bwd_ms: every stage's own timer
     on that step, per microbatch (beyond its layers: the stage's overhead). On a GPU a
     layer's time is the longer of its device time and the host's time to issue it, and
-    launch_fwd_ms / launch_bwd_ms hold the latter (absent on CPU; ``runtime/timing.py``).
+    launch_fwd_ms / launch_bwd_ms hold the latter and device_fwd_ms / device_bwd_ms the
+    former (absent on CPU, and in logs that predate them; ``runtime/timing.py``).
     With replicas the fields above are replica 0's, and ``replicas`` holds every replica's
     as a dict of the same keys (absent otherwise)."""
 
@@ -265,6 +266,8 @@ class LayerTimes(Record):
     stage_bwd_ms: tuple[float | None, ...] = ()
     launch_fwd_ms: tuple[float | None, ...] = field(default=(), metadata={"omit_empty": True})
     launch_bwd_ms: tuple[float | None, ...] = field(default=(), metadata={"omit_empty": True})
+    device_fwd_ms: tuple[float | None, ...] = field(default=(), metadata={"omit_empty": True})
+    device_bwd_ms: tuple[float | None, ...] = field(default=(), metadata={"omit_empty": True})
     replicas: tuple[dict[str, Any], ...] = field(default=(), metadata={"omit_empty": True})
 
 

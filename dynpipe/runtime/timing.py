@@ -79,6 +79,11 @@ class LayerTiming:
     # longer of it and the device's); None on CPU, where the two are one time.
     launch_fwd_ms: list[float] | None = None
     launch_bwd_ms: list[float] | None = None
+    # GPU: the device's time alone (the events), for the planner's stage model: a stage is
+    # bound by its layers' device times or by its host's issue times, whichever sum is
+    # longer (``CostModel.host_fwd_ms``). None on CPU.
+    device_fwd_ms: list[float] | None = None
+    device_bwd_ms: list[float] | None = None
 
 
 @dataclass
@@ -258,11 +263,11 @@ class LayerProbe:
 
     def collect(
         self,
-    ) -> tuple[list[float], list[float], list[float] | None, list[float] | None] | None:
+    ) -> tuple[list[float], list[float], list | None, list | None, list | None, list | None] | None:
         """Per-layer (fwd, bwd) costs, medians over the sampled microbatches, and on a GPU
-        the host's (fwd, bwd) times to issue them (else None), then reset. On a GPU a cost is
-        the longer of the device's time and the host's (see the module docstring); NaN (an
-        untimed backward) stays NaN."""
+        the host's (fwd, bwd) times to issue them and the device's (fwd, bwd) times alone
+        (else None), then reset. On a GPU a cost is the longer of the device's time and the
+        host's (see the module docstring); NaN (an untimed backward) stays NaN."""
         fwd, bwd, edges, n = self._fwd, self._bwd, self._bwd_edges, self._n
         self._fwd, self._bwd, self._bwd_edges = {}, {}, {}
         if self._pool is not None:
@@ -273,11 +278,11 @@ class LayerProbe:
             return None
         if not self.cuda:
             f, b = self._medians(fwd, bwd, edges, n, lambda a, b: (b - a) * 1e3)
-            return f, b, None, None
+            return f, b, None, None, None, None
         f, b = self._medians(fwd, bwd, edges, n, lambda a, b: a[0].elapsed_time(b[0]))
         hf, hb = self._medians(fwd, bwd, edges, n, lambda a, b: (b[1] - a[1]) * 1e3)
         longer = lambda d, h: [max(x, y) if x == x else x for x, y in zip(d, h, strict=True)]  # noqa: E731
-        return longer(f, hf), longer(b, hb), hf, hb
+        return longer(f, hf), longer(b, hb), hf, hb, f, b
 
     @staticmethod
     def _medians(fwd: dict, bwd: dict, edges: dict, n: int, ms) -> tuple[list, list]:
@@ -394,7 +399,7 @@ class StageTimer:
         )
         per_layer = self.layers.collect()
         if per_layer is not None:
-            f, b, hf, hb = per_layer
+            f, b, hf, hb, df, db = per_layer
             f, hf = _discount_marks(f, hf, out.fwd_ms, self._fwd_timed)
             b, hb = _discount_marks(b, hb, out.bwd_ms, self._bwd_timed)
             out.layers = LayerTiming(
@@ -404,6 +409,8 @@ class StageTimer:
                 stage_bwd_ms=float(np.median(out.bwd_ms)) if out.bwd_ms else float("nan"),
                 launch_fwd_ms=hf,
                 launch_bwd_ms=hb,
+                device_fwd_ms=df,
+                device_bwd_ms=db,
             )
         self.layers.sampling = False
         self._fwd, self._bwd, self._reduce = [], [], []

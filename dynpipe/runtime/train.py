@@ -183,11 +183,11 @@ class _StepLog:
         self.pending.append(res)
 
     def _layer_row(self) -> list[float]:
-        """``[4L + 2]``: this rank's per-layer fwd/bwd ms (NaN for layers it does not hold)
+        """``[6L + 2]``: this rank's per-layer fwd/bwd ms (NaN for layers it does not hold)
         from the window's last sampled step, then that step's stage medians, then the host's
-        fwd/bwd times to issue the layers (GPU; NaN on CPU)."""
+        fwd/bwd times to issue the layers, then the device's alone (GPU; NaN on CPU)."""
         n = self.plan.num_layers
-        row = [float("nan")] * (4 * n + 2)
+        row = [float("nan")] * (6 * n + 2)
         sampled = [r.timing.layers for r in self.pending if r.timing.layers is not None]
         stage = self.plan.stage_of_rank(self.mesh.pp_rank)
         if sampled and stage is None and self.probe_layer is not None:
@@ -205,6 +205,10 @@ class _StepLog:
             h = 2 * n + 2
             row[h + st.start : h + st.stop] = lt.launch_fwd_ms
             row[h + n + st.start : h + n + st.stop] = lt.launch_bwd_ms
+        if lt.device_fwd_ms is not None and lt.device_bwd_ms is not None:
+            d = 4 * n + 2
+            row[d + st.start : d + st.stop] = lt.device_fwd_ms
+            row[d + n + st.start : d + n + st.stop] = lt.device_bwd_ms
         return row
 
     def flush(self, telemetry: dict[str, float] | None = None) -> _Gathered | None:
@@ -329,14 +333,17 @@ class _StepLog:
         sampled)."""
         fwd, bwd = [float("nan")] * n, [float("nan")] * n
         hf, hb = [float("nan")] * n, [float("nan")] * n
+        df, db = [float("nan")] * n, [float("nan")] * n
         sf, sb = [], []
-        h = 2 * n + 2
+        h, d = 2 * n + 2, 4 * n + 2
         for st in self.plan.stages:
             row = rows[self.mesh.global_rank(st.rank, replica)]
             fwd[st.start : st.stop] = row[st.start : st.stop]
             bwd[st.start : st.stop] = row[n + st.start : n + st.stop]
             hf[st.start : st.stop] = row[h + st.start : h + st.stop]
             hb[st.start : st.stop] = row[h + n + st.start : h + n + st.stop]
+            df[st.start : st.stop] = row[d + st.start : d + st.stop]
+            db[st.start : st.stop] = row[d + n + st.start : d + n + st.stop]
             sf.append(row[2 * n])
             sb.append(row[2 * n + 1])
         if all(v != v for v in fwd):
@@ -350,6 +357,8 @@ class _StepLog:
         }
         if any(v == v for v in hf):  # GPU: the host's issue times, beside the costs
             out["launch_fwd_ms"], out["launch_bwd_ms"] = r4(hf), r4(hb)
+        if any(v == v for v in df):  # GPU: the device's times alone
+            out["device_fwd_ms"], out["device_bwd_ms"] = r4(df), r4(db)
         return out
 
 

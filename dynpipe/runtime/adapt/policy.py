@@ -143,15 +143,7 @@ def planner_costs(
     """``base`` with the estimated per-layer costs and stage overheads of ``w``'s ranks, one
     row per stage in pipeline order (the planner puts stage ``s`` on row ``s``)."""
     fwd, bwd = est.costs(w.bounds, w.ranks, predicted=predicted)
-    of, ob = est.overheads(w.ranks)
-    order = list(w.ranks)
-    return dataclasses.replace(
-        base.for_devices(w.num_stages),
-        fwd_ms=fwd[order],
-        bwd_ms=bwd[order],
-        stage_fwd_ms=of,
-        stage_bwd_ms=ob,
-    )
+    return dataclasses.replace(base.for_devices(w.num_stages), **est.stage_model(fwd, bwd, w.ranks))
 
 
 def predicted_step_ms(
@@ -506,14 +498,8 @@ class Controller:
                     self.est.clean_f * self.est.slow[r],
                     self.est.clean_b * self.est.slow[r],
                 )
-        of, ob = self.est.overheads(ranks)
-        idx = list(ranks)
         costs = dataclasses.replace(
-            self.base.for_devices(len(ranks)),
-            fwd_ms=fwd[idx],
-            bwd_ms=bwd[idx],
-            stage_fwd_ms=of,
-            stage_bwd_ms=ob,
+            self.base.for_devices(len(ranks)), **self.est.stage_model(fwd, bwd, ranks)
         )
         memory = None
         if w.memory_bytes is not None and np.isfinite(w.memory_bytes).any():

@@ -31,6 +31,9 @@ class Window:
         the window's sampled step (NaN where a layer was not timed), or None if no layer was.
     sampled_fwd_ms, sampled_bwd_ms: ``[S]`` each stage's compute per microbatch on that same
         step: what a stage spends beyond its layers is its fixed overhead.
+    host_fwd_ms, host_bwd_ms / device_fwd_ms, device_bwd_ms: ``[L]`` on a GPU, the host's
+        time to issue each layer and the device's time alone on the same step (the layer's
+        time above is the longer of the two), or None (CPU, older logs).
     telemetry: one ``tel_*`` dict per rank, or None.
     memory_bytes: ``[R]`` bytes each rank's stage may occupy (NaN where unknown), or None.
     replicas: with data parallelism, one window per pipeline replica (its own stages, layers,
@@ -59,6 +62,10 @@ class Window:
     layer_bwd_ms: np.ndarray | None = None
     sampled_fwd_ms: np.ndarray | None = None
     sampled_bwd_ms: np.ndarray | None = None
+    host_fwd_ms: np.ndarray | None = None
+    host_bwd_ms: np.ndarray | None = None
+    device_fwd_ms: np.ndarray | None = None
+    device_bwd_ms: np.ndarray | None = None
     telemetry: tuple[Mapping[str, Any], ...] | None = None
     memory_bytes: np.ndarray | None = None
     replicas: tuple[Window, ...] | None = None
@@ -183,6 +190,10 @@ class Window:
             layer_bwd_ms=arr("bwd_ms"),
             sampled_fwd_ms=arr("stage_fwd_ms"),
             sampled_bwd_ms=arr("stage_bwd_ms"),
+            host_fwd_ms=arr("launch_fwd_ms"),
+            host_bwd_ms=arr("launch_bwd_ms"),
+            device_fwd_ms=arr("device_fwd_ms"),
+            device_bwd_ms=arr("device_bwd_ms"),
             telemetry=tuple(telemetry) if telemetry is not None else None,
             memory_bytes=np.array(memory_bytes, float) if memory_bytes is not None else None,
             idle=tuple(int(r) for r in idle),
