@@ -175,7 +175,7 @@ def _bandwidth(rank: int, world: int) -> float | None:
 
 
 def test_link_bandwidth_is_measured_once_and_agreed_by_every_rank() -> None:
-    # Three ranks, two links: each pair plays ping-pong in turn, and every rank returns
+    # Three ranks, two links: each pair sends its bursts in turn, and every rank returns
     # the same median (one all-reduce hands out the pairs' times).
     res = run_ranks(_bandwidth, 3, timeout_s=120)
     assert all(r["ok"] for r in res), res
