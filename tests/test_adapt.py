@@ -210,12 +210,21 @@ def test_a_gpu_stage_costs_its_device_sum_or_its_host_sum_not_each_layers_longer
     assert other.fwd_ms[0] == pytest.approx(max(dev[:3].sum(), host[:3].sum()))
     assert other.fwd_ms[1] == pytest.approx(max(dev[3:].sum(), host[3:].sum()))
     assert other.bwd_ms[1] == pytest.approx(2 * max(dev[3:].sum(), host[3:].sum()))
+    # A host that waits for its device (a full launch queue, a slowed neighbour) reads long
+    # issue times: they are not the layer's, and neither the host sums nor the layers'
+    # costs take them.
+    est.update(dataclasses.replace(w, step=9, host_fwd_ms=3 * host, host_bwd_ms=6 * host))
+    assert np.allclose(est.host_f, host) and np.allclose(est.host_b, 2 * host)
+    fwd, _ = est.costs(EVEN, (0, 1))
+    assert np.allclose(fwd[0, :5], dev[:5]) and np.allclose(fwd[1, 5:], dev[5:])
     # Without the host's and the device's own times (CPU, older logs) nothing changes.
     est_cpu = CostEstimates(
         prior_fwd=np.ones(L), prior_bwd=2 * np.ones(L), classes=np.arange(L), num_ranks=2,
         window=8, jump=0.1,
     )  # fmt: skip
-    bare = dataclasses.replace(w, host_fwd_ms=None, host_bwd_ms=None, device_fwd_ms=None)
+    bare = dataclasses.replace(
+        w, host_fwd_ms=None, host_bwd_ms=None, device_fwd_ms=None, device_bwd_ms=None
+    )
     est_cpu.update(bare)
     assert not est_cpu.has_host
     assert planner_costs(_base(), est_cpu, bare).host_fwd_ms is None

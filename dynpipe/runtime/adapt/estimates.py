@@ -20,15 +20,15 @@ Only ratios of clean costs matter for a device's slowdown, so a bias common to a
 cancels. A stage also costs something beyond its layers (input casts, the loss): measured as
 the stage timer minus its layers on the sampled step, kept per device.
 
-On a GPU a layer's cost is the longer of its device time and its host's time to issue it,
-and summing those longer times over a stage overstates it: the host issues one layer while
-the device still runs earlier ones, so a stage is bound by the sum of its device times or
-by the sum of its host times, whichever is longer (``CostModel.host_fwd_ms``). For the
-planner the estimates therefore also keep, per layer, the host's issue time (the same on
-every device: hosts are alike and a GPU interferer does not slow them) and the share of the
-layer's cost that is the device's own, and per device the stage's overhead beyond its
-layers' device times (``stage_model``). The rest (slowdowns, changes of conditions) stays on
-the layers' costs.
+On a GPU a layer's cost here is its device's time (the events around it), not the longer
+of that and its host's time to issue it. The host's time is not a property of the device:
+it grows wherever the host waits for the device (a launch queue full of kernels, a stage
+waiting for a slowed neighbour), and on 2 x H200 the first stage of gpt's 8|6 split read
+30 ms of host time for 20 ms of device time while the second stage was slowed, so costs that
+took the longer time priced every layer moved there 50% high. A stage is bound by the sum of
+its layers' device times or by the sum of their host issue times, whichever is longer
+(``CostModel.host_fwd_ms``): the estimates keep, per layer, the least host time it has
+taken on any device (waiting only ever adds to it, and hosts are alike) for that second sum.
 """
 
 from __future__ import annotations
@@ -78,16 +78,10 @@ class CostEstimates:
         self.over_b = np.zeros(num_ranks)
         self.clean_of = np.zeros(num_ranks)
         self.clean_ob = np.zeros(num_ranks)
-        # GPU (see the module docstring): per layer the host's issue time (NaN until
-        # measured) and the device's share of its cost; per rank the stage's overhead
-        # beyond its layers' device times.
+        # GPU (see the module docstring): per layer the least host time it took to issue
+        # (NaN until measured).
         self.host_f = np.full(n, np.nan)
         self.host_b = np.full(n, np.nan)
-        self.dev_f = np.ones(n)
-        self.dev_b = np.ones(n)
-        self.dover_f = np.zeros(num_ranks)
-        self.dover_b = np.zeros(num_ranks)
-        self._host_n = np.zeros(n)
         # Per rank: how much slower than clean its layers run (what a layer moved there
         # would cost more), and its stage's whole time per microbatch over clean.
         self.slow = np.ones(num_ranks)
@@ -134,7 +128,10 @@ class CostEstimates:
         for s, ((a, b), r) in enumerate(zip(w.bounds, w.ranks, strict=True)):
             for phase, med, out, over in (("fwd", med_f, mf, of), ("bwd", med_b, mb, ob)):
                 total = float(med[s]) / m
-                layers = getattr(w, f"layer_{phase}_ms")
+                # On a GPU the device's own times (see the module docstring).
+                layers = getattr(w, f"device_{phase}_ms")
+                if layers is None:
+                    layers = getattr(w, f"layer_{phase}_ms")
                 sampled = getattr(w, f"sampled_{phase}_ms")
                 seg = None if layers is None else layers[a:b]
                 if seg is not None and np.isfinite(seg).all() and sampled is not None:
@@ -287,39 +284,12 @@ class CostEstimates:
         self._regime_loads[self.regime] = (total + self.load, count + 1)
 
     def _fold_host(self, w: Window) -> None:
-        """Fold the window's host and device-alone times into the stage model (GPU windows
-        only): running means over up to ``window`` windows, like the layers' costs."""
-        if w.host_fwd_ms is None or w.device_fwd_ms is None or w.layer_fwd_ms is None:
-            return
-        if w.sampled_fwd_ms is None or w.sampled_bwd_ms is None:
-            return
-        med_f, med_b = w.stage_medians()
-        m = max(w.microbatches, 1)
-        for s, ((a, b), r) in enumerate(zip(w.bounds, w.ranks, strict=True)):
-            parts = (
-                ("f", w.layer_fwd_ms, w.host_fwd_ms, w.device_fwd_ms, w.sampled_fwd_ms, med_f),
-                ("b", w.layer_bwd_ms, w.host_bwd_ms, w.device_bwd_ms, w.sampled_bwd_ms, med_b),
-            )
-            for ph, cost, host, dev, sampled, med in parts:
-                if cost is None or host is None or dev is None:
-                    continue
-                c, h, d = cost[a:b], host[a:b], dev[a:b]
-                stage = float(sampled[s])
-                if not (np.isfinite(c).all() and np.isfinite(h).all() and np.isfinite(d).all()):
-                    continue
-                if not (np.isfinite(stage) and stage > 0):
-                    continue
-                k = 1.0 / np.minimum(self._host_n[a:b] + 1, self.window)
-                run_h, share = getattr(self, f"host_{ph}"), getattr(self, f"dev_{ph}")
-                run_h[a:b] = np.where(np.isfinite(run_h[a:b]), run_h[a:b] + k * (h - run_h[a:b]), h)
-                frac = np.clip(d / np.maximum(c, 1e-12), 0.0, 1.0)
-                share[a:b] += k * (frac - share[a:b])
-                # The stage's overhead beyond its layers' device times, scaled like the
-                # layers' costs (``_measure``) from the sampled step to the window's median.
-                over = max(0.0, stage - float(d.sum())) * float(med[s]) / m / stage
-                dover = getattr(self, f"dover_{ph}")
-                dover[r] += float(k.min()) * (over - dover[r])
-            self._host_n[a:b] += 1
+        """Fold the window's host issue times in (GPU windows only): the least seen."""
+        for host, run in ((w.host_fwd_ms, self.host_f), (w.host_bwd_ms, self.host_b)):
+            if host is None:
+                continue
+            seen = np.isfinite(host)
+            run[seen] = np.fmin(run[seen], host[seen])
 
     @property
     def has_host(self) -> bool:
@@ -330,24 +300,17 @@ class CostEstimates:
         self, fwd: np.ndarray, bwd: np.ndarray, ranks: tuple[int, ...]
     ) -> dict[str, np.ndarray]:
         """``CostModel`` fields for stages on ``ranks`` (in that order) from per-layer costs
-        ``fwd``/``bwd`` ``[R, L]`` (``costs``): as they are, with the stage overheads, or,
-        where the host's issue times were measured, the layers' device times, the overheads
-        beyond them and the host's times, so that a stage costs the longer of its device's
-        and its host's sum. A layer whose host time was never measured adds none."""
+        ``fwd``/``bwd`` ``[R, L]`` (``costs``): those rows and the stage overheads, and where
+        the host's issue times were measured, those too, so that a stage costs the longer of
+        its device's sum and its host's. A layer whose host time was never measured adds
+        none."""
         idx = list(ranks)
-        if not self.has_host:
-            of, ob = self.overheads(ranks)
-            return {"fwd_ms": fwd[idx], "bwd_ms": bwd[idx], "stage_fwd_ms": of, "stage_bwd_ms": ob}
-        hf = np.repeat(np.nan_to_num(self.host_f, nan=0.0)[None], len(idx), axis=0)
-        hb = np.repeat(np.nan_to_num(self.host_b, nan=0.0)[None], len(idx), axis=0)
-        return {
-            "fwd_ms": fwd[idx] * self.dev_f[None],
-            "bwd_ms": bwd[idx] * self.dev_b[None],
-            "stage_fwd_ms": self.dover_f[idx].copy(),
-            "stage_bwd_ms": self.dover_b[idx].copy(),
-            "host_fwd_ms": hf,
-            "host_bwd_ms": hb,
-        }
+        of, ob = self.overheads(ranks)
+        out = {"fwd_ms": fwd[idx], "bwd_ms": bwd[idx], "stage_fwd_ms": of, "stage_bwd_ms": ob}
+        if self.has_host:
+            out["host_fwd_ms"] = np.repeat(np.nan_to_num(self.host_f)[None], len(idx), axis=0)
+            out["host_bwd_ms"] = np.repeat(np.nan_to_num(self.host_b)[None], len(idx), axis=0)
+        return out
 
     def probe(self, probes: dict[int, tuple[int, float, float]]) -> None:
         """Fold in idle ranks' probes: ``{rank: (layer, fwd_ms, bwd_ms)}``, one microbatch of
@@ -480,7 +443,7 @@ class CostEstimates:
         keys = (
             "clean_f", "clean_b", "run_f", "run_b", "n", "owner",
             "over_f", "over_b", "clean_of", "clean_ob", "slow", "load",
-            "host_f", "host_b", "dev_f", "dev_b", "dover_f", "dover_b",
+            "host_f", "host_b",
         )  # fmt: skip
         out: dict[str, Any] = {k: _jsonable(getattr(self, k)) for k in keys}
         out["calibrated"] = self.calibrated
