@@ -1,12 +1,12 @@
-"""GPU check: what a pipeline boundary transfer really costs, against ``measure_bandwidth``.
+"""GPU check: what a pipeline boundary transfer costs, one at a time and back to back.
 
     torchrun --nproc-per-node 2 bench/links_check.py [--mbytes 51]
 
-Prints, for one message of the given size between ranks 0 and 1: the bandwidth
-``runtime/links.py`` measures before training (host-timed ping-pong, one message each
-way), one transfer timed with CUDA events on the receiving stream, and eight messages sent
-back to back (as a pipeline's forwards send them) timed the same way; and whether the two
-GPUs can reach each other's memory directly.
+For a message of the given size between ranks 0 and 1 it prints the bandwidth of a
+ping-pong (one message each way, the host waiting for the device after each: what
+``runtime/links.py`` timed before it timed bursts), of eight messages sent back to back
+each way (as a running pipeline queues its transfers), and what ``measure_bandwidth``
+returns now; and whether the two GPUs reach each other's memory directly.
 """
 
 from __future__ import annotations
@@ -23,63 +23,48 @@ from dynpipe.runtime.links import measure_bandwidth
 from dynpipe.runtime.topology import Topology
 
 
-def _p2p(buf: torch.Tensor, peer: int, send: bool) -> None:
+def _send_or_recv(bufs: list[torch.Tensor], peer: int, send: bool) -> None:
     op = dist.isend if send else dist.irecv
-    for w in dist.batch_isend_irecv([dist.P2POp(op, buf, peer)]):
+    works = [w for b in bufs for w in dist.batch_isend_irecv([dist.P2POp(op, b, peer)])]
+    for w in works:
         w.wait()
+    torch.cuda.synchronize()
+
+
+def _timed(bufs: list[torch.Tensor], rank: int, rounds: int) -> float:
+    """Median seconds per message of ``bufs`` sent 0 -> 1 then 1 -> 0."""
+    out = []
+    for i in range(rounds + 1):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for sender in (0, 1):
+            _send_or_recv(bufs, 1 - rank, send=rank == sender)
+        if i:
+            out.append((time.perf_counter() - t0) / (2 * len(bufs)))
+    return statistics.median(out)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mbytes", type=float, default=51.0)
-    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     topo = Topology.from_env(device="cuda")
     n = int(a.mbytes * 1e6) // 2
-    bw = measure_bandwidth(topo, nbytes=n * 2)
     buf = torch.ones(n, dtype=torch.bfloat16, device="cuda")
-    peer = 1 - rank
-    one, burst = [], []
-    for i in range(a.rounds + 1):
-        torch.cuda.synchronize()
-        dist.barrier()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        # Receiver posts first, then the sender sends: the transfer itself, not the
-        # rendezvous, is what the events see.
-        if rank == 1:
-            e0.record()
-            _p2p(buf, peer, send=False)
-            e1.record()
-        else:
-            time.sleep(0.01)
-            _p2p(buf, peer, send=True)
-        torch.cuda.synchronize()
-        if i and rank == 1:
-            one.append(e0.elapsed_time(e1))
-        dist.barrier()
-        t0 = time.perf_counter()
-        bufs = [buf.clone() for _ in range(8)]
-        torch.cuda.synchronize()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for b in bufs:
-            _p2p(b, peer, send=rank == 0)
-        torch.cuda.synchronize()
-        if i and rank == 1:
-            burst.append((time.perf_counter() - t0) * 1e3 / 8)
-    if rank == 1:
-        size = n * 2
+    size = n * 2
+    one = _timed([buf], rank, a.rounds)
+    burst = _timed([buf] * 8, rank, a.rounds)
+    bw = measure_bandwidth(topo, nbytes=size)
+    if rank == 0:
         print(f"message {size / 1e6:.1f} MB; peer access {torch.cuda.can_device_access_peer(0, 1)}")
-        print(f"measure_bandwidth: {bw / 1e9:.1f} GB/s -> {size / bw * 1e3:.2f} ms a message")
-        m1, mb = statistics.median(one), statistics.median(burst)
-        print(
-            f"one transfer (events, receiver posted first): {m1:.2f} ms, {size / m1 / 1e6:.1f} GB/s"
-        )
-        print(f"eight back to back (host, per message): {mb:.2f} ms, {size / mb / 1e6:.1f} GB/s")
-        print(f"NCCL {torch.cuda.nccl.version()}")
+        print(f"ping-pong: {one * 1e3:.2f} ms a message, {size / one / 1e9:.1f} GB/s")
+        print(f"eight back to back: {burst * 1e3:.2f} ms a message, {size / burst / 1e9:.1f} GB/s")
+        print(f"measure_bandwidth: {bw / 1e9:.1f} GB/s; NCCL {torch.cuda.nccl.version()}")
     dist.destroy_process_group()
 
 
