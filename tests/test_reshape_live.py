@@ -164,9 +164,17 @@ def test_policy_state_after_a_reshape_round_trips() -> None:
     )
     again.load_state(policy.state())
     assert again.state() == policy.state()
+    # A state saved before a reshape (the restart baseline's checkpoint) loads into the
+    # new shape's policy and is carried over, measurements included.
     other = ReplicaPolicy(base=BASE, config=policy.config, num_stages=2, dp=2)
-    with pytest.raises(ValueError, match="4 x 1"):
-        other.load_state(policy.state())
+    other.load_state(policy.state())
+    assert (other.dp, other.num_stages, len(other.est)) == (2, 2, 2)
+    assert len(other.memory.entries) == len(policy.memory.entries)
+    assert {c.shape for c, _, _ in other.memory.entries} == {(2, 2), (4, 1)}
+    np.testing.assert_array_equal(other.est[1].clean_f, policy.est[0].clean_f)
+    wrong = ReplicaPolicy(base=BASE, config=policy.config, num_stages=3, dp=2)
+    with pytest.raises(ValueError, match="4 x 1 ranks"):
+        wrong.load_state(policy.state())
 
 
 # ---- live, on gloo processes ------------------------------------------------------------

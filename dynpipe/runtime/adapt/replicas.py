@@ -716,12 +716,18 @@ class ReplicaPolicy:
     def load_state(self, state: dict[str, Any]) -> None:
         if not state:
             return
-        shape = tuple(state.get("shape") or (self.dp, self.num_stages))
-        if shape != (self.dp, self.num_stages):
+        target = (self.dp, self.num_stages)
+        shape = tuple(int(x) for x in state.get("shape") or target)
+        if shape[0] * shape[1] != self.world:
             raise ValueError(
-                f"policy state of {shape[0]} x {shape[1]} for a policy of "
+                f"policy state of {shape[0]} x {shape[1]} ranks for a policy of "
                 f"{self.dp} x {self.num_stages}"
             )
+        if shape != target:
+            # Saved before a reshape this policy asked for (the restart baseline's
+            # checkpoint): loaded in its shape, then carried to the new one.
+            self.dp, self.num_stages = shape
+            self.est = [self._estimates(shape[1]) for _ in range(shape[0])]
         self._stale = int(state.get("stale", 0))
         for e, s in zip(self.est, state.get("estimates", []), strict=False):
             e.load_state(s)
@@ -741,3 +747,5 @@ class ReplicaPolicy:
         self._misses = [float(x) for x in state.get("misses", [])]
         self._left_out = int(state.get("left_out", 0))
         self._shortfalls = [float(x) for x in state.get("shortfalls", [])]
+        if shape != target:
+            self._reshaped(*target)
