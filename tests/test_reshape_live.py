@@ -420,3 +420,30 @@ def test_a_checkpoint_after_a_live_reshape_resumes_in_the_new_shape(tmp_path) ->
     _close(first_o, want_o, "optimizer state")
     for got in res:
         torch.testing.assert_close(got["value"]["losses"], want_l[4:], **TOL)
+
+
+# ---- bad input: one line, before any worker starts ------------------------------------
+
+_MLP = ["--model-arg", "depth=4", "--model-arg", "width=16"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["--nproc", "4", "--adapt", "measured", "--reshape"], ["1 x 4", "--dp 2 or more"]),
+        (
+            ["--nproc", "4", "--dp", "2", "--adapt", "static", "--reshape"],
+            ["2 x 2 with --adapt static", "drop --reshape"],
+        ),
+    ],
+)
+def test_bad_reshape_input_is_one_line(capsys, args: list[str], needles: list[str]) -> None:
+    from dynpipe.cli import main
+
+    rc = main(["train", *_MLP, *args])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, lines
+    for n in needles:
+        assert n in lines[0], lines[0]

@@ -618,6 +618,8 @@ def train(
     # The mesh of the run's replicas (collective); every plan of the run keeps its dp,
     # unless --autodp or --reshape may change it: then every shape's mesh is made now.
     meshes = init_meshes(topo) if cfg.autodp or cfg.adapt.reshape else None
+    if meshes is not None and cfg.adapt.reshape:
+        _warm_groups(meshes, topo=topo)
     mesh = meshes[plan.dp] if meshes is not None else init_mesh(topo, dp=plan.dp)
     engine, start, meta, skipped = _open(cfg, model, plan, topo, mesh=mesh, meshes=meshes)
     plan, mesh = engine.plan, engine.mesh
@@ -905,6 +907,19 @@ def train(
         "plan": engine.plan,
         "log": str(log.path) if log else None,
     }
+
+
+def _warm_groups(meshes: dict[int, Mesh], *, topo: Topology) -> None:
+    """One tiny all-reduce over each of this rank's groups in every shape (collective: every
+    rank walks the shapes in the same order). A backend sets a group's communicator up on
+    its first use (NCCL: tens to hundreds of milliseconds); a policy that may reshape
+    (--reshape) would otherwise pay it inside a reshape's pause, which it learns from."""
+    t = torch.zeros(1, device=topo.device)
+    for dp in sorted(meshes):
+        mesh = meshes[dp]
+        for group in (mesh.dp_group, mesh.pp_group):
+            if group is not None:
+                dist.all_reduce(t, group=group)
 
 
 def _autodp(
