@@ -36,9 +36,10 @@ CF, CB = _B.fwd_ms[0] * 1e3, _B.bwd_ms[0] * 1e3
 BASE = dataclasses.replace(_B, fwd_ms=CF[None], bwd_ms=CB[None])
 
 
-def _window(step: int, cfg: ReplicaConfig, slow, *, k: int = 5) -> Window:
+def _window(step: int, cfg: ReplicaConfig, slow, *, k: int = 5, extra: float = 1.0) -> Window:
     """What a run of ``cfg`` measures (GPipe) when global rank ``g``'s device runs
-    ``slow[g]`` times slower (rank ``r pp + s`` is stage ``s`` of replica ``r``)."""
+    ``slow[g]`` times slower (rank ``r pp + s`` is stage ``s`` of replica ``r``); ``extra``:
+    the job's step beyond its slowest replica's (what no per-layer model sees)."""
     dp, pp = cfg.shape
     subs, pipes = [], []
     for r, m in enumerate(cfg.shares):
@@ -67,7 +68,7 @@ def _window(step: int, cfg: ReplicaConfig, slow, *, k: int = 5) -> Window:
                 sampled_bwd_ms=sb,
             )
         )
-    job = max(pipes) * 1.02  # the all-reduce and the optimizer
+    job = max(pipes) * 1.02 * extra  # the all-reduce and the optimizer
     return dataclasses.replace(
         subs[0],
         step_ms=np.full(k, job),
@@ -78,11 +79,20 @@ def _window(step: int, cfg: ReplicaConfig, slow, *, k: int = 5) -> Window:
     )
 
 
-def _drive(slowdowns, *, start: ReplicaConfig, windows: int, reshape: bool = True):
+def _drive(
+    slowdowns,
+    *,
+    start: ReplicaConfig,
+    windows: int,
+    reshape: bool = True,
+    base: CostModel = BASE,
+    extra=lambda c: 1.0,
+):
     """The policy over ``windows`` windows of a 4-rank job; ``slowdowns(w)``: per global
-    rank. Returns the configuration held in each window and the windows that moved."""
+    rank; ``extra(cfg)``: the unmodelled part of a configuration's step. Returns the
+    configuration held in each window, the windows that moved, and the policy."""
     policy = ReplicaPolicy(
-        base=BASE,
+        base=base,
         config=AdaptConfig(mode="measured", settle_windows=0, horizon_steps=50, reshape=reshape),
         num_stages=start.shape[1],
         dp=start.shape[0],
@@ -90,7 +100,7 @@ def _drive(slowdowns, *, start: ReplicaConfig, windows: int, reshape: bool = Tru
     cfg, held, moves = start, [], []
     for w in range(windows):
         held.append(cfg)
-        d = policy.observe(_window(w * 5 + 4, cfg, slowdowns(w)))
+        d = policy.observe(_window(w * 5 + 4, cfg, slowdowns(w), extra=extra(cfg)))
         if d is not None and d.repartition:
             moves.append((w, d))
             cfg = ReplicaConfig(bounds=d.bounds, shares=d.shares, dropped=d.dropped)
@@ -154,6 +164,30 @@ def test_a_slow_device_in_dp_only_moves_to_a_shape_that_shields_it() -> None:
     assert held[-1].shape == (2, 2), [(w, d.reason) for w, d in moves]
     # Rank 1 is stage 1 of replica 0 in 2 x 2.
     assert _shielded(held[-1], replica=0), held[-1]
+
+
+def test_a_reshape_that_does_not_pay_back_its_copies_is_not_taken() -> None:
+    # Links of 1 MB/s: the copies of half the model to each rank take longer than the
+    # horizon's gain.
+    slow_link = dataclasses.replace(BASE, meta={**BASE.meta, "link_bandwidth": 1e6})
+    held, moves, policy = _drive(lambda w: [1.0] * 4, start=TWO_BY_TWO, windows=6, base=slow_link)
+    assert {c.shape for c in held} == {(2, 2)} and not moves
+    assert policy.memory.entries  # it did judge the windows
+
+
+def test_a_shape_measured_slower_than_predicted_is_left_and_not_tried_again() -> None:
+    # DP only steps 40% slower than any per-layer model says (say, a slow all-reduce):
+    # the model moves there once, the measurement brings the run back and keeps it there.
+    held, moves, _ = _drive(
+        lambda w: [1.0] * 4,
+        start=TWO_BY_TWO,
+        windows=16,
+        extra=lambda c: 1.4 if c.shape == (4, 1) else 1.0,
+    )
+    shapes = [c.shape for c in held]
+    assert shapes.count((4, 1)) <= 2 and shapes[-6:] == [(2, 2)] * 6, shapes
+    assert len(moves) == 2, [(w, d.reason) for w, d in moves]
+    assert "measured" in moves[1][1].reason, moves[1][1].reason
 
 
 def test_policy_state_after_a_reshape_round_trips() -> None:
