@@ -2,7 +2,9 @@
 
 Reads the raw logs ``bench/gpu_dp_pp.sh`` wrote into OUTDIR (``<model>-<system>.jsonl`` and
 its ``meta.json``) and prints, per model and phase (clean, interference, after), every
-system's mean wall-clock time per step and its ratio to the oracle: the fastest of the
+system's mean wall-clock time per step and its ratio to the oracle (``adaptive-dp4``: the
+adaptive policy started as DP only; the live policies may change shape, ``--reshape``, and
+their moves column lists reshapes as ``step:DPxPP split``): the fastest of the
 static shapes run under the same conditions (``dp4``: data parallelism alone, ``pp4``: one
 4-stage pipeline, ``static``: 2 x 2 with the even split) and of every 2 x 2 split the
 ``sweep`` run held (its clean pass for the clean and after phases, its second pass, under
@@ -26,7 +28,7 @@ import numpy as np
 from dynpipe.runtime.records import read_log
 
 STATIC = ("dp4", "pp4", "static")
-SYSTEMS = ("dp4", "pp4", "static", "measured", "adaptive", "partial")
+SYSTEMS = ("dp4", "pp4", "static", "measured", "adaptive", "adaptive-dp4", "partial")
 
 
 def _steps(path: Path) -> tuple[dict[int, Any], list[Any], Any]:
@@ -62,12 +64,16 @@ def _sweep(path: Path, onset: int, warmup: int, every: int) -> dict[str, dict[st
 
 
 def _moves(events: list[Any], a: int, b: int) -> str:
+    """The moves in steps ``[a, b)``: ``step:split/shares``, a reshape's with its new shape
+    (``step:4x1 16``)."""
     parts = []
     for e in events:
-        if e.event in ("repartition", "reshare") and a <= (e.step or 0) < b:
+        if e.event in ("repartition", "reshare", "reshape") and a <= (e.step or 0) < b:
             new = e["new_plan"]
             split = "|".join(str(st["stop"] - st["start"]) for st in new["stages"])
             shares = new.get("shares")
+            if e.event == "reshape":
+                split = f"{new.get('dp', 1)}x{len(new['stages'])} {split}"
             parts.append(f"{e.step}:{split}" + (f"/{'-'.join(map(str, shares))}" if shares else ""))
     return " ".join(parts)
 

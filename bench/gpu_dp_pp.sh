@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # Data x pipeline parallelism on one 4-GPU host: the same 4 GPUs as DP only (4 x 1), one
 # 4-stage pipeline (1 x 4, even split), and 2 replicas x 2 stages (even split and shares)
-# static, measured and adaptive, with a
-# real 'gemm' interferer on GPU 3 (rank 3: replica 1's second stage in 2 x 2) from step 30
-# to 60 (recipes/scenarios/gpu-gemm-rank3.toml); then a sweep run that holds every 2 x 2
-# split in turn, clean and then under the interferer: the oracle is the fastest static
-# shape or split of each phase (bench/dp_pp_table.py prints the table from the raw logs).
+# static, with a real 'gemm' interferer on GPU 3 (rank 3: replica 1's second stage in
+# 2 x 2) from step 30 to 60 (recipes/scenarios/gpu-gemm-rank3.toml); the live policies with
+# --reshape, free to change the shape between 2 x 2 and 4 x 1 as well as shares and splits:
+# adaptive and measured started as 2 x 2, adaptive started as DP only (adaptive-dp4); then a
+# sweep run that holds every 2 x 2 split in turn, clean and then under the interferer: the
+# oracle is the fastest static shape or split of each phase (bench/dp_pp_table.py prints
+# the table from the raw logs).
 #   bench/gpu_dp_pp.sh OUTDIR
 # Models: vgg16 224x224 at batch 256 and gpt of width 2048 (12 blocks, 1024 tokens) at
 # batch 32; every shape runs microbatches of the same size (32 images, 4 sequences): 2 per
 # replica for 4 x 1, 4 for 2 x 2, 8 for 1 x 4. Four batches are kept on the GPUs
 # (--device-batches 4), so the GPUs, not the loader, are measured.
 # The whole script stops within BUDGET seconds (default 450; runs are ordered so the core
-# comparison comes first and a run that would not fit is skipped, and said so); every run
-# is also bounded by RUN_TIMEOUT (default 150). Logs, outputs and the table are packed into
+# comparison comes first - DP only, 2 x 2 static and adaptive of each model, then
+# adaptive-dp4 of each - and a run that would not fit is skipped, and said so); every run
+# is also bounded by RUN_TIMEOUT (default 150). RESHAPE=0 runs the live policies without
+# --reshape. Logs, outputs and the table are packed into
 # OUTDIR/dp-pp-logs.tgz on exit, whatever happened.
 # DEVICE=cpu checks the script end to end on a CPU machine (a small mlp, an emulated 3x
 # slowdown of rank 3: recipes/scenarios/emulate-3x-rank3.toml). MODELS overrides the models
@@ -92,12 +96,13 @@ declare -A MB=([4x1]=2 [2x2]=4 [1x4]=8)
 declare -A SWEEP_ONSET
 python3 - "$O" "$STEPS" "$ONSET" "$END" "$WARMUP" "$EVERY" "$DEVICE" "$SCENARIO" $MODELS <<'PY'
 import json, subprocess, sys
+import os
 o, steps, onset, end, warm, every, device, scenario, *models = sys.argv[1:]
 rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-import os
 json.dump({"steps": int(steps), "onset": int(onset), "end": int(end), "warmup": int(warm),
            "monitor_every": int(every), "device": device, "scenario": scenario,
            "models": models, "sweep_onset": {},
+           "reshape": os.environ.get("RESHAPE", "1") != "0",
            "revision": os.environ.get("DYNPIPE_REVISION") or rev.stdout.strip() or None},
           open(f"{o}/meta.json", "w"), indent=1)
 PY
@@ -128,22 +133,31 @@ run() {  # model, name, shape, extra args...
     --log "$O/$m-$name.jsonl" "$@" > "$O/$m-$name.out" 2>&1
   echo "$m-$name: exit $? in $(( $(date +%s) - t0 ))s (limit ${limit}s)"
 }
+# The live policies may change the dp x pp shape (2 x 2 <-> 4 x 1) unless RESHAPE=0.
+LIVE=(); [ "${RESHAPE:-1}" != 0 ] && LIVE=(--reshape)
+P=(); [ -n "${PREDICTOR:-}" ] && P=(--predictor "$PREDICTOR")
 core() {  # model: the comparison the benchmark is for
   local m=$1
-  run "$m" static 2x2 --adapt static --steps "$STEPS" --scenario "$SCENARIO"
-  local p=(); [ -n "${PREDICTOR:-}" ] && p=(--predictor "$PREDICTOR")
-  run "$m" adaptive 2x2 --adapt adaptive "${p[@]}" --steps "$STEPS" --scenario "$SCENARIO"
   run "$m" dp4 4x1 --adapt static --steps "$STEPS" --scenario "$SCENARIO"
-  run "$m" sweep 2x2 --adapt sweep --sweep-windows "$SWEEP_WINDOWS" \
-    --steps $(( 2 * ${SWEEP_ONSET[$m]} )) --scenario "$O/$m-sweep-scenario.toml"
+  run "$m" static 2x2 --adapt static --steps "$STEPS" --scenario "$SCENARIO"
+  run "$m" adaptive 2x2 --adapt adaptive "${P[@]}" "${LIVE[@]}" --steps "$STEPS" \
+    --scenario "$SCENARIO"
+}
+core2() {  # model: the adaptive policy started as DP only
+  local m=$1
+  run "$m" adaptive-dp4 4x1 --adapt adaptive "${P[@]}" "${LIVE[@]}" --steps "$STEPS" \
+    --scenario "$SCENARIO"
 }
 rest() {
   local m=$1
-  run "$m" measured 2x2 --adapt measured --steps "$STEPS" --scenario "$SCENARIO"
+  run "$m" measured 2x2 --adapt measured "${LIVE[@]}" --steps "$STEPS" --scenario "$SCENARIO"
+  run "$m" sweep 2x2 --adapt sweep --sweep-windows "$SWEEP_WINDOWS" \
+    --steps $(( 2 * ${SWEEP_ONSET[$m]} )) --scenario "$O/$m-sweep-scenario.toml"
   run "$m" pp4 1x4 --adapt static --steps "$STEPS" --scenario "$SCENARIO"
   if [ -n "${PARTIAL:-}" ]; then
     run "$m" partial 2x2 --adapt adaptive --partial-reduce --steps "$STEPS" --scenario "$SCENARIO"
   fi
 }
 for m in $MODELS; do core "$m"; done
+for m in $MODELS; do core2 "$m"; done
 for m in $MODELS; do rest "$m"; done

@@ -29,7 +29,9 @@ faster, and if so changes shape live, between two steps:
   replicas exactly as with ``--dp``: the update is single-process accumulation of the same
   microbatches, summed per replica and then across replicas.
 
-Growing back (fewer replicas) is not done for speed: frozen layers never thaw. A release
+Growing back (fewer replicas) is not done for speed here: frozen layers never thaw. (The
+replica policy's ``--reshape`` changes shape for speed in both directions, through the same
+``apply``.) A release
 request while replicated takes the run back to one pipeline over the other ranks
 (``to_one_pipeline``), through the same copies.
 """
@@ -425,6 +427,8 @@ class AutoDP:
         self.min_gain, self.horizon_steps = min_gain, horizon_steps
         self.pause_ms: float | None = None  # the last measured migration pause
         self.verdicts: list[ShapeVerdict] = []
+        # The last reshape's pause (the slowest rank's) and bytes copied (``apply``).
+        self.last_pause_ms, self.last_bytes = 0.0, 0
 
     def measured(self, pause_ms: float) -> None:
         """A migration of this run (a freeze's, a reshape) paused this long."""
@@ -574,6 +578,7 @@ class AutoDP:
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the job waits for the last rank
         pause_ms = float(slowest.item())
         self.measured(pause_ms)
+        self.last_pause_ms, self.last_bytes = pause_ms, int(sent.item())
         if self.log is not None:
             self.log.event(
                 "reshape",

@@ -125,6 +125,12 @@ def resolve_plan(cfg: TrainConfig, model: LayeredModel, world_size: int) -> Plan
     from dynpipe.runtime.engine import check_batch
 
     check_batch(plan, cfg.batch_size)
+    if cfg.adapt.reshape and (plan.dp < 2 or cfg.adapt.mode not in _RESHAPING):
+        raise UserError(
+            f"--reshape lets the replica policy change a replicated run's shape; this run is "
+            f"{plan.dp} x {plan.num_stages} with --adapt {cfg.adapt.mode}: use --dp 2 or more "
+            f"with --adapt {' or '.join(_RESHAPING)}, or drop --reshape"
+        )
     if cfg.autodp:
         from dynpipe.runtime.autodp import check_autodp
 
@@ -136,6 +142,10 @@ def resolve_plan(cfg: TrainConfig, model: LayeredModel, world_size: int) -> Plan
             num_layers=len(model),
         )
     return plan
+
+
+# The modes whose replica policy may change the data x pipeline shape (--reshape).
+_RESHAPING = ("measured", "adaptive", "restart")
 
 
 @dataclass
@@ -615,8 +625,10 @@ def train(
     plan = resolve_plan(cfg, model, topo.world_size)
     ckpt = _checkpointer(cfg, topo)
     # The mesh of the run's replicas (collective); every plan of the run keeps its dp,
-    # unless --autodp may change it: then every shape's mesh is made now.
-    meshes = init_meshes(topo) if cfg.autodp else None
+    # unless --autodp or --reshape may change it: then every shape's mesh is made now.
+    meshes = init_meshes(topo) if cfg.autodp or cfg.adapt.reshape else None
+    if meshes is not None and cfg.adapt.reshape:
+        _warm_groups(meshes, topo=topo)
     mesh = meshes[plan.dp] if meshes is not None else init_mesh(topo, dp=plan.dp)
     engine, start, meta, skipped = _open(cfg, model, plan, topo, mesh=mesh, meshes=meshes)
     plan, mesh = engine.plan, engine.mesh
@@ -730,6 +742,17 @@ def train(
     autodp = None
     if cfg.autodp and meshes is not None:
         autodp = _autodp(cfg, model, meshes=meshes, microbatch_size=mb, link_bw=link_bw, log=log)
+    if cfg.adapt.reshape and meshes is not None and adapter is not None:
+        # The policy's shape moves go through --autodp's reshape (copies, vote, rebuild).
+        shaper = autodp or _autodp(
+            cfg, model, meshes=meshes, microbatch_size=mb, link_bw=link_bw, log=log
+        )
+
+        def reshape_live(new: Plan, first: int, reason: str, decide_ms: float) -> tuple[float, int]:
+            shaper.apply(engine, new, step=first, beat=beat, reason=reason, decide_ms=decide_ms)
+            return shaper.last_pause_ms, shaper.last_bytes
+
+        adapter.reshape = reshape_live
     evaluator = _evaluator(cfg, model, topo)
     runner = _scenario_runner(cfg, engine=engine, topo=topo, targets=initial_plan.ranks)
     sampler = _sampler(cfg, topo)
@@ -893,6 +916,19 @@ def train(
         "plan": engine.plan,
         "log": str(log.path) if log else None,
     }
+
+
+def _warm_groups(meshes: dict[int, Mesh], *, topo: Topology) -> None:
+    """One tiny all-reduce over each of this rank's groups in every shape (collective: every
+    rank walks the shapes in the same order). A backend sets a group's communicator up on
+    its first use (NCCL: tens to hundreds of milliseconds); a policy that may reshape
+    (--reshape) would otherwise pay it inside a reshape's pause, which it learns from."""
+    t = torch.zeros(1, device=topo.device)
+    for dp in sorted(meshes):
+        mesh = meshes[dp]
+        for group in (mesh.dp_group, mesh.pp_group):
+            if group is not None:
+                dist.all_reduce(t, group=group)
 
 
 def _autodp(

@@ -25,6 +25,14 @@ says so on its standard error.
 
 With replicas no rank can go idle: a release request is carried out by ``unreplicate``
 (``--autodp``: back to one pipeline over the other ranks), or refused in one line.
+
+With replicas a decision may also change the data x pipeline shape (``--reshape``): its
+shares name the new replica count, its bounds the new stages. Such a decision travels in a
+message of its own (``_agree_shape``, sized for any shape of the world) and is carried out
+by ``reshape``, the training loop's live reshape (``migrate.reshape`` through
+``AutoDP.apply``: copies, checksums, the vote, each rank rebuilt at its place in the new
+shape's mesh, logged as ``reshape``); the policy stays the same object and takes up the new
+shape from the next window.
 """
 
 from __future__ import annotations
@@ -50,11 +58,14 @@ from dynpipe.runtime.health import Heartbeat
 from dynpipe.runtime.runlog import RunLog
 from dynpipe.runtime.topology import Topology
 
-__all__ = ["Adapter", "RestartHook"]
+__all__ = ["Adapter", "ReshapeHook", "RestartHook"]
 
 # (adapter, new plan, first step under it, decide ms) -> never returns: the training loop's
 # checkpoint-and-exit for the restart baseline.
 RestartHook = Callable[["Adapter", Plan, int, float], NoReturn]
+# (new plan of another shape, first step under it, reason, decide ms) -> (pause ms, bytes
+# copied): the training loop's live reshape.
+ReshapeHook = Callable[[Plan, int, str, float], tuple[float, int]]
 
 
 @dataclasses.dataclass
@@ -102,6 +113,8 @@ class Adapter:
         # (released ranks, first step) -> whether the run left its replicas for one
         # pipeline without them (--autodp); None: requests while replicated are refused.
         self.unreplicate: Callable[[frozenset[int], int], bool] | None = None
+        # The live reshape a replicated run's policy may ask for (None: shape moves vetoed).
+        self.reshape: ReshapeHook | None = None
         self._refused: frozenset[int] = frozenset()
         self._pending: _Pending | None = None
         warm_ms = None
@@ -175,9 +188,18 @@ class Adapter:
                 repartition=False,
                 bounds=None,
                 reason=f"{decision.reason}; not taken: it uses released ranks "
-                f"{sorted(self.released)} or moves frozen layers off the first stage",
+                f"{sorted(self.released)}, moves frozen layers off the first stage, or "
+                "changes the shape of a run without a live reshape",
             )
-        agreed = self._agree(decision if decision.repartition else None)
+        shape = None
+        if self.reshape is not None and self.engine.plan.dp > 1:
+            # Every window, on every rank: whether the deciding rank asks for another shape.
+            moving = decision.repartition and self._reshapes(decision)
+            shape = self._agree_shape(decision if moving else None)
+        agreed = None
+        if shape is None:
+            ordinary = decision.repartition and not self._reshapes(decision)
+            agreed = self._agree(decision if ordinary else None)
         agree_ms = (time.perf_counter() - t0) * 1e3
         if self.log is not None:
             if decision.judged is not None:
@@ -200,7 +222,81 @@ class Adapter:
                 before_move()
             new_plan = self._plan(*agreed, decided_at=window.step + 1)
             self._apply(new_plan, window, first=first, exposed_ms=agree_ms, decide_ms=p.policy_ms)
+        if shape is not None:
+            if before_move is not None:
+                before_move()
+            new_plan = self._shape_plan(*shape, decided_at=window.step + 1)
+            self._apply_shape(
+                new_plan, window, first=first, exposed_ms=agree_ms, reason=decision.reason
+            )
         return decision
+
+    def _reshapes(self, decision: Decision) -> bool:
+        """A replicated run's decision for another data x pipeline shape."""
+        cur = self.engine.plan
+        if cur.dp == 1:
+            return False
+        other_dp = decision.shares is not None and len(decision.shares) != cur.dp
+        other_pp = decision.bounds is not None and len(decision.bounds) != cur.num_stages
+        return other_dp or other_pp
+
+    def _agree_shape(self, decision: Decision | None) -> tuple[int, Bounds, tuple[int, ...]] | None:
+        """The deciding rank's shape move, broadcast: ``(dp, bounds, shares)`` or None. The
+        message fits any shape of the world, so every rank receives it whatever it decided."""
+        cur = self.engine.plan
+        world = self.topo.world_size
+        t = torch.zeros(3 + (world + 1) + world, dtype=torch.int64)
+        src = cur.stages[-1].rank  # as ``_agree``'s
+        if self.topo.rank == src and decision is not None:
+            assert decision.bounds is not None and decision.shares is not None
+            bounds, shares = decision.bounds, decision.shares
+            t[0], t[1], t[2] = 1, len(shares), len(bounds)
+            cuts = [a for a, _ in bounds] + [bounds[-1][1]]
+            t[3 : 3 + len(cuts)] = torch.tensor(cuts)
+            t[4 + world : 4 + world + len(shares)] = torch.tensor(list(shares))
+        t = t.to(self.topo.device)
+        dist.broadcast(t, src=src)
+        t = t.cpu()
+        if int(t[0]) == 0:
+            return None
+        dp, pp = int(t[1]), int(t[2])
+        cuts = [int(x) for x in t[3 : 4 + pp].tolist()]
+        shares = tuple(int(x) for x in t[4 + world : 4 + world + dp].tolist())
+        return dp, tuple(itertools.pairwise(cuts)), shares
+
+    def _shape_plan(
+        self, dp: int, bounds: Bounds, shares: tuple[int, ...], *, decided_at: int
+    ) -> Plan:
+        """The plan of another shape, built from the agreed move on every rank: the step's
+        microbatches unchanged, ``shares`` kept unless even."""
+        cur = self.engine.plan
+        total = cur.total_microbatches
+        plan = Plan.from_bounds(
+            self.engine.model,
+            list(bounds),
+            schedule=cur.schedule,
+            microbatches=total // dp,
+            meta={
+                **cur.meta,
+                "method": f"controller:{self.policy.mode_used}",
+                "decided_at": decided_at,
+            },
+        )
+        even = len(set(shares)) == 1
+        return dataclasses.replace(plan, dp=dp, shares=None if even else shares)
+
+    def _apply_shape(
+        self, new_plan: Plan, window: Window, *, first: int, exposed_ms: float, reason: str
+    ) -> None:
+        """Reshape to ``new_plan`` (another shape), whose first step is ``first``."""
+        if self.mode == "restart":
+            if self.restart is None:
+                raise RuntimeError("restart mode needs the training loop's restart hook")
+            self.restart(self, new_plan, first, exposed_ms)
+        assert self.reshape is not None  # vetoed otherwise
+        pause_ms, moved = self.reshape(new_plan, first, reason, exposed_ms)
+        self.policy.applied(step=first, pause_ms=pause_ms, moved_bytes=moved)
+        self._first = {"step": first, "before_ms": window.median_step_ms}
 
     def _poll(self) -> frozenset[int]:
         """The released ranks as the request rank reads them, on every rank (collective)."""
@@ -350,6 +446,8 @@ class Adapter:
     def _vetoed(self, decision: Decision) -> bool:
         """A decision that would give a released rank layers, or take frozen layers (or the
         last layer that trains after them) out of the first stage (--freeze)."""
+        if self._reshapes(decision) and (self.reshape is None or self.released):
+            return True  # no live reshape in this run, or a shape would use released ranks
         if decision.bounds is None:
             return False
         bounds = decision.bounds

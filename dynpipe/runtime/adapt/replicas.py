@@ -17,6 +17,17 @@ It considers three kinds of move:
 - **move layers of every replica together**: the best split of each replica's own cost
   model and of their element-wise worst, each with its best shares, applied by live
   migration in every replica at once.
+- **change the data x pipeline shape** (opt in, ``AdaptConfig.reshape``): another
+  ``dp' x pp'`` of the same ranks (``dp' >= 2``; DP only, ``dp' = world``, included), each
+  with its best split and best batch shares, predicted from what every device measures
+  now. A layer on a device costs what the device's current model says (measured where it
+  holds the layer, its clean cost times the device's slowdown elsewhere), so a slowed
+  device slows the replica or stage it would be in: with DP only its replica bounds the
+  step unless shares shift, in ``dp' x pp'`` it is one stage of one replica. Applied
+  between two steps by the live reshape (``migrate.reshape``: layers and optimizer state
+  copied point to point); its predicted pause adds the copies' largest per-rank bytes over
+  the link to the last measured pause. The step's microbatches (count and size) never
+  change, so every shape computes the same update.
 - **partial reduce** (opt in, ``AdaptConfig.partial_reduce``; SD-Pipe's): the slowest
   replica's share is left out of the update. That changes what training computes (the
   step trains on fewer samples), so it is compared by time per counted sample, not per
@@ -45,6 +56,7 @@ import numpy as np
 
 from dynpipe.planner.costs import CostModel
 from dynpipe.planner.dp import plan_partition
+from dynpipe.planner.evaluate import in_flight
 from dynpipe.planner.shape import reduce_tail_ms
 from dynpipe.runtime.adapt.config import AdaptConfig
 from dynpipe.runtime.adapt.estimates import CostEstimates
@@ -58,8 +70,9 @@ from dynpipe.runtime.adapt.policy import (
 )
 from dynpipe.runtime.adapt.record import Bounds
 from dynpipe.runtime.adapt.window import Window
+from dynpipe.runtime.autodp import copy_plan
 
-__all__ = ["ReplicaConfig", "ReplicaPolicy", "best_shares"]
+__all__ = ["ReplicaConfig", "ReplicaPolicy", "best_shares", "shape_options"]
 
 _MISSES = 16  # the model's misses remembered for its tracking error
 _SHORTFALLS = 4  # the last model-proposed moves whose shortfall raises the gain needed
@@ -68,7 +81,8 @@ _SHORTFALLS = 4  # the last model-proposed moves whose shortfall raises the gain
 @dataclass(frozen=True)
 class ReplicaConfig:
     """What the policy chooses among: the split every replica runs, each replica's batch
-    share (microbatches) and the replicas partial reduce leaves out."""
+    share (microbatches) and the replicas partial reduce leaves out. Its shape is
+    ``len(shares)`` replicas of ``len(bounds)`` stages."""
 
     bounds: Bounds
     shares: tuple[int, ...]
@@ -78,6 +92,10 @@ class ReplicaConfig:
         split = "|".join(str(b - a) for a, b in self.bounds)
         drop = f" drop {list(self.dropped)}" if self.dropped else ""
         return f"{split} shares {'/'.join(map(str, self.shares))}{drop}"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self.shares), len(self.bounds)
 
     @property
     def counted_fraction(self) -> float:
@@ -103,6 +121,24 @@ def best_shares(
         r = min(range(len(shares)), key=lambda q: (step_ms(q, shares[q] + 1), q))
         shares[r] += 1
     return tuple(shares), max(step_ms(r, m) for r, m in enumerate(shares))
+
+
+def shape_options(
+    world_size: int, *, total: int, schedule: str, num_layers: int
+) -> list[tuple[int, int]]:
+    """The ``(dp, pp)`` shapes of ``world_size`` ranks a replicated run may take: at least 2
+    replicas, the step's ``total`` microbatches split evenly into per-replica counts (a
+    plan's ``microbatches``; shares may then shift), at least ``pp`` each under 1F1B, and no
+    more stages than layers."""
+    out = []
+    for d in range(2, world_size + 1):
+        p = world_size // d
+        if world_size % d or total % d or p > num_layers:
+            continue
+        if schedule == "1f1b" and total // d < p:
+            continue
+        out.append((d, p))
+    return out
 
 
 class _Memory:
@@ -150,21 +186,13 @@ class ReplicaPolicy:
     ) -> None:
         self.config, self.base = config, base
         self.num_stages, self.dp = num_stages, dp
+        self.world = dp * num_stages
         self.predictor, self.prepared = predictor, prepared
         use = config.mode in ("adaptive", "restart") and predictor is not None
         self.mode_used = "adaptive" if use else "measured"
-        self.est = [
-            CostEstimates(
-                prior_fwd=base.fwd_ms[0],
-                prior_bwd=base.bwd_ms[0],
-                classes=layer_classes(base),
-                num_ranks=num_stages,
-                window=config.average_windows,
-                jump=config.jump,
-            )
-            for _ in range(dp)
-        ]
+        self.est = [self._estimates(num_stages) for _ in range(dp)]
         self.memory = _Memory()
+        self._stale = 0  # regime labels given to measurements of conditions before a reshape
         self.pause_ms: float | None = None
         self.settle = config.settle_windows
         # (configuration, model's step, measured step) of the last trusted window, and the
@@ -179,7 +207,23 @@ class ReplicaPolicy:
         self._left_out = 0  # steps a replica's share has been left out (partial reduce)
         self._hold = 0  # windows to wait after bringing a left-out replica back
 
+    def _estimates(self, num_stages: int) -> CostEstimates:
+        return CostEstimates(
+            prior_fwd=self.base.fwd_ms[0],
+            prior_bwd=self.base.bwd_ms[0],
+            classes=layer_classes(self.base),
+            num_ranks=num_stages,
+            window=self.config.average_windows,
+            jump=self.config.jump,
+        )
+
     def describe(self) -> str:
+        shapes = (
+            f"; may change the data x pipeline shape of its {self.world} ranks (at least 2 "
+            "replicas, DP only included) live"
+            if self.config.reshape
+            else ""
+        )
         partial = (
             "; partial reduce ON: a straggling replica's share may be left out of the update "
             "(changes the training math)"
@@ -191,7 +235,7 @@ class ReplicaPolicy:
             "replica's devices; shifts batch share between replicas (exact) or moves the "
             f"layers of every replica together; moves when the gain is >= "
             f"{self.config.min_gain:.0%} and pays back the pause within "
-            f"{self.config.horizon_steps} steps{partial}"
+            f"{self.config.horizon_steps} steps{shapes}{partial}"
         )
 
     # ---- one window ----------------------------------------------------------------------
@@ -201,6 +245,15 @@ class ReplicaPolicy:
         return sum(e.regime for e in self.est)
 
     def observe(self, window: Window) -> Decision | None:
+        shape = (window.dp, window.num_stages)
+        if (
+            self.config.reshape
+            and window.replicas is not None
+            and shape != (self.dp, self.num_stages)
+            and shape[0] > 1
+            and shape[0] * shape[1] == self.world
+        ):
+            self._reshaped(*shape)  # a reshape this policy asked for took effect
         if window.replicas is None or len(window.replicas) != self.dp:
             raise ValueError(
                 f"the replica policy needs a window of {self.dp} replicas, got {window!r}"
@@ -220,6 +273,49 @@ class ReplicaPolicy:
         self.memory.add(cur, self.regime, here)
         self._judge(here)
         return self._decide(window, cur, here)
+
+    def _reshaped(self, dp: int, num_stages: int) -> None:
+        """The run now has ``dp`` replicas of ``num_stages`` stages (a reshape this policy
+        asked for): per-replica estimates for the new places, starting from the clean
+        per-layer costs measured so far (a device slowed now then shows as slowed, not as
+        its clean speed). What was measured under the conditions in force carries over (the
+        reshape changed the shape, not the devices), unless they were changing: a device's
+        change not yet confirmed when the reshape was decided (an onset acted on in its
+        first window) makes every earlier measurement one of other conditions."""
+        calibrated = all(e.calibrated for e in self.est)
+        changing = any(e.changing for e in self.est)
+        carry: dict[str, Any] = {
+            "clean_f": np.median([e.clean_f for e in self.est], axis=0).tolist(),
+            "clean_b": np.median([e.clean_b for e in self.est], axis=0).tolist(),
+        }
+        if calibrated:
+            of = float(np.median(np.concatenate([e.clean_of for e in self.est])))
+            ob = float(np.median(np.concatenate([e.clean_ob for e in self.est])))
+            carry.update(
+                clean_of=[of] * num_stages,
+                clean_ob=[ob] * num_stages,
+                calibrated=True,
+                calibrating=False,
+            )
+        before = self.regime
+        self.dp, self.num_stages = dp, num_stages
+        self.est = [self._estimates(num_stages) for _ in range(dp)]
+        for e in self.est:
+            e.load_state(carry)
+        now = self.regime
+        relabel: dict[int, int] = {} if changing else {before: now}
+
+        def label(g: int) -> int:
+            if g not in relabel:
+                self._stale -= 1  # below every label estimates give: never matched again
+                relabel[g] = self._stale
+            return relabel[g]
+
+        self.memory.entries = [(c, label(g), t) for c, g, t in self.memory.entries]
+        for name in ("_promise", "_pending"):
+            got = getattr(self, name)
+            if got is not None:
+                setattr(self, name, (label(got[0]), *got[1:]))
 
     def _judge(self, here: float) -> None:
         """The first trusted window after a model-proposed move: what it achieved against
@@ -253,7 +349,9 @@ class ReplicaPolicy:
             """``promise``: a model-proposed move's predicted ratio of the time per batch
             after it to before it (judged on the next trusted window)."""
             nbytes = 0
-            if to is not None and to.bounds != cur.bounds:
+            if to is not None and to.shape != cur.shape:
+                nbytes = self._copies(w, to)[1]
+            elif to is not None and to.bounds != cur.bounds:
                 ranks = tuple(range(self.num_stages))
                 nbytes = self.dp * moved_bytes(self.base.state_bytes, cur.bounds, to.bounds, ranks)
             if to is not None:
@@ -266,7 +364,7 @@ class ReplicaPolicy:
                 slowdown=slow,
                 current_ms=model_now,
                 proposed_ms=proposed,
-                pause_ms=pause,
+                pause_ms=pause + self._wire_ms(w, to, cur),
                 moved_bytes=nbytes,
                 repartition=to is not None,
                 reason=reason,
@@ -297,7 +395,7 @@ class ReplicaPolicy:
             best is not None
             and best[0] != cur
             and best[1] < here * (1 - cfg.min_gain)
-            and (here - best[1]) * cfg.horizon_steps > pause
+            and (here - best[1]) * cfg.horizon_steps > pause + self._wire_ms(w, best[0], cur)
         ):
             return verdict(
                 f"{best[0]!r} measured {best[1]:.2f} ms per batch under these conditions "
@@ -317,6 +415,8 @@ class ReplicaPolicy:
             )
         options = self._candidates(costs, cur, w.schedule, memory=self._memory(w))
         scored = [(self._predict(costs, c, w.schedule) / c.counted_fraction, c) for c in options]
+        if cfg.reshape:
+            scored += self._other_shapes(costs, w, cur)
         now = model_now / cur.counted_fraction
         ms, pick = min(scored, key=lambda x: (x[0], x[1] != cur, repr(x[1])))
         if pick == cur:
@@ -327,9 +427,10 @@ class ReplicaPolicy:
             return verdict(f"gain {gain / now:.1%} below {need:.1%}", ms)
         # The model's gain, on the scale of the measured step, must pay the pause back.
         real = here * gain / now
-        if real * cfg.horizon_steps <= pause:
+        cost = pause + self._wire_ms(w, pick, cur)
+        if real * cfg.horizon_steps <= cost:
             return verdict(
-                f"gain {real:.2f} ms/step does not pay {pause:.1f} ms within "
+                f"gain {real:.2f} ms/step does not pay {cost:.1f} ms within "
                 f"{cfg.horizon_steps} steps",
                 ms,
             )
@@ -341,6 +442,8 @@ class ReplicaPolicy:
                 ms,
             )
         what = "partial reduce: " if pick.dropped else ""
+        if pick.shape != cur.shape:
+            what = f"reshape {cur.shape[0]} x {cur.shape[1]} -> {pick.shape[0]} x {pick.shape[1]}: "
         return verdict(
             f"{what}predicted {now:.2f} -> {ms:.2f} ms per batch with {pick!r}",
             ms * pick.counted_fraction,
@@ -382,10 +485,11 @@ class ReplicaPolicy:
                 t = max(
                     t, predicted_step_ms(cm, c.bounds, schedule=schedule, microbatches=c.shares[r])
                 )
-        return t + reduce_tail_ms(self.base, bounds=c.bounds, replicas=self.dp)
+        return t + reduce_tail_ms(self.base, bounds=c.bounds, replicas=len(c.shares))
 
-    def _low(self, schedule: str) -> list[int]:
-        return [self.num_stages if schedule == "1f1b" else 1] * self.dp
+    @staticmethod
+    def _low(schedule: str, *, dp: int, pp: int) -> list[int]:
+        return [pp if schedule == "1f1b" else 1] * dp
 
     def _with_shares(
         self, costs: list[CostModel], bounds: Bounds, schedule: str, total: int
@@ -399,7 +503,8 @@ class ReplicaPolicy:
                 )
             return cache[(r, m)]
 
-        shares, _ = best_shares(step, total=total, low=self._low(schedule))
+        low = self._low(schedule, dp=len(costs), pp=len(bounds))
+        shares, _ = best_shares(step, total=total, low=low)
         return ReplicaConfig(bounds=bounds, shares=shares)
 
     def _memory(self, w: Window) -> list[float] | None:
@@ -460,6 +565,124 @@ class ReplicaPolicy:
         # Deduplicated, the current one first.
         return list(dict.fromkeys(out))
 
+    # ---- other shapes ------------------------------------------------------------------
+    def _devices(self, costs: list[CostModel], w: Window) -> tuple[np.ndarray, ...]:
+        """Per global rank: every layer's fwd/bwd ms per microbatch on its device
+        (``[world, L]``) and its stage overhead (``[world]``), from each replica's model."""
+        n = self.base.num_layers
+        f, b = np.zeros((self.world, n)), np.zeros((self.world, n))
+        of, ob = np.zeros(self.world), np.zeros(self.world)
+        for r, (cm, sub) in enumerate(zip(costs, w.replicas or (), strict=True)):
+            for s, place in enumerate(sub.ranks):
+                g = r * self.num_stages + place
+                f[g], b[g] = cm.fwd_ms[s], cm.bwd_ms[s]
+                of[g], ob[g] = cm.stage_fwd_ms[s], cm.stage_bwd_ms[s]
+        return f, b, of, ob
+
+    def _other_shapes(
+        self, costs: list[CostModel], w: Window, cur: ReplicaConfig
+    ) -> list[tuple[float, ReplicaConfig]]:
+        """Every other shape's configurations with their predicted time per batch: each
+        replica of ``dp' x pp'`` on the devices it would run on (global rank ``r pp' + s``
+        holds stage ``s`` of replica ``r``), the pipeline planner's split of each replica's
+        model and of their worst, each with its best and with even shares."""
+        f, b, of, ob = self._devices(costs, w)
+        n, total = self.base.num_layers, sum(cur.shares)
+        room = self._room(w)
+        out: list[tuple[float, ReplicaConfig]] = []
+        for d, p in shape_options(self.world, total=total, schedule=w.schedule, num_layers=n):
+            if (d, p) == cur.shape:
+                continue
+            rows = [slice(r * p, (r + 1) * p) for r in range(d)]
+            models = [
+                dataclasses.replace(
+                    self.base.for_devices(p),
+                    fwd_ms=f[i],
+                    bwd_ms=b[i],
+                    stage_fwd_ms=of[i],
+                    stage_bwd_ms=ob[i],
+                )
+                for i in rows
+            ]
+            splits: list[Bounds] = [((0, n),)] if p == 1 else []
+            if p > 1:
+                worst = dataclasses.replace(
+                    models[0],
+                    fwd_ms=np.max([m.fwd_ms for m in models], axis=0),
+                    bwd_ms=np.max([m.bwd_ms for m in models], axis=0),
+                    stage_fwd_ms=np.max([m.stage_fwd_ms for m in models], axis=0),
+                    stage_bwd_ms=np.max([m.stage_bwd_ms for m in models], axis=0),
+                )
+                for cm in [*models, worst]:
+                    res = plan_partition(
+                        cm, num_stages=p, schedule=w.schedule, microbatches=total // d
+                    )
+                    split = tuple((int(x), int(y)) for x, y in res.bounds)
+                    if split not in splits:
+                        splits.append(split)
+            for split in splits:
+                even = ReplicaConfig(bounds=split, shares=(total // d,) * d)
+                for c in dict.fromkeys([self._with_shares(models, split, w.schedule, total), even]):
+                    if self._fits(c, w.schedule, room):
+                        out.append((self._predict(models, c, w.schedule), c))
+        return out
+
+    def _room(self, w: Window) -> float | None:
+        """The bytes one rank may hold in any shape: the least, over ranks, of what its
+        device has free plus the layer state it holds now (None where unknown: CPU)."""
+        static = self.base.static_bytes
+        room = []
+        for sub in w.replicas or ():
+            if sub.memory_bytes is None:
+                continue
+            for (a, b), place in zip(sub.bounds, sub.ranks, strict=True):
+                free = float(sub.memory_bytes[place])
+                if np.isfinite(free):
+                    room.append(free + float(static[a:b].sum()))
+        return min(room) if room else None
+
+    def _fits(self, c: ReplicaConfig, schedule: str, room: float | None) -> bool:
+        """Every stage's state and in-flight activations within ``room`` (the planner's
+        memory model)."""
+        if room is None:
+            return True
+        k = in_flight(schedule, num_stages=len(c.bounds), microbatches=max(c.shares))
+        static, act = self.base.static_bytes, self.base.act_bytes
+        return all(
+            float(static[a:b].sum() + k[s] * act[a:b].sum()) <= room
+            for s, (a, b) in enumerate(c.bounds)
+        )
+
+    def _held(self, c: ReplicaConfig, w: Window | None = None) -> list[tuple[int, int]]:
+        """The layers each global rank holds under ``c`` (stage ``s`` at place ``s``, or at
+        the window's places for the configuration in force)."""
+        d, p = c.shape
+        bounds = list(c.bounds)
+        if w is not None:
+            by_place = dict(zip(w.ranks, w.bounds, strict=True))
+            bounds = [by_place[q] for q in range(p)]
+        return [bounds[g % p] for g in range(d * p)]
+
+    def _copies(self, w: Window, to: ReplicaConfig) -> tuple[float, int]:
+        """A reshape to ``to``: the copies' largest per-rank bytes over the link (ms) and
+        the bytes copied (``autodp.copy_plan``: each layer a rank lacks, from a holder)."""
+        old = self._held(ReplicaConfig(bounds=tuple(w.bounds), shares=(1,) * self.dp), w)
+        names = self.base.layer_names
+        copies = copy_plan(old, self._held(to), names=names, sizes=self.base.state_bytes)
+        per_rank: dict[int, float] = {}
+        for t in copies:
+            per_rank[t.src] = per_rank.get(t.src, 0.0) + (t.nbytes or 0)
+            per_rank[t.dst] = per_rank.get(t.dst, 0.0) + (t.nbytes or 0)
+        bw = float(self.base.meta.get("link_bandwidth", 25e9))
+        wire = max(per_rank.values(), default=0.0) / bw * 1e3
+        return wire, int(sum(t.nbytes or 0 for t in copies))
+
+    def _wire_ms(self, w: Window, to: ReplicaConfig | None, cur: ReplicaConfig) -> float:
+        """What a move to ``to`` adds to the measured pause: a reshape's copies (0 else)."""
+        if to is None or to.shape == cur.shape:
+            return 0.0
+        return self._copies(w, to)[0]
+
     def _predicted(self, r: int, sub: Window) -> tuple[np.ndarray, np.ndarray] | None:
         """Replica ``r``'s per-layer predicted slowdowns from its devices' telemetry."""
         if self.mode_used != "adaptive" or not sub.telemetry:
@@ -486,11 +709,26 @@ class ReplicaPolicy:
             "misses": self._misses,
             "shortfalls": self._shortfalls,
             "left_out": self._left_out,
+            "shape": [self.dp, self.num_stages],
+            "stale": self._stale,
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
         if not state:
             return
+        target = (self.dp, self.num_stages)
+        shape = tuple(int(x) for x in state.get("shape") or target)
+        if shape[0] * shape[1] != self.world:
+            raise ValueError(
+                f"policy state of {shape[0]} x {shape[1]} ranks for a policy of "
+                f"{self.dp} x {self.num_stages}"
+            )
+        if shape != target:
+            # Saved before a reshape this policy asked for (the restart baseline's
+            # checkpoint): loaded in its shape, then carried to the new one.
+            self.dp, self.num_stages = shape
+            self.est = [self._estimates(shape[1]) for _ in range(shape[0])]
+        self._stale = int(state.get("stale", 0))
         for e, s in zip(self.est, state.get("estimates", []), strict=False):
             e.load_state(s)
         self.memory.entries = [
@@ -509,3 +747,5 @@ class ReplicaPolicy:
         self._misses = [float(x) for x in state.get("misses", [])]
         self._left_out = int(state.get("left_out", 0))
         self._shortfalls = [float(x) for x in state.get("shortfalls", [])]
+        if shape != target:
+            self._reshaped(*target)
