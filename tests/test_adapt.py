@@ -140,7 +140,7 @@ def test_layer_timers_that_sum_beyond_their_stage_share_its_time() -> None:
         window=8, jump=0.1,
     )  # fmt: skip
     w = _window(4, EVEN, TRUE)
-    # Layer 6's backward timer ran on into a wait (4x its twins); the stage timer did not.
+    # Layer 6's backward timer read 4x its twins, more than the stage timer allows.
     lb = w.layer_bwd_ms.copy()
     lb[6] *= 4.0
     est.update(dataclasses.replace(w, layer_bwd_ms=lb))

@@ -121,8 +121,7 @@ class CostEstimates:
                     stage = float(sampled[s])
                     if np.isfinite(stage) and stage > 0:
                         # The stage's time bounds its layers': where their timers sum to
-                        # more (a layer's backward timer that ran on into a wait for the
-                        # next stage read 4x its twins), they share the stage's time.
+                        # more (one gpt block read 3x its twins), they share the stage's.
                         scale = total / max(stage, float(seg.sum()))
                         out[a:b] = seg * scale
                         over[r] = max(0.0, stage - float(seg.sum())) * scale
