@@ -34,9 +34,13 @@ from dynpipe.runtime.train import build_model_and_data
 
 
 def replay(
-    path: Path, overrides: dict, predictor: str | None, *, follow: bool = True
+    path: Path, overrides: dict, predictor: str | None, *, through: bool = False
 ) -> list[dict]:
-    """One dict per window: the decision, or the first move the recorded run did not make."""
+    """One dict per window: the decision, or the first move the recorded run did not make.
+
+    ``through``: replay the whole log, the recorded moves imposed on the policy where it
+    would have moved elsewhere or not at all (decisions after one are conditional on it;
+    such windows carry ``recorded``, the plan the run moved to)."""
     log = read_log(path)
     header = log.headers[0]
     conf = header.config
@@ -69,13 +73,10 @@ def replay(
     moves = {e.step: e for e in log.events("repartition")}
     every = adapt.monitor_every
     out: list[dict] = []
-    for i in range(0, len(steps) - every + 1, every):
-        window = steps[i : i + every]
+    for window in _windows(steps, every):
         last = window[-1]["step"]
         st = window[-1]["stages"]
         bounds = [s["layers"] for s in st]
-        if any([s["layers"] for s in r["stages"]] != bounds for r in window):
-            break  # the recorded windows no longer line up with this replay's
         covering = min((t for t in tels if t >= last), default=None)
         w = Window.from_records(
             window,
@@ -88,9 +89,17 @@ def replay(
         )
         d = policy.observe(w)
         marks = [events[s] for s in range(window[0]["step"], last + 1) if s in events]
+        # A move starts a step after the window's decision (the loop decides while the
+        # device runs the next step); logs from before that started it at once.
+        first = last + 1
+        rec = moves.get(first + 1, moves.get(first))
         if d is None:
             if marks:
-                out.append({"step": last + 1, "events": marks})
+                out.append({"step": first, "events": marks})
+            if rec is not None:
+                if not through:
+                    break  # the recorded run moved where this policy could not have
+                _impose(policy, rec)
             continue
         entry = {
             "step": d.step,
@@ -99,19 +108,56 @@ def replay(
             "reason": d.reason,
             "events": marks,
         }
+        recorded = (
+            None if rec is None else [[s["start"], s["stop"]] for s in rec["new_plan"]["stages"]]
+        )
         if d.repartition:
-            rec = moves.get(d.step)
-            same = rec is not None and [
-                [s["start"], s["stop"]] for s in rec["new_plan"]["stages"]
-            ] == [list(b) for b in d.bounds]
+            same = recorded == [list(b) for b in d.bounds]
             entry["moved"] = [list(b) for b in d.bounds]
             entry["as_recorded"] = same
             out.append(entry)
-            if not (same and follow):
+            if same:
+                policy.applied(step=d.step, pause_ms=rec["pause_ms"], moved_bytes=rec["bytes"])
+                continue
+            if not through:
                 break
-            policy.applied(step=d.step, pause_ms=rec["pause_ms"], moved_bytes=rec["bytes"])
+            entry["recorded"] = recorded
+            if hasattr(policy, "pending"):
+                policy.pending = None  # not made (the loop's veto seam)
+            if rec is not None:
+                _impose(policy, rec)
+            continue
+        if rec is not None:
+            entry["recorded"] = recorded
+            out.append(entry)
+            if not through:
+                break
+            _impose(policy, rec)
             continue
         out.append(entry)
+    return out
+
+
+def _impose(policy: object, rec: object) -> None:
+    """The recorded move takes effect as one the policy did not ask for."""
+    if hasattr(policy, "pending"):
+        policy.pending = None
+    policy.applied(step=rec.step, pause_ms=rec["pause_ms"], moved_bytes=rec["bytes"])
+
+
+def _windows(steps: list[dict], every: int) -> list[list[dict]]:
+    """The windows the training loop handed its policy: steps up to each multiple of
+    ``every``, less the steps a move between windows flushed under the plan before it."""
+    out: list[list[dict]] = []
+    cur: list[dict] = []
+    for i, r in enumerate(steps):
+        if cur and [s["layers"] for s in r["stages"]] != [s["layers"] for s in cur[-1]["stages"]]:
+            cur = []  # logged under the old plan before the move; no policy saw them
+        cur.append(r)
+        if (r["step"] + 1) % every == 0:
+            if i + 2 < len(steps):  # a window's move needs a step after it
+                out.append(cur)
+            cur = []
     return out
 
 
@@ -122,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("logs", nargs="+", type=Path)
     ap.add_argument("--mode", choices=("measured", "adaptive"), default="measured")
     ap.add_argument("--predictor", default=None)
+    ap.add_argument(
+        "--through",
+        action="store_true",
+        help="replay the whole log, imposing the recorded moves where the policy differs",
+    )
     add_config_args(ap, AdaptConfig, flags=ADAPT_FLAGS, exclude=("mode",), unset=True)
     return ap
 
@@ -132,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {**given, "mode": args.mode}
     for path in args.logs:
         print(f"## {path}")
-        for d in replay(path, overrides, args.predictor):
+        for d in replay(path, overrides, args.predictor, through=args.through):
             print("  ", d)
     return 0
 

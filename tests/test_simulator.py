@@ -3,10 +3,13 @@ oracle (the best static split of every phase, from the true per-layer costs, zer
 
 The scenarios (seed 7, never used while the policy was developed) draw true costs from the
 H200 profiles, onsets and ends at random steps on one or two devices of 2, 4 or 8 stages,
-and measurement noise from the recorded GPU runs. Runs whose stage timers were sound
-(GPU-bound sizes: ``quiet``) are held to the targets of the adaptation issue; runs whose
-timers swung 2x while their steps did not (launch- and loader-bound sizes: ``noisy``) are
-held to what the policy reaches there, which is short of those targets: see the README.
+and measurement noise from the recorded GPU runs: runs whose stage timers were sound
+(GPU-bound sizes: ``quiet``) and runs whose timers swung 2x while their steps did not
+(launch- and loader-bound sizes). Runs with sound timers are held to the targets of the
+adaptation issue (mean ratio to the oracle <= 1.03, p95 <= 1.10, none worse than static by
+more than 2%); every scenario together to the same p95 and to what the policy reaches there
+on 300 other scenarios (``bench/results/simulator.json``), short of the issue's mean and
+its 2% against static: see the README.
 """
 
 from __future__ import annotations
@@ -58,8 +61,7 @@ def test_policy_against_the_oracle(mode: str) -> None:
     assert to_oracle[quiet].mean() <= 1.03, summary
     assert np.percentile(to_oracle[quiet], 95) <= 1.10, summary
     assert to_static[quiet].max() <= 1.02, summary
-    # Every scenario, misleading timers included: what the policy reaches on 300 other
-    # scenarios (bench/results/simulator.json), short of the issue's 1.02 against static.
-    assert to_oracle.mean() <= 1.04, summary
+    # Every scenario, misleading timers included.
+    assert to_oracle.mean() <= 1.035, summary
     assert np.percentile(to_oracle, 95) <= 1.10, summary
-    assert to_static.max() <= 1.15, summary
+    assert to_static.max() <= 1.13, summary

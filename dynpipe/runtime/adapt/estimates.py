@@ -90,8 +90,8 @@ class CostEstimates:
         # which it kept the same layers: what measurement noise alone does to it.
         self.steps: list[list[float]] = [[] for _ in range(num_ranks)]
         self.within = np.zeros(num_ranks)
-        # Per rank, a change not yet confirmed: (direction, per-layer averages and stage
-        # overhead from before it).
+        # Per rank, a change not yet confirmed: (direction, per-layer averages, stage
+        # overhead and noise history from before it, size of the change as a log ratio).
         self._suspect: list[tuple | None] = [None] * num_ranks
         # Names the conditions: a new one when a rank's reading moves beyond its threshold
         # (confirmed), the old one again when every rank is back to how it ran then. Two
@@ -137,7 +137,9 @@ class CostEstimates:
                 if seg is not None and np.isfinite(seg).all() and sampled is not None:
                     stage = float(sampled[s])
                     if np.isfinite(stage) and stage > 0:
-                        scale = total / stage
+                        # The stage's time bounds its layers': where their timers sum to
+                        # more (one gpt block read 3x its twins), they share the stage's.
+                        scale = total / max(stage, float(seg.sum()))
                         out[a:b] = seg * scale
                         over[r] = max(0.0, stage - float(seg.sum())) * scale
                         continue
@@ -183,16 +185,31 @@ class CostEstimates:
         3x faster are the same size of change."""
         return np.maximum(np.log1p(self.jump), 3.0 * self.noise())
 
-    def level_noise(self) -> np.ndarray:
-        """``[R]`` relative standard deviation of each rank's running slowdown: one window's
-        noise over the square root of the windows averaged since its conditions last
-        changed."""
-        n = np.ones(len(self.steps))
-        for r in range(len(n)):
+    def uncertainty(self) -> np.ndarray:
+        """``[R]`` relative standard error (of log ratios) of each rank's running level: how
+        far the speed a plan is built on may be from the rank's true speed now.
+
+        One window's reading strays from the level by the root mean square of the rank's
+        recent window-to-window changes (all ranks' pooled while it has too few: a
+        launch-bound run's timers swing on every stage), and by at least what the spread of
+        the window's steps says; the level averages the windows since the rank's layers or
+        conditions last changed (a running mean's worth at most). The root mean square, not
+        the robust spread of ``noise``: a change detector must look past a timer's swings,
+        a planner must not, for it picks exactly the split the swings favour. A rank whose
+        reading just moved beyond its threshold, unconfirmed, is as uncertain as that move
+        (one window cannot tell an onset from a swing).
+        """
+        pooled = [x for xs in self.steps for x in xs[-_NOISE_KEEP:]]
+        out = np.zeros(len(self.steps))
+        for r, xs in enumerate(self.steps):
+            use = xs[-_NOISE_KEEP:] if len(xs) >= _NOISE_MIN else pooled
+            one = float(np.sqrt(np.mean(np.square(use)))) if use else 0.0
             held = self.owner == r
-            if held.any():
-                n[r] = max(1.0, float(self.n[held].min()))
-        return self.noise() / np.sqrt(n)
+            n = max(1.0, float(self.n[held].min())) if held.any() else 1.0
+            out[r] = max(one, float(self.within[r])) / np.sqrt(min(n, 2 * self.window - 1))
+            if self._suspect[r] is not None:
+                out[r] = max(out[r], self._suspect[r][4])
+        return out
 
     def update(self, w: Window, *, changed: bool = False) -> None:
         """Fold one trusted window into the running per-layer costs.
@@ -237,6 +254,7 @@ class CostEstimates:
                     {i: (self.run_f[i], self.run_b[i], self.n[i]) for i in range(a, b)},
                     (self.over_f[r], self.over_b[r]),
                     history,
+                    abs(float(np.log(ratio))),
                 )
                 stay[:] = False
             # Within a regime every window counts alike (a running mean), up to ``window``
@@ -280,8 +298,11 @@ class CostEstimates:
         self._fold_host(w)
         if changed_now:
             self.regime = self._name_regime(limit)
-        total, count = self._regime_loads.get(self.regime, (np.zeros_like(self.load), 0))
-        self._regime_loads[self.regime] = (total + self.load, count + 1)
+        if not self.changing:
+            # A window whose change is not yet confirmed belongs to no regime: an onset's
+            # first window is not how the old conditions ran.
+            total, count = self._regime_loads.get(self.regime, (np.zeros_like(self.load), 0))
+            self._regime_loads[self.regime] = (total + self.load, count + 1)
 
     def _fold_host(self, w: Window) -> None:
         """Fold the window's host issue times in (GPU windows only): the least seen."""
@@ -357,7 +378,7 @@ class CostEstimates:
         """The window after a suspected change on rank ``r``: still beyond ``limit`` of the
         level before it, in the same direction, and conditions changed (a new regime); back
         within it, and it was a spike: the averages from before it come back."""
-        sign, snap, (sf, sb), history = self._suspect[r]
+        sign, snap, (sf, sb), history, _ = self._suspect[r]
         self._suspect[r] = None
         # A confirmed change's reading is not noise of a steady device (a spike's is).
         this = self.steps[r][-1:] if len(self.steps[r]) > len(history) + 1 else []

@@ -9,15 +9,19 @@ controller simulator drive the same code, and tests inject their own.
 taken when its predicted gain is at least ``min_gain`` and pays back the measured pause
 within ``horizon_steps``. The step time is what the model answers to:
 
-- a plan measured clearly faster under the same conditions, recently, is moved back to
-  (``PlanMemory``);
+- a plan measured faster under the same conditions, beyond what the two plans' window
+  noise could make, is moved back to (``PlanMemory``: the regime's own last windows, so
+  conditions that come back, an interferer gone, bring back the plan measured best under
+  them);
 - each move is judged on the first trusted window after it (``MoveRecord``), beyond what the
   two windows' noise could make; one measured slower across a change of conditions has the
   plan it left measured again under the new ones, so an onset neither undoes nor bars it;
 - the model is not acted on before it has predicted one window, nor when its estimates
-  moved and the steps did not follow (launch-bound timers); a move must promise more than
-  the last moves fell short of their promises (a model its timers mislead stops moving
-  layers), until the steps show new conditions.
+  moved and the steps did not follow (launch-bound timers), nor for a gain that its
+  estimates' own noise could make (every device one standard error against the move);
+- a move must promise more than the last moves fell short of their promises, as measured
+  under one set of conditions (a model its timers mislead stops moving layers); a change of
+  conditions, an interferer's end included, clears what was earned under the old ones.
 
 ``SweepPolicy`` (benchmarks) visits every split in turn so that one launch measures every
 static plan under the same conditions: the oracle the adaptive runs are judged against.
@@ -254,31 +258,35 @@ class Controller:
             and abs(np.log(window.median_step_ms / max(prev[2], 1e-9)))
             > np.log1p(self._step_noise_limit(window))
         )
+        regime = self.est.regime
         self.est.update(window, changed=changed)
         if window.probes:
             self.est.probe(window.probes)
-        if changed:
+        if changed or self.est.regime != regime:
             # Promises broken under the old conditions say little about the model's view of
-            # new ones (its timers may well be sound there).
+            # new ones (its timers may well be sound there; an interferer's end is such a
+            # change).
             self._shortfalls = []
         slow = tuple(float(x) for x in self.est.load)
         here = window.median_step_ms
         regime = self.est.regime
-        self.memory.add(window.key, regime, here)
+        # A window whose change of conditions is not yet confirmed is kept under no regime
+        # (an onset's first window measured the plan under neither the old conditions nor,
+        # for sure, the new ones).
+        self.memory.add(window.key, -1 if self.est.changing else regime, here)
         judged = None
         if self.last is not None and self.last.verdict is None and self.last.pause_ms is not None:
             noise = window.step_noise
             self.last.judge(here, slow, regime=regime, tol=self.config.min_gain, after_noise=noise)
             judged = self.last.to_dict()
-            if self.last.model:
+            if self.last.model and self.last.verdict != "conditions changed":
                 # How far the steps fell short of what the model promised (0 if they did
-                # better, or within the two windows' noise), whatever else changed: a
-                # broken promise counts against it.
+                # better, or within the two windows' noise). Only a move judged under one
+                # set of conditions says anything about the model's promise.
                 kept = np.log(self.last.after_ms / max(self.last.before_ms, 1e-9))
                 promised = np.log(self.last.predicted_ms / max(self.last.model_before_ms, 1e-9))
                 short = float(kept - promised) - self.last.noise(noise)
-                self._shortfalls = [*self._shortfalls, max(0.0, short)]
-                self._shortfalls = self._shortfalls[-_SHORTFALLS:]
+                self._shortfalls = [*self._shortfalls, max(0.0, short)][-_SHORTFALLS:]
         decision = self._decide(window, slow, self.last if judged is not None else None)
         decision.judged = judged
         return decision
@@ -358,6 +366,7 @@ class Controller:
             best is not None
             and best[0] != key
             and best[1] < here * (1 - cfg.min_gain)
+            and np.log(here / best[1]) > self._memory_noise(w, key, best[0], recent)
             and (here - best[1]) * cfg.horizon_steps > pause
         ):
             return verdict(
@@ -385,7 +394,8 @@ class Controller:
                 f"estimates moved {model - 1:+.0%} but steps {steps - 1:+.0%}: not acted on"
             )
         res = plan_partition(costs, num_stages=w.num_stages, memory_bytes=self._memory(w), **kw)
-        bounds = _wide(tuple((int(a), int(b)) for a, b in res.bounds), w.ranks, len(key))
+        on, split = w.ranks, tuple((int(a), int(b)) for a, b in res.bounds)
+        bounds = _wide(split, w.ranks, len(key))
         step_ms, what = res.step_ms, ""
         if self.config.elastic and w.dp == 1:
             # The same rule over other numbers of stages: one device fewer, or an idle one
@@ -393,7 +403,7 @@ class Controller:
             for ranks in self._rank_sets(w):
                 alt_ms, alt = self._plan_on(w, ranks, **kw)
                 if alt is not None and alt_ms < step_ms:
-                    step_ms, bounds = alt_ms, _wide(alt, ranks, len(key))
+                    step_ms, bounds, on, split = alt_ms, _wide(alt, ranks, len(key)), ranks, alt
                     what = f" on {len(ranks)} of {len(key)} devices (ranks {list(ranks)})"
         if bounds == key:
             return verdict("current plan is best")
@@ -402,6 +412,22 @@ class Controller:
         need = self.required_gain()
         if gain < need * cur:
             return verdict(f"gain {gain / cur:.1%} below {need:.1%}", res.step_ms)
+        # A gain the estimates' own noise could make is no gain: on a launch-bound GPU a
+        # stage's timers swing 0.4-1.3x for a window or two while its steps do not, and the
+        # planner picks exactly the split that favours the devices whose timers read low.
+        # The move must still gain with every device one standard error against it, except
+        # the slowest stage where the steps moved beyond ``jump`` as the estimates did (a
+        # measurement the timers cannot fool vouches for what they read: an onset is acted
+        # on at once).
+        vouched = lm * ls > 0 and abs(ls) > np.log1p(cfg.jump)
+        new = costs if on == w.ranks else self._costs_on(w, on)
+        sure = self._gain_beyond_noise(w, costs, new, on, split, vouched=vouched, **kw)
+        if sure <= 0:
+            return verdict(
+                f"gain {gain / cur:.1%} within the estimates' noise ({sure:+.1%} with every "
+                "device one standard error against it)",
+                res.step_ms,
+            )
         if gain * cfg.horizon_steps <= pause:
             return verdict(
                 f"gain {gain:.2f} ms/step does not pay {pause:.1f} ms within "
@@ -414,6 +440,17 @@ class Controller:
             bounds,
             model=True,
         )
+
+    def _memory_noise(self, w: Window, a: Bounds, b: Bounds, recent: int) -> float:
+        """How far apart (a log ratio) two plans' measured step times in the current regime
+        could be by noise alone: three standard errors of their difference, each plan's
+        median over its windows (window-to-window spread from the memory, at least what the
+        spread of this window's steps says of one window)."""
+        regime = self.est.regime
+        one = max(self.memory.noise(regime, last=recent), w.step_noise)
+        n_a = max(1, self.memory.count(a, regime, last=recent))
+        n_b = max(1, self.memory.count(b, regime, last=recent))
+        return 3.0 * one * float(np.sqrt(1.0 / n_a + 1.0 / n_b))
 
     def tracking_error(self) -> float:
         """Relative standard deviation of the model's misses: how far, window to window,
@@ -445,10 +482,10 @@ class Controller:
         return max(self.config.jump, 3.0 * self.tracking_error(), steps)
 
     def required_gain(self) -> float:
-        """The relative gain a model-proposed move needs: ``min_gain``, twice the model's
-        measured tracking error, or what the last moves fell short of their promise by on
-        average, whichever is most: where timers mislead the model (a launch-bound GPU), its
-        promises are measured to be empty and it stops moving layers."""
+        """The relative gain a model-proposed move needs: ``min_gain``, or what the last
+        moves fell short of their promise by on average (in the current regime), whichever
+        is more: where timers mislead the model (a launch-bound GPU), its promises are
+        measured to be empty and it stops moving layers."""
         short = float(np.expm1(np.mean(self._shortfalls))) if self._shortfalls else 0.0
         return max(self.config.min_gain, short)
 
@@ -488,19 +525,9 @@ class Controller:
     def _plan_on(
         self, w: Window, ranks: tuple[int, ...], *, schedule: str, microbatches: int
     ) -> tuple[float, Bounds | None]:
-        """The best split over ``ranks`` (in rank order) and its predicted step time: layers
-        on a rank that holds them cost what they measure there, elsewhere their clean cost
-        times the rank's slowdown (an idle rank's from its probe)."""
-        fwd, bwd = self.est.costs(w.bounds, w.ranks, predicted=self._predicted(w))
-        for r in ranks:
-            if r not in w.ranks:
-                fwd[r], bwd[r] = (
-                    self.est.clean_f * self.est.slow[r],
-                    self.est.clean_b * self.est.slow[r],
-                )
-        costs = dataclasses.replace(
-            self.base.for_devices(len(ranks)), **self.est.stage_model(fwd, bwd, ranks)
-        )
+        """The best split over ``ranks`` (in rank order) and its predicted step time (costs
+        from ``_costs_on``)."""
+        costs = self._costs_on(w, ranks)
         memory = None
         if w.memory_bytes is not None and np.isfinite(w.memory_bytes).any():
             held = dict(zip(w.ranks, self._memory(w) or [], strict=False))
@@ -523,6 +550,47 @@ class Controller:
         if not np.isfinite(res.step_ms):
             return np.inf, None
         return float(res.step_ms), tuple((int(a), int(b)) for a, b in res.bounds)
+
+    def _costs_on(self, w: Window, ranks: tuple[int, ...]) -> CostModel:
+        """The cost model of a split over ``ranks`` (one row per rank, in rank order): layers
+        on a rank that holds them cost what they measure there, elsewhere their clean cost
+        times the rank's slowdown (an idle rank's from its probe)."""
+        fwd, bwd = self.est.costs(w.bounds, w.ranks, predicted=self._predicted(w))
+        for r in ranks:
+            if r not in w.ranks:
+                fwd[r], bwd[r] = (
+                    self.est.clean_f * self.est.slow[r],
+                    self.est.clean_b * self.est.slow[r],
+                )
+        return dataclasses.replace(
+            self.base.for_devices(len(ranks)), **self.est.stage_model(fwd, bwd, ranks)
+        )
+
+    def _gain_beyond_noise(
+        self,
+        w: Window,
+        now: CostModel,
+        new: CostModel,
+        ranks: tuple[int, ...],
+        bounds: Bounds,
+        *,
+        vouched: bool,
+        schedule: str,
+        microbatches: int,
+    ) -> float:
+        """The relative gain of ``bounds`` over ``ranks`` (cost rows ``new``, in rank order)
+        against ``w``'s plan (cost rows ``now``, in stage order) with every device's estimate
+        one standard error against the move (``CostEstimates.uncertainty``): its costs
+        raised under the new plan, lowered under the current one. ``vouched``: the slowest
+        stage's estimate is taken as it is."""
+        sd = self.est.uncertainty()
+        kw = {"schedule": schedule, "microbatches": microbatches}
+        if vouched:
+            sc = stage_costs(now, w.bounds, **kw)
+            sd[w.ranks[int(np.argmax(np.add(sc.fwd_ms, sc.bwd_ms)))]] = 0.0
+        low = predicted_step_ms(_scaled(now, np.exp(-sd[list(w.ranks)])), w.bounds, **kw)
+        high = predicted_step_ms(_scaled(new, np.exp(sd[list(ranks)])), bounds, **kw)
+        return 1.0 - high / max(low, 1e-9)
 
     def _memory(self, w: Window) -> list[float] | None:
         """Per stage, the bytes it may hold: what it holds now (the planner's own estimate of
@@ -581,6 +649,17 @@ class Controller:
         self._shortfalls = [float(x) for x in state.get("shortfalls", [])]
         self.pending = MoveRecord.from_dict(state["pending"]) if state.get("pending") else None
         self.last = MoveRecord.from_dict(state["last"]) if state.get("last") else None
+
+
+def _scaled(costs: CostModel, factor: np.ndarray) -> CostModel:
+    """``costs`` with device row ``d``'s layer and stage costs times ``factor[d]``."""
+    return dataclasses.replace(
+        costs,
+        fwd_ms=costs.fwd_ms * factor[:, None],
+        bwd_ms=costs.bwd_ms * factor[:, None],
+        stage_fwd_ms=costs.stage_fwd_ms * factor,
+        stage_bwd_ms=costs.stage_bwd_ms * factor,
+    )
 
 
 def _wide(bounds: Bounds, ranks: tuple[int, ...], world: int) -> Bounds:

@@ -36,21 +36,40 @@ class PlanMemory:
         self.entries = self.entries[-self.keep :]
 
     def _pick(self, regime: int | None, last: int | None) -> list[tuple[Bounds, int, float]]:
-        entries = self.entries[-last:] if last else self.entries
-        return [e for e in entries if regime is None or e[1] == regime]
+        # The regime's own last windows, however long ago: conditions that come back (an
+        # interferer gone) bring back what was measured under them.
+        entries = [e for e in self.entries if regime is None or e[1] == regime]
+        return entries[-last:] if last else entries
 
     def measured(
         self, bounds: Bounds, regime: int | None, *, last: int | None = None
     ) -> float | None:
         """Median step time of ``bounds`` over its windows in ``regime`` (None: any), among
-        the ``last`` windows recorded (None: all)."""
+        the ``last`` windows recorded in that regime (None: all)."""
         key = _key(bounds)
         ms = [t for b, _, t in self._pick(regime, last) if b == key]
         return float(np.median(ms)) if ms else None
 
+    def count(self, bounds: Bounds, regime: int | None, *, last: int | None = None) -> int:
+        """Windows of ``bounds`` in ``regime`` among the ``last`` recorded in that regime."""
+        key = _key(bounds)
+        return sum(1 for b, _, _ in self._pick(regime, last) if b == key)
+
+    def noise(self, regime: int | None, *, last: int | None = None) -> float:
+        """Relative standard deviation of one window's median step in ``regime`` about its
+        plan's median (robust, pooled over the plans held for two windows or more; 0 while
+        fewer than four such windows are known): how far one window strays by itself."""
+        by: dict[Bounds, list[float]] = {}
+        for b, _, t in self._pick(regime, last):
+            by.setdefault(b, []).append(float(np.log(max(t, 1e-12))))
+        res = [x - float(np.median(xs)) for xs in by.values() if len(xs) >= 2 for x in xs]
+        if len(res) < 4:
+            return 0.0
+        return 1.4826 * float(np.median(np.abs(res)))
+
     def best(self, regime: int | None, *, last: int | None = None) -> tuple[Bounds, float] | None:
         """The plan measured fastest in ``regime`` (None: any) among the ``last`` windows
-        recorded, and its step time."""
+        recorded in that regime, and its step time."""
         plans = {b for b, _, _ in self._pick(regime, last)}
         scored = [(b, self.measured(b, regime, last=last)) for b in plans]
         scored = [(b, t) for b, t in scored if t is not None]
