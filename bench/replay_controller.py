@@ -34,7 +34,12 @@ from dynpipe.runtime.train import build_model_and_data
 
 
 def replay(
-    path: Path, overrides: dict, predictor: str | None, *, through: bool = False
+    path: Path,
+    overrides: dict,
+    predictor: str | None,
+    *,
+    through: bool = False,
+    link_gbs: float | None = None,
 ) -> list[dict]:
     """One dict per window: the decision, or the first move the recorded run did not make.
 
@@ -56,12 +61,19 @@ def replay(
     )
     model, _ = build_model_and_data(cfg)
     plan = Plan.from_dict(header.plan)
+    # The links as the run measured them (``links`` event; the analytic default without):
+    # a split's transfers cost what they cost the run. A bf16 run measured its wire bytes.
+    links = log.events("links")  # ``link_gbs``: for logs without one (static runs)
+    wire = 0.5 if conf.get("bf16") else 1.0
     policy = make_policy(
         adapt,
         model=model,
         microbatch_size=cfg.batch_size // plan.microbatches,
         num_ranks=header.world_size,
         predictor=predictor,
+        link_bandwidth=(
+            links[0]["bandwidth_gbs"] * 1e9 / wire if links else (link_gbs or 0) * 1e9 or None
+        ),
     )
     if policy is None:
         raise SystemExit(f"{path}: mode {adapt.mode!r} has no policy to replay")
@@ -173,6 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replay the whole log, imposing the recorded moves where the policy differs",
     )
+    ap.add_argument(
+        "--link-gbs",
+        type=float,
+        default=None,
+        help="link bandwidth (GB/s, the model's float32 bytes) for logs that did not measure "
+        "theirs (static and sweep runs); a log's own links event wins",
+    )
     add_config_args(ap, AdaptConfig, flags=ADAPT_FLAGS, exclude=("mode",), unset=True)
     return ap
 
@@ -183,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {**given, "mode": args.mode}
     for path in args.logs:
         print(f"## {path}")
-        for d in replay(path, overrides, args.predictor, through=args.through):
+        for d in replay(
+            path, overrides, args.predictor, through=args.through, link_gbs=args.link_gbs
+        ):
             print("  ", d)
     return 0
 
