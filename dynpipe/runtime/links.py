@@ -9,12 +9,13 @@ never proposed the fastest split. One timed exchange per pair of neighbouring ra
 the size the pipeline really sends, replaces the assumption.
 
 What is timed is a burst of messages sent back to back, as a pipeline's forwards (or
-backwards) send theirs, not one message each way with the host waiting for the device in
-between: on two NVLinked H200s that ping-pong read 39-50 GB/s while the same messages (51
-and 103 MB of bfloat16) sent eight in a row moved at 290-334 GB/s (``bench/links_check.py``).
-Each one-message round paid a fixed cost of about a millisecond (the host's wait, the
-launch, the peers' rendezvous) that a running pipeline, whose transfers are queued while
-its devices compute, does not; priced at the ping-pong's rate, vgg16's splits after its
+backwards) queue theirs, not one message each way: every wait here is bounded
+(``topology.wait_all``), and a bounded wait on an NCCL work polls for completion about once a
+millisecond, which a single 51 MB message between NVLinked H200s (0.17-0.24 ms) cannot
+hide. Timed one message at a time, the links read 39-50 GB/s; the same messages waited for
+without a bound (as the pipeline's schedule waits, on the device) moved at 212 GB/s one at a
+time and 305 GB/s eight in a row (``bench/links_check.py``, 2 x H200), and this function
+read 195 GB/s with bursts of eight (it sends sixteen now, to hide the polling better). Priced at the ping-pong's rate, vgg16's splits after its
 wide early layers looked 8 ms a step slower than they ran, and the controller stayed on a
 split 18% slower than them.
 """
@@ -42,7 +43,7 @@ def _sync(device: torch.device) -> None:
 
 
 def measure_bandwidth(
-    topo: Topology, *, nbytes: int, rounds: int = 3, burst: int = 8
+    topo: Topology, *, nbytes: int, rounds: int = 3, burst: int = 16
 ) -> float | None:
     """Median bytes/s over the links between ranks ``r`` and ``r + 1``, or None alone.
 
