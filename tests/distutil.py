@@ -126,3 +126,23 @@ def run_ranks(
             r, res = bad[0]
             raise AssertionError(f"rank {r} failed: {res.get('traceback') or res['error']}")
     return results
+
+
+def merged_state(results: list[dict], replica: int) -> tuple[dict, dict]:
+    """One replica's model and optimizer state from every rank's ``{"replica", "model",
+    "optim"}`` result (each rank returns the layers it holds)."""
+    m, o = {}, {}
+    for r in results:
+        if r["value"].get("replica") == replica:
+            m.update(r["value"]["model"])
+            o.update(r["value"]["optim"])
+    return m, o
+
+
+def assert_same_tensors(got: dict, want: dict, what: str) -> None:
+    """Bit-identical tensors under the same keys."""
+    import torch
+
+    assert set(got) == set(want), what
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{what}: {k}"

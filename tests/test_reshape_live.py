@@ -16,7 +16,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from distutil import run_ranks
+from distutil import assert_same_tensors, merged_state, run_ranks
 
 from dynpipe.models import get_model
 from dynpipe.planner.costs import CostModel
@@ -354,21 +354,6 @@ def _close(got: dict, want: dict, what: str) -> None:
             assert torch.equal(got[k], v), f"{what}: {k}"
 
 
-def _merged(results, replica: int) -> tuple[dict, dict]:
-    m, o = {}, {}
-    for r in results:
-        if r["value"]["replica"] == replica:
-            m.update(r["value"]["model"])
-            o.update(r["value"]["optim"])
-    return m, o
-
-
-def _same(got: dict, want: dict, what: str) -> None:
-    assert set(got) == set(want), what
-    for k in want:
-        assert torch.equal(got[k], want[k]), f"{what}: {k}"
-
-
 @pytest.mark.slow
 def test_live_reshape_two_by_two_to_dp_only_and_back_trains_what_one_process_does(tmp_path) -> None:
     from dynpipe.planner import Plan
@@ -417,14 +402,14 @@ def test_live_reshape_two_by_two_to_dp_only_and_back_trains_what_one_process_doe
     at_m, at_o, at_l = _reference(cfg, GROUPS, steps=3)
     for got in res:
         m, o = got["value"]["after"][0]
-        _same(m, at_m, "parameters after the reshape to 4 x 1")
-        _same(o, at_o, "optimizer state after the reshape to 4 x 1")
+        assert_same_tensors(m, at_m, "parameters after the reshape to 4 x 1")
+        assert_same_tensors(o, at_o, "optimizer state after the reshape to 4 x 1")
         assert got["value"]["losses"][:3] == at_l
     want_m, want_o, want_l = _reference(cfg, GROUPS)
-    m0, o0 = _merged(res, 0)
-    m1, o1 = _merged(res, 1)
-    _same(m1, m0, "the replicas' parameters")  # replicas never drift apart
-    _same(o1, o0, "the replicas' optimizer state")
+    m0, o0 = merged_state(res, 0)
+    m1, o1 = merged_state(res, 1)
+    assert_same_tensors(m1, m0, "the replicas' parameters")  # replicas never drift apart
+    assert_same_tensors(o1, o0, "the replicas' optimizer state")
     _close(m0, want_m, "parameters")
     _close(o0, want_o, "optimizer state")
     for got in res:
@@ -445,11 +430,11 @@ def test_a_checkpoint_after_a_live_reshape_resumes_in_the_new_shape(tmp_path) ->
         assert {(d, p) for _, d, p in v["shapes"]} == {(4, 1)}
     groups = {s: (4, 4) if s < 3 else (2, 2, 2, 2) for s in range(7)}
     want_m, want_o, want_l = _reference(again, groups)
-    first_m, first_o = _merged(res, 0)
+    first_m, first_o = merged_state(res, 0)
     for replica in range(4):
-        m, o = _merged(res, replica)
-        _same(m, first_m, f"parameters of replica {replica}")
-        _same(o, first_o, f"optimizer state of replica {replica}")
+        m, o = merged_state(res, replica)
+        assert_same_tensors(m, first_m, f"parameters of replica {replica}")
+        assert_same_tensors(o, first_o, f"optimizer state of replica {replica}")
     _close(first_m, want_m, "parameters")  # four replicas: TOL says why
     _close(first_o, want_o, "optimizer state")
     for got in res:

@@ -11,8 +11,7 @@ Checkpoints taken after the reshape resume in the new shape; bad input fails in 
 from __future__ import annotations
 
 import pytest
-import torch
-from distutil import run_ranks
+from distutil import assert_same_tensors, merged_state, run_ranks
 
 MODEL = {"depth": 6, "width": 32}  # 8 layers
 # 6 microbatches of 4 samples: 1 x 4 (1F1B needs >= 4 per replica) and 2 x 2 (3 each) run
@@ -94,21 +93,6 @@ def _reference(
     return ref.model_state(), ref.optim_state(), losses
 
 
-def _merged(results, replica: int) -> tuple[dict, dict]:
-    m, o = {}, {}
-    for r in results:
-        if r["value"].get("replica") == replica:
-            m.update(r["value"]["model"])
-            o.update(r["value"]["optim"])
-    return m, o
-
-
-def _same(got: dict, want: dict, what: str) -> None:
-    assert set(got) == set(want), what
-    for k in want:
-        assert torch.equal(got[k], want[k]), f"{what}: {k}"
-
-
 @pytest.mark.slow
 def test_freeze_then_reshape_one_by_four_to_two_by_two_is_bit_identical(tmp_path) -> None:
     from dynpipe.planner import Plan
@@ -156,9 +140,9 @@ def test_freeze_then_reshape_one_by_four_to_two_by_two_is_bit_identical(tmp_path
         assert {(d, p) for s, d, p in shapes if s >= 10} == {(2, 2)}
     want_m, want_o, want_l = _reference(cfg, freezes=dict(freezes), reshaped_at=r.step, steps=STEPS)
     for replica in (0, 1):  # both replicas hold the same, and it is the reference's
-        m, o = _merged(res, replica)
-        _same(m, want_m, f"parameters of replica {replica}")
-        _same(o, want_o, f"optimizer state of replica {replica}")
+        m, o = merged_state(res, replica)
+        assert_same_tensors(m, want_m, f"parameters of replica {replica}")
+        assert_same_tensors(o, want_o, f"optimizer state of replica {replica}")
     for got in res:
         assert got["value"]["losses"] == want_l
 
@@ -183,9 +167,9 @@ def test_a_checkpoint_after_the_reshape_resumes_in_the_new_shape(tmp_path) -> No
     assert [e.step for e in recs.events("freeze_capped")] == [20]
     want_m, want_o, want_l = _reference(again, freezes={10: 4, 15: 6}, reshaped_at=10, steps=STEPS)
     for replica in (0, 1):
-        m, o = _merged(res, replica)
-        _same(m, want_m, f"parameters of replica {replica}")
-        _same(o, want_o, f"optimizer state of replica {replica}")
+        m, o = merged_state(res, replica)
+        assert_same_tensors(m, want_m, f"parameters of replica {replica}")
+        assert_same_tensors(o, want_o, f"optimizer state of replica {replica}")
     for got in res:
         assert got["value"]["losses"] == want_l[15:]
     # Without --autodp, as one pipeline of 4 stages: the checkpoint's layers are keyed by
@@ -197,9 +181,9 @@ def test_a_checkpoint_after_the_reshape_resumes_in_the_new_shape(tmp_path) -> No
     frozen = {10: 4, 15: 6, **{e.step: e["frozen"] for e in read_log(one.log).events("freeze")}}
     assert frozen == {10: 4, 15: 6, 20: 7}, frozen  # one pipeline: nothing caps the rule
     want_m, want_o, want_l = _reference(one, freezes=frozen, reshaped_at=10, steps=STEPS, until=15)
-    m, o = _merged(pipe, 0)
-    _same(m, want_m, "parameters as one pipeline")
-    _same(o, want_o, "optimizer state as one pipeline")
+    m, o = merged_state(pipe, 0)
+    assert_same_tensors(m, want_m, "parameters as one pipeline")
+    assert_same_tensors(o, want_o, "optimizer state as one pipeline")
     alone = pipe[0]["value"]
     assert alone["losses"] == want_l[15:]
 
@@ -290,8 +274,8 @@ def test_a_release_while_replicated_goes_back_to_one_pipeline_without_the_rank(t
             ref.freeze(freezes[s])
         ref.groups = (3, 3) if 10 <= s < 15 else None
         losses.append(ref.step(s, data.batch(s, BATCH)))
-    _same(model, ref.model_state(), "parameters")
-    _same(optim, ref.optim_state(), "optimizer state")
+    assert_same_tensors(model, ref.model_state(), "parameters")
+    assert_same_tensors(optim, ref.optim_state(), "optimizer state")
     assert res[0]["value"]["losses"] == losses
 
 

@@ -70,7 +70,7 @@ from dynpipe.runtime.adapt.policy import (
 )
 from dynpipe.runtime.adapt.record import Bounds
 from dynpipe.runtime.adapt.window import Window
-from dynpipe.runtime.autodp import copy_plan
+from dynpipe.runtime.autodp import candidate_shapes, copy_plan
 
 __all__ = ["ReplicaConfig", "ReplicaPolicy", "best_shares", "shape_options"]
 
@@ -130,15 +130,10 @@ def shape_options(
     replicas, the step's ``total`` microbatches split evenly into per-replica counts (a
     plan's ``microbatches``; shares may then shift), at least ``pp`` each under 1F1B, and no
     more stages than layers."""
-    out = []
-    for d in range(2, world_size + 1):
-        p = world_size // d
-        if world_size % d or total % d or p > num_layers:
-            continue
-        if schedule == "1f1b" and total // d < p:
-            continue
-        out.append((d, p))
-    return out
+    # ``--autodp``'s rule from one replica: every shape with more (at least 2).
+    return candidate_shapes(
+        world_size, dp=1, total_microbatches=total, schedule=schedule, units=num_layers
+    )
 
 
 class _Memory:
