@@ -146,3 +146,23 @@ def assert_same_tensors(got: dict, want: dict, what: str) -> None:
     assert set(got) == set(want), what
     for k in want:
         assert torch.equal(got[k], want[k]), f"{what}: {k}"
+
+
+def forced_decision(step: int, bounds, shares=None, *, ranks: int = 4):
+    """A decision that moves to ``bounds`` (and batch ``shares``) after window ``step``: what
+    the tests' injected policies return to force a move."""
+    from dynpipe.runtime.adapt.policy import Decision
+
+    return Decision(
+        step=step + 1,
+        mode="measured",
+        slowdown=(1.0,) * ranks,
+        current_ms=1.0,
+        proposed_ms=1.0,
+        pause_ms=0.0,
+        moved_bytes=0,
+        repartition=True,
+        reason="forced",
+        bounds=bounds,
+        shares=shares,
+    )

@@ -16,7 +16,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from distutil import assert_same_tensors, merged_state, run_ranks
+from distutil import assert_same_tensors, forced_decision, merged_state, run_ranks
 
 from dynpipe.models import get_model
 from dynpipe.planner.costs import CostModel
@@ -255,19 +255,7 @@ class _Forced:
         if window.step not in self.moves:
             return None
         bounds, shares = self.moves[window.step]
-        return Decision(
-            step=window.step + 1,
-            mode="measured",
-            slowdown=(1.0,) * 4,
-            current_ms=1.0,
-            proposed_ms=1.0,
-            pause_ms=0.0,
-            moved_bytes=0,
-            repartition=True,
-            reason="forced",
-            bounds=bounds,
-            shares=shares,
-        )
+        return forced_decision(window.step, bounds, shares)
 
     def applied(self, *, step: int, pause_ms: float, moved_bytes: int) -> None:
         self.pauses.append(pause_ms)

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from distutil import run_ranks
+from distutil import forced_decision, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -106,8 +106,6 @@ class _Forced:
         self.seen: list = []
 
     def observe(self, window):
-        from dynpipe.runtime.adapt.policy import Decision
-
         assert window.dp == 2 and len(window.replicas) == 2, window
         assert window.reduce_ms.shape == (len(window.step_ms), 2)
         for sub, n in zip(window.replicas, window.shares, strict=True):
@@ -117,19 +115,7 @@ class _Forced:
         if window.step not in self.moves:
             return None
         bounds, shares = self.moves[window.step]
-        return Decision(
-            step=window.step + 1,
-            mode="measured",
-            slowdown=(1.0,) * 4,
-            current_ms=1.0,
-            proposed_ms=1.0,
-            pause_ms=0.0,
-            moved_bytes=0,
-            repartition=True,
-            reason="forced",
-            bounds=bounds,
-            shares=shares,
-        )
+        return forced_decision(window.step, bounds, shares)
 
     def applied(self, *, step: int, pause_ms: float, moved_bytes: int) -> None:
         pass
