@@ -589,6 +589,14 @@ class ReplicaPolicy:
             if (d, p) == cur.shape:
                 continue
             rows = [slice(r * p, (r + 1) * p) for r in range(d)]
+            # The host's issue times (GPU) are the same on every device: every shape is
+            # priced with them, as the current one is (``planner_costs``).
+            host = {}
+            if costs and costs[0].has_host:
+                host = {
+                    "host_fwd_ms": np.repeat(costs[0].host_fwd_ms[:1], p, axis=0),
+                    "host_bwd_ms": np.repeat(costs[0].host_bwd_ms[:1], p, axis=0),
+                }
             models = [
                 dataclasses.replace(
                     self.base.for_devices(p),
@@ -596,6 +604,7 @@ class ReplicaPolicy:
                     bwd_ms=b[i],
                     stage_fwd_ms=of[i],
                     stage_bwd_ms=ob[i],
+                    **host,
                 )
                 for i in rows
             ]
