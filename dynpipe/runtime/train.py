@@ -195,7 +195,8 @@ class _StepLog:
     def _layer_row(self) -> list[float]:
         """``[6L + 2]``: this rank's per-layer fwd/bwd ms (NaN for layers it does not hold)
         from the window's last sampled step, then that step's stage medians, then the host's
-        fwd/bwd times to issue the layers, then the device's alone (GPU; NaN on CPU)."""
+        fwd/bwd times to issue the layers, then the device's alone (GPU; NaN on CPU): the
+        slots of ``_LAYER_FIELDS``."""
         n = self.plan.num_layers
         row = [float("nan")] * (6 * n + 2)
         sampled = [r.timing.layers for r in self.pending if r.timing.layers is not None]
@@ -208,17 +209,11 @@ class _StepLog:
         if not sampled or stage is None:
             return row
         lt, st = sampled[-1], self.plan.stages[stage]
-        row[st.start : st.stop] = lt.fwd_ms
-        row[n + st.start : n + st.stop] = lt.bwd_ms
         row[2 * n], row[2 * n + 1] = lt.stage_fwd_ms, lt.stage_bwd_ms
-        if lt.launch_fwd_ms is not None and lt.launch_bwd_ms is not None:
-            h = 2 * n + 2
-            row[h + st.start : h + st.stop] = lt.launch_fwd_ms
-            row[h + n + st.start : h + n + st.stop] = lt.launch_bwd_ms
-        if lt.device_fwd_ms is not None and lt.device_bwd_ms is not None:
-            d = 4 * n + 2
-            row[d + st.start : d + st.stop] = lt.device_fwd_ms
-            row[d + n + st.start : d + n + st.stop] = lt.device_bwd_ms
+        for name, at in _layer_slots(n):
+            times = getattr(lt, name)
+            if times is not None:  # host and device times: GPU only
+                row[at + st.start : at + st.stop] = times
         return row
 
     def flush(self, telemetry: dict[str, float] | None = None) -> _Gathered | None:
@@ -341,35 +336,42 @@ class _StepLog:
     def _layers(self, rows: list[list[float]], n: int, replica: int = 0) -> dict[str, Any] | None:
         """Every layer's sampled time in ``replica`` from the rank that holds it (None if none
         sampled)."""
-        fwd, bwd = [float("nan")] * n, [float("nan")] * n
-        hf, hb = [float("nan")] * n, [float("nan")] * n
-        df, db = [float("nan")] * n, [float("nan")] * n
+        got = {name: [float("nan")] * n for name, _ in _layer_slots(n)}
         sf, sb = [], []
-        h, d = 2 * n + 2, 4 * n + 2
         for st in self.plan.stages:
             row = rows[self.mesh.global_rank(st.rank, replica)]
-            fwd[st.start : st.stop] = row[st.start : st.stop]
-            bwd[st.start : st.stop] = row[n + st.start : n + st.stop]
-            hf[st.start : st.stop] = row[h + st.start : h + st.stop]
-            hb[st.start : st.stop] = row[h + n + st.start : h + n + st.stop]
-            df[st.start : st.stop] = row[d + st.start : d + st.stop]
-            db[st.start : st.stop] = row[d + n + st.start : d + n + st.stop]
+            for name, at in _layer_slots(n):
+                got[name][st.start : st.stop] = row[at + st.start : at + st.stop]
             sf.append(row[2 * n])
             sb.append(row[2 * n + 1])
-        if all(v != v for v in fwd):
+        if all(v != v for v in got["fwd_ms"]):
             return None
         r4 = lambda xs: [_finite(v) for v in xs]  # noqa: E731
         out = {
-            "fwd_ms": r4(fwd),
-            "bwd_ms": r4(bwd),
+            "fwd_ms": r4(got["fwd_ms"]),
+            "bwd_ms": r4(got["bwd_ms"]),
             "stage_fwd_ms": r4(sf),
             "stage_bwd_ms": r4(sb),
         }
-        if any(v == v for v in hf):  # GPU: the host's issue times, beside the costs
-            out["launch_fwd_ms"], out["launch_bwd_ms"] = r4(hf), r4(hb)
-        if any(v == v for v in df):  # GPU: the device's times alone
-            out["device_fwd_ms"], out["device_bwd_ms"] = r4(df), r4(db)
+        for kind in ("launch", "device"):  # GPU only: the host's and the device's times
+            if any(v == v for v in got[f"{kind}_fwd_ms"]):
+                out[f"{kind}_fwd_ms"] = r4(got[f"{kind}_fwd_ms"])
+                out[f"{kind}_bwd_ms"] = r4(got[f"{kind}_bwd_ms"])
         return out
+
+
+def _layer_slots(n: int) -> tuple[tuple[str, int], ...]:
+    """Where each per-layer field of ``LayerTiming`` sits in a rank's gathered row of ``n``
+    layers (``_StepLog._layer_row``): the stage medians take the two slots after the first
+    pair."""
+    return (
+        ("fwd_ms", 0),
+        ("bwd_ms", n),
+        ("launch_fwd_ms", 2 * n + 2),
+        ("launch_bwd_ms", 3 * n + 2),
+        ("device_fwd_ms", 4 * n + 2),
+        ("device_bwd_ms", 5 * n + 2),
+    )
 
 
 def _free_bytes(topo: Topology) -> float:
