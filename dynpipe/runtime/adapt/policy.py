@@ -229,6 +229,7 @@ class Controller:
         self._seen: tuple[Bounds, float, float] | None = None
         self._misses: list[float] = []
         self._shortfalls: list[float] = []  # of the last moves (see ``required_gain``)
+        self._prediction: tuple[Window, Any] | None = None  # (window, ``_predicted``'s answer)
         # Ranks handed back on request (``dynpipe release``): never brought back by --elastic.
         self.excluded: frozenset[int] = frozenset()
 
@@ -612,10 +613,15 @@ class Controller:
         return planner_costs(self.base, self.est, w, predicted=self._predicted(w))
 
     def _predicted(self, w: Window) -> tuple[np.ndarray, np.ndarray] | None:
-        """Per-rank, per-layer predicted slowdowns from each device's telemetry."""
+        """Per-rank, per-layer predicted slowdowns from each device's telemetry: one
+        prediction per window (the current plan and every other set of ranks are priced
+        from it, and the estimates do not change while a window is decided)."""
         if self.mode_used != "adaptive" or not w.telemetry:
             return None
-        return predicted_slowdowns(self.predictor, self.prepared, self.est, w.telemetry)
+        if self._prediction is None or self._prediction[0] is not w:
+            got = predicted_slowdowns(self.predictor, self.prepared, self.est, w.telemetry)
+            self._prediction = (w, got)
+        return self._prediction[1]
 
     # ---- after a move ----------------------------------------------------------------------
     def applied(self, *, step: int, pause_ms: float, moved_bytes: int) -> None:
