@@ -26,6 +26,8 @@
 # summary.md, from the raw logs only.
 #   bench/gpu_tta.sh OUTDIR
 #   TTA_MODEL=resnet50 bench/gpu_tta.sh OUTDIR
+# INTERFERER, ISTAGE, ONSET, END: another interference scenario (see below); TTA_ARGS: more
+# train arguments, e.g. TTA_ARGS="--batch-size 256".
 # RUNS picks and orders the runs (default "static-2 adaptive-2 static-1 restart-2").
 # Every run is bounded by RUN_TIMEOUT (default 150 s) and the script by BUDGET (default
 # 540 s; a run that would not fit is skipped, and said so). Logs, figures and outputs are
@@ -95,6 +97,23 @@ else
   S1=recipes/scenarios/emulate-3x-long-stage1.toml
   S0=recipes/scenarios/emulate-3x-long-stage0.toml
 fi
+if [ -n "${INTERFERER:-}" ]; then
+  # Another interferer, stage or window than the recipes': INTERFERER (gemm, copy, train,
+  # emulate) on stage ISTAGE (default 1) of the pipelines, on the one GPU of static-1,
+  # from step ONSET (default 100) to END (default 450).
+  scn() {  # path, stage
+    printf 'name = "tta %s on stage %s"\n[[events]]\nstep = %s\naction = "start"\n' \
+      "$INTERFERER" "$2" "${ONSET:-100}" > "$1"
+    printf 'kind = "%s"\nintensity = 1.0\ncount = 1\nstage = %s\n' "$INTERFERER" "$2" >> "$1"
+    [ "$INTERFERER" = emulate ] && echo 'factor = 3.0' >> "$1"
+    printf '[[events]]\nstep = %s\naction = "stop"\nstage = %s\n' "${END:-450}" "$2" >> "$1"
+  }
+  S1=$O/scenario-pipeline.toml; S0=$O/scenario-one-gpu.toml
+  scn "$S1" "${ISTAGE:-1}"; scn "$S0" 0
+fi
+# TTA_ARGS: more train arguments, after the model's (a later --batch-size wins).
+read -r -a EXTRA <<< "${TTA_ARGS:-}"
+MODEL+=("${EXTRA[@]}")
 pack() {
   local figs
   figs=$(ls "$O"/tta-*-2/log.jsonl 2>/dev/null)
