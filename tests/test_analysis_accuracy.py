@@ -5,6 +5,7 @@ the mlp on digits with held-out evaluations, static on one and two processes and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import math
 
@@ -112,6 +113,23 @@ def test_time_to_accuracy_table_and_figure(logs, tmp_path) -> None:
     assert "accuracy" in curve.get_ylabel() and "wall time" in curve.get_xlabel()
     assert "mlp" in fig.get_suptitle() and "cpu" in fig.get_suptitle()
     assert [t.get_text() for t in bars.get_yticklabels()] == list(table["run"])
+
+
+def test_a_run_is_compared_with_the_static_run_on_as_many_devices(logs) -> None:
+    # The one-process static run given the two-process runs' interference: the same model
+    # and condition, but not the baseline of a two-process run (the scaling figure's set).
+    static_1, static_2, measured = load_runs(
+        [logs / "static_1.jsonl", logs / "static_2.jsonl", logs / "measured_2.jsonl"]
+    )
+    static_1 = dataclasses.replace(static_1, windows=static_2.windows)
+    assert static_1.condition == measured.condition and static_1.world_size == 1
+    table, _ = time_to_accuracy_table([static_1, static_2, measured], target_accuracy=0.5)
+    by = table.set_index("run")
+    assert by.loc[static_1.name, "vs_static"] == 1.0 == by.loc[static_2.name, "vs_static"]
+    assert math.isclose(
+        by.loc[measured.name, "vs_static"],
+        by.loc[static_2.name, "time_s"] / by.loc[measured.name, "time_s"],
+    )
 
 
 def test_scaling_reads_world_sizes_and_per_step_throughput(logs, tmp_path) -> None:

@@ -42,7 +42,8 @@ def time_to_accuracy_table(
 ) -> tuple[pd.DataFrame, EvalTarget]:
     """Per run: time and steps to the target, the final evaluation, and ``vs_static``: the
     static run's time to the target over this run's (> 1: this run got there sooner), for
-    runs with a static run of the same model and interference that reached it."""
+    runs with a static run of the same model, interference and world size that reached it
+    (a static run on more GPUs is not the baseline of an adaptive run on fewer)."""
     target = choose_eval_target(runs, target_accuracy=target_accuracy, target_loss=target_loss)
     rows = []
     for r in runs:
@@ -55,6 +56,7 @@ def time_to_accuracy_table(
                 "model": r.model,
                 "device": r.device,
                 "condition": r.condition,
+                "world_size": r.world_size,
                 "time_s": hit[0] if hit else np.nan,
                 "step": hit[1] if hit else None,
                 "final": float(last[target.metric]),
@@ -63,10 +65,11 @@ def time_to_accuracy_table(
             }
         )
     df = pd.DataFrame(rows)
-    static = df[df["system"] == "static"].groupby(["model", "condition"])["time_s"].mean()
+    key = ["model", "condition", "world_size"]
+    static = df[df["system"] == "static"].groupby(key)["time_s"].mean()
     df["vs_static"] = [
-        static[(row.model, row.condition)] / row.time_s
-        if (row.model, row.condition) in static.index and row.time_s > 0
+        static[(row.model, row.condition, row.world_size)] / row.time_s
+        if (row.model, row.condition, row.world_size) in static.index and row.time_s > 0
         else np.nan
         for row in df.itertuples()
     ]

@@ -34,8 +34,9 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def run_table(
     runs: Sequence[Run], *, target: float | None = None, quantile: float = 0.1, smooth: int = 5
 ) -> pd.DataFrame:
-    """Per run: end-to-end samples/s, speed-up over the static run of the same model and
-    condition, time to the target loss, total pause, repartitions and restarts."""
+    """Per run: end-to-end samples/s, speed-up over the static run of the same model,
+    condition and world size, time to the target loss, total pause, repartitions and
+    restarts."""
     if target is None:
         target = choose_target(runs, quantile=quantile, smooth=smooth)
     moves = migration_costs(runs)
@@ -49,6 +50,7 @@ def run_table(
                 "model": r.model,
                 "device": r.device,
                 "condition": r.condition,
+                "world_size": r.world_size,
                 "steps": len(r.steps),
                 "samples_per_s": throughput(r),
                 "time_to_target_s": time_to_target(r, target, smooth=smooth),
@@ -61,10 +63,11 @@ def run_table(
             }
         )
     df = pd.DataFrame(rows)
-    base = df[df["system"] == "static"].groupby(["model", "condition"])["samples_per_s"].mean()
+    key = ["model", "condition", "world_size"]
+    base = df[df["system"] == "static"].groupby(key)["samples_per_s"].mean()
     df["speedup"] = [
-        row.samples_per_s / base[(row.model, row.condition)]
-        if (row.model, row.condition) in base.index
+        row.samples_per_s / base[(row.model, row.condition, row.world_size)]
+        if (row.model, row.condition, row.world_size) in base.index
         else np.nan
         for row in df.itertuples()
     ]
@@ -233,7 +236,7 @@ def _accuracy_section(
         "",
         f"Held-out evaluations (`eval` records). Target: {tgt}. Time: wall seconds from the "
         "run's start to its first evaluation at the target; vs static: the static run's time "
-        "(same model and interference) over this run's (> 1: sooner).",
+        "(same model, interference and GPU count) over this run's (> 1: sooner).",
         "",
     ]
     lines += _table(
