@@ -305,10 +305,44 @@ def test_a_broken_promise_raises_the_gain_the_next_move_needs() -> None:
     ctl.applied(step=20, pause_ms=1.0, moved_bytes=1)
     ctl.observe(_window(24, worse, TRUE, step_ms=1.1 * before))
     assert ctl.required_gain() == pytest.approx(np.expm1(np.log(1.1) - np.log(0.7)), rel=1e-6)
-    # Steps that then jump far beyond their noise are new conditions: the old broken
-    # promise no longer holds the model back.
-    ctl.observe(_window(29, ctl.memory.best(ctl.est.regime)[0], TRUE, step_ms=3 * before))
+    # Steps that then jump far beyond their noise under the same plan (the move back the
+    # window asked for not carried out) are new conditions: the old broken promise no
+    # longer holds the model back.
+    ctl.observe(_window(29, worse, TRUE, step_ms=3 * before))
     assert ctl.required_gain() == pytest.approx(0.05)
+
+
+def test_a_move_that_slows_the_steps_is_judged_not_taken_for_new_conditions() -> None:
+    ctl = _controller()
+    start = ((0, 6), (6, 10))
+    for s in range(3):
+        d = ctl.observe(_window(4 + 5 * s, start, TRUE))
+        if d is not None and d.repartition:
+            break
+    assert d.repartition and d.bounds != start
+    regime = ctl.est.regime
+    before = _window(14, start, TRUE).median_step_ms
+    ctl.applied(step=d.step, pause_ms=1.0, moved_bytes=1)
+    # 40% slower than the window that decided the move: far beyond ``jump``, but the
+    # move's own doing, so the verdict is on the move and its broken promise counts.
+    after = ctl.observe(_window(d.step + 4, d.bounds, TRUE, step_ms=1.4 * before))
+    assert ctl.est.regime == regime
+    assert ctl.est.n.max() > 1  # the layers that stayed keep their averages
+    assert after.judged is not None and after.judged["verdict"] == "slower"
+    assert ctl.required_gain() > 0.3
+    assert after.repartition and after.bounds == start  # measured faster here
+
+
+def test_a_change_the_steps_confirm_is_not_named_as_the_regime_it_left() -> None:
+    ctl = _controller()
+    best = ((0, 3), (3, 10))
+    for s in range(3):
+        ctl.observe(_window(4 + 5 * s, best, TRUE))
+    regime = ctl.est.regime
+    # The steps jump 30% under the same plan while the timers read as before (a stall
+    # outside the timed layers): new conditions, whatever the timers cannot tell apart.
+    ctl.observe(_window(19, best, TRUE, step_ms=1.3 * _window(4, best, TRUE).median_step_ms))
+    assert ctl.est.regime != regime
 
 
 def test_the_end_of_interference_clears_the_shortfalls_earned_under_it() -> None:

@@ -225,6 +225,7 @@ class CostEstimates:
         self._within(w)
         limit = self.threshold()
         changed_now = bool(changed)
+        left = self.regime
         if changed:
             self._suspect = [None] * len(self._suspect)
         for (a, b), r in zip(w.bounds, w.ranks, strict=True):
@@ -297,7 +298,7 @@ class CostEstimates:
             self.load[r] = float(run / max(total, 1e-12))
         self._fold_host(w)
         if changed_now:
-            self.regime = self._name_regime(limit)
+            self.regime = self._name_regime(limit, left=left)
         if not self.changing:
             # A window whose change is not yet confirmed belongs to no regime: an onset's
             # first window is not how the old conditions ran.
@@ -351,11 +352,14 @@ class CostEstimates:
                 self.slow[r] += k * (ratio - self.slow[r])
                 self._probe_n[r] = n + 1
 
-    def _name_regime(self, limit: np.ndarray) -> int:
+    def _name_regime(self, limit: np.ndarray, *, left: int) -> int:
         """The regime conditions changed to: an earlier one whose ranks all ran within
         ``limit`` of how they run now (an interferer gone: the clean conditions again), else
-        a new one."""
+        a new one; never ``left``, the one they changed from (a change the steps confirmed
+        may be one that noisy timers cannot tell from it)."""
         for rid, (total, count) in self._regime_loads.items():
+            if rid == left:
+                continue
             then = total / max(count, 1)
             if np.all(
                 np.abs(np.log(np.maximum(self.load, 1e-9) / np.maximum(then, 1e-9))) <= limit

@@ -227,6 +227,9 @@ class Controller:
         # (bounds, model's step time, measured step time) of the last trusted window, and
         # the model's recent misses (see ``tracking_error``).
         self._seen: tuple[Bounds, float, float] | None = None
+        # (plan, measured step time) of the last trusted window, None after a move: what a
+        # change of conditions is read against (a move's own effect is not one).
+        self._held: tuple[Bounds, float] | None = None
         self._misses: list[float] = []
         self._shortfalls: list[float] = []  # of the last moves (see ``required_gain``)
         self._prediction: tuple[Window, Any] | None = None  # (window, ``_predicted``'s answer)
@@ -252,11 +255,14 @@ class Controller:
             return None
         # Steps that jump beyond their noise under an unchanged plan are a change of
         # conditions whatever the timers say (launch-bound timers can hide one in noise).
-        prev = self._seen
+        # Across a move they are the move's own effect: a move that made the steps slower
+        # read as a change of conditions would have its verdict, and the model's broken
+        # promise, set aside.
+        prev, self._held = self._held, (window.key, window.median_step_ms)
         changed = (
             prev is not None
             and prev[0] == window.key
-            and abs(np.log(window.median_step_ms / max(prev[2], 1e-9)))
+            and abs(np.log(window.median_step_ms / max(prev[1], 1e-9)))
             > np.log1p(self._step_noise_limit(window))
         )
         regime = self.est.regime
@@ -626,6 +632,7 @@ class Controller:
     # ---- after a move ----------------------------------------------------------------------
     def applied(self, *, step: int, pause_ms: float, moved_bytes: int) -> None:
         self.settle = self.config.settle_windows
+        self._held = None
         p = float(pause_ms)
         self.pause_ms = p if self.pause_ms is None else 0.5 * (self.pause_ms + p)
         move, self.pending = self.pending, None
