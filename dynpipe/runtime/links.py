@@ -15,9 +15,9 @@ millisecond, which a single 51 MB message between NVLinked H200s (0.17-0.24 ms) 
 hide. Timed one message at a time, the links read 39-50 GB/s; the same messages waited for
 without a bound (as the pipeline's schedule waits, on the device) moved at 212 GB/s one at a
 time and 305 GB/s eight in a row (``bench/links_check.py``, 2 x H200), and this function
-read 195 GB/s with bursts of eight (it sends sixteen now, to hide the polling better). Priced at the ping-pong's rate, vgg16's splits after its
-wide early layers looked 8 ms a step slower than they ran, and the controller stayed on a
-split 18% slower than them.
+read 195 GB/s with bursts of eight (it sends sixteen now, to hide the polling better).
+Priced at the ping-pong's rate, vgg16's splits after its wide early layers looked 8 ms a
+step slower than they ran, and the controller stayed on a split 18% slower than them.
 """
 
 from __future__ import annotations

@@ -191,14 +191,14 @@ class Adapter:
                 f"{sorted(self.released)}, moves frozen layers off the first stage, or "
                 "changes the shape of a run without a live reshape",
             )
+        reshaping = decision.repartition and self._reshapes(decision)
         shape = None
         if self.reshape is not None and self.engine.plan.dp > 1:
             # Every window, on every rank: whether the deciding rank asks for another shape.
-            moving = decision.repartition and self._reshapes(decision)
-            shape = self._agree_shape(decision if moving else None)
+            shape = self._agree_shape(decision if reshaping else None)
         agreed = None
         if shape is None:
-            ordinary = decision.repartition and not self._reshapes(decision)
+            ordinary = decision.repartition and not reshaping
             agreed = self._agree(decision if ordinary else None)
         agree_ms = (time.perf_counter() - t0) * 1e3
         if self.log is not None:
