@@ -23,6 +23,9 @@
 # slowdown of rank 3: recipes/scenarios/emulate-3x-rank3.toml). MODELS overrides the models
 # (vgg16 gpt); PREDICTOR, if set, is given to the adaptive runs; PARTIAL=1 adds a run of
 # the adaptive policy with partial reduce allowed (it changes the training math).
+# STEPS, ONSET and END (default 90, 30, 60) move the interferer's steps: the scenario is
+# the recipe's with its start and stop steps replaced (longer phases let a live policy's
+# confirmation windows and pauses weigh less in a phase's mean).
 set -u
 O=$1
 mkdir -p "$O"
@@ -30,7 +33,7 @@ T0=$(date +%s)
 BUDGET=${BUDGET:-450}
 RUN_TIMEOUT=${RUN_TIMEOUT:-150}
 DEVICE=${DEVICE:-cuda}
-STEPS=90; ONSET=30; END=60; WARMUP=8; EVERY=5; SWEEP_WINDOWS=2
+STEPS=${STEPS:-90}; ONSET=${ONSET:-30}; END=${END:-60}; WARMUP=8; EVERY=5; SWEEP_WINDOWS=2
 if [ "$DEVICE" = cuda ]; then
   MODELS=${MODELS:-"vgg16 gpt"}
   SCENARIO=recipes/scenarios/gpu-gemm-rank3.toml
@@ -39,6 +42,9 @@ else
   MODELS=${MODELS:-"mlp"}
   SCENARIO=recipes/scenarios/emulate-3x-rank3.toml
   EXTRA=(--pin-cores)
+fi
+if [ "$END" -ge "$STEPS" ] || [ "$ONSET" -ge "$END" ]; then
+  echo "need ONSET < END < STEPS, got $ONSET, $END, $STEPS"; exit 2
 fi
 pack() {
   [ -f "$O/meta.json" ] && python3 bench/dp_pp_table.py "$O" --json "$O/dp-pp-table.json" \
@@ -90,6 +96,26 @@ for k, v in start.items():
 open(out, "w").write("\n".join(lines) + "\n")
 PY
 }
+
+phase_scenario() {  # recipe, onset, end, out: the recipe's events at ONSET and END
+  python3 - "$@" <<'PY'
+import sys
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+src, onset, end, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+doc = tomllib.loads(open(src).read())
+lines = [f'name = "{doc.get("name", "scenario")}-{onset}-{end}"']
+for e in doc["events"]:
+    lines.append("[[events]]")
+    e = {**e, "step": onset if e["action"] == "start" else end}
+    lines += [f"{k} = {v!r}".replace("'", '"') for k, v in e.items()]
+open(out, "w").write("\n".join(lines) + "\n")
+PY
+}
+phase_scenario "$SCENARIO" "$ONSET" "$END" "$O/scenario.toml"
+SCENARIO=$O/scenario.toml
 
 # The shapes' microbatches per replica (same microbatch size in every shape).
 declare -A MB=([4x1]=2 [2x2]=4 [1x4]=8)
