@@ -19,6 +19,8 @@
 # is also bounded by RUN_TIMEOUT (default 150). RESHAPE=0 runs the live policies without
 # --reshape. Logs, outputs and the table are packed into
 # OUTDIR/dp-pp-logs.tgz on exit, whatever happened.
+# RUNS, if set, names the runs to do as MODEL-NAME (e.g. "gpt-measured gpt-sweep"); the others
+# are skipped (the table then reads the runs that are in OUTDIR).
 # DEVICE=cpu checks the script end to end on a CPU machine (a small mlp, an emulated 3x
 # slowdown of rank 3: recipes/scenarios/emulate-3x-rank3.toml). MODELS overrides the models
 # (vgg16 gpt); PREDICTOR, if set, is given to the adaptive runs; PARTIAL=1 adds a run of
@@ -148,6 +150,7 @@ done
 
 run() {  # model, name, shape, extra args...
   local m=$1 name=$2 shape=$3; shift 3
+  if [ -n "${RUNS:-}" ] && [[ " $RUNS " != *" $m-$name "* ]]; then return 0; fi
   local left=$(( BUDGET - ($(date +%s) - T0) - 15 ))
   if [ "$left" -lt 40 ]; then echo "$m-$name: skipped (${left}s of the budget left)"; return 0; fi
   local limit=$(( left < RUN_TIMEOUT ? left : RUN_TIMEOUT ))

@@ -23,6 +23,9 @@
 # Every run is bounded by RUN_TIMEOUT (default 90 s) and the script by BUDGET (default
 # 560 s; a run that would not fit is skipped, and said so). Logs, outputs and the table
 # are packed into OUTDIR/elastic-logs.tgz on exit.
+# HEAVY=train uses three 'train' interferers instead (recipes/scenarios/gpu-train3-rank3.toml;
+# NGPU=4 only). RUNS, if set, names the runs to do (e.g. "keep-static drop-static elastic");
+# the others are skipped.
 # DEVICE=cpu checks the script end to end on a CPU machine (a small mlp / gpt, an emulated
 # 10x slowdown of rank L: recipes/scenarios/emulate-10x-rank<L>.toml); it says nothing about
 # speed.
@@ -41,7 +44,8 @@ L=$(( NGPU - 1 ))
 if [ "$NGPU" -lt 2 ]; then echo "NGPU must be >= 2, got $NGPU"; exit 2; fi
 STEPS=130; ONSET=30; END=90; EVERY=5
 if [ "$DEVICE" = cuda ]; then
-  SCENARIO=recipes/scenarios/gpu-gemm3-rank$L.toml
+  SCENARIO=recipes/scenarios/gpu-${HEAVY:-gemm}3-rank$L.toml
+  if [ ! -f "$SCENARIO" ]; then echo "no scenario $SCENARIO (HEAVY=gemm or train)"; exit 2; fi
   MODEL=(--model gpt --model-arg depth=12 --model-arg width=1024 --model-arg heads=16
          --model-arg seq_len=1024 --batch-size 32 --microbatches 8)
   TEXT=(--model gpt --model-arg depth=8 --model-arg width=512 --model-arg heads=8
@@ -76,6 +80,7 @@ PY
 
 run() {  # name, nproc, extra args...
   local name=$1 n=$2; shift 2
+  if [ -n "${RUNS:-}" ] && [[ " $RUNS " != *" $name "* ]]; then return 0; fi
   local limit
   limit=$(run_limit "$name" 15 30) || return 0
   local t0=$(date +%s)
@@ -115,8 +120,10 @@ run keep-static "$NGPU" "${MODEL[@]}" --steps "$STEPS" --adapt static --scenario
 run elastic "$NGPU" "${MODEL[@]}" --steps "$STEPS" --adapt measured --elastic --scenario "$SCENARIO"
 run drop-static "$L" "${MODEL[@]}" --steps "$STEPS" --adapt static
 run keep-measured "$NGPU" "${MODEL[@]}" --steps "$STEPS" --adapt measured --scenario "$SCENARIO"
-mkdir -p "$O/release"
-operator "$O/release" > "$O/release/operator.txt" 2>&1
+if [ -z "${RUNS:-}" ] || [[ " $RUNS " == *" release "* ]]; then
+  mkdir -p "$O/release"
+  operator "$O/release" > "$O/release/operator.txt" 2>&1
+fi
 run release "$NGPU" "${MODEL[@]}" --steps "$STEPS" --adapt measured --scenario "$SCENARIO"
 wait
 run nofreeze "$NGPU" "${TEXT[@]}" --steps "$FREEZE_STEPS" --eval-every "$EVAL_EVERY" --adapt measured \
