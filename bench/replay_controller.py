@@ -49,6 +49,15 @@ def replay(
     log = read_log(path)
     header = log.headers[0]
     conf = header.config
+    dp = int(header.plan.get("dp", 1) or 1)
+    if dp > 1 or log.events("reshape"):
+        # The replica policy reads each replica's timings and moves shares and shapes: its
+        # windows are not the single pipeline's this tool rebuilds, so replaying one here
+        # would show decisions the run could not have made.
+        raise SystemExit(
+            f"{path}: a replicated run (dp {dp}, or reshaped while running) cannot be "
+            "replayed; replay single-pipeline logs (dp 1)"
+        )
     adapt = AdaptConfig.from_dict({**conf["adapt"], **overrides})
     cfg = TrainConfig(
         model=conf["model"],
