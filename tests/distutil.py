@@ -1,6 +1,6 @@
 """Run a function on N real processes with a gloo process group, with a hard timeout.
 
-``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, each creating the
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, each creating the
 default group and calling ``fn(rank, world_size, *args)``. The group's store is hosted by the
 calling process, as torchrun's agent hosts it, so it outlives any one rank. Return values come back through
 files; an exception on any rank fails the test with that rank's traceback; a run that
