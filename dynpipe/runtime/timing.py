@@ -39,14 +39,7 @@ Events come from a pool that lives as long as the timer, so a step creates none.
 
 Emulated interference (tests, CPU demos without a real interferer) stretches every layer's
 forward and backward to ``dilation`` times its length, so the per-layer timings see it where a
-real interferer would put it: in the layers, not in the stage's overhead. Its length is the
-CPU time the stage's thread spent on the layer, and the stretch is more work on the same core
-(a spin on the thread's CPU clock), as a slower device does more work per layer. A stretch
-measured in wall time and slept would count the time the thread waited for its core, and
-multiply it by ``dilation``: beside a busy loop on a 2-core machine, two stages that computed
-at once slowed each other, a slowed stage tripled that, and a stage that held more of the
-slowed layers but computed alone measured faster. And a sleep lends the core to the other
-ranks, so the slowed stage costs the machine no more than a clean one.
+real interferer would put it: in the layers, not in the stage's overhead.
 """
 
 from __future__ import annotations
@@ -179,9 +172,7 @@ class LayerProbe:
         self._bwd: dict[int, dict[int, object]] = {}
         self._bwd_edges: dict[int, tuple[object, object]] = {}
         self._n = 0
-        # The thread's CPU time at the last backward mark (``_stretch``; CPU autograd runs a
-        # backward's layers and hooks on the thread that began it).
-        self._t_last = 0.0
+        self._t_last = 0.0  # host time of the last backward mark (dilation)
         # Data parallelism: gradients went to the all-reduce, so what follows in this
         # backward is waiting for other replicas, which emulation must not stretch.
         self._handed = False
@@ -202,14 +193,17 @@ class LayerProbe:
         return self.sampling and (self.chunks is None or chunk in self.chunks)
 
     def _stretch(self, since: float) -> float:
-        """Emulated interference: spin for (dilation - 1) x the CPU time this thread spent
-        since ``since`` (a ``time.thread_time()``; see the module docstring). Returns the
-        thread's CPU time after the spin, the next stretch's ``since``."""
-        now = time.thread_time()
+        """Emulated interference: sleep (dilation - 1) x the time since ``since``."""
+        now = time.perf_counter()
         if self.dilation > 1.0:
+            # A sleep overshoots by ~0.1 ms, as long as a small layer's whole forward: sleep
+            # for all but the last millisecond, then spin to the deadline.
             deadline = now + (now - since) * (self.dilation - 1.0)
-            while now < deadline:
-                now = time.thread_time()
+            if deadline - now > 2e-3:
+                time.sleep(deadline - now - 1e-3)
+            while time.perf_counter() < deadline:
+                pass
+            now = time.perf_counter()
         return now
 
     def run(self, layers: Iterable[nn.Module], x: torch.Tensor) -> torch.Tensor:
@@ -226,7 +220,7 @@ class LayerProbe:
         if rec:
             self._fwd[chunk], self._bwd[chunk] = fmarks, bmarks  # type: ignore[assignment]
         self._hook(x, 0, bmarks, rec)
-        t = time.thread_time()
+        t = time.perf_counter()
         for j, layer in enumerate(layers):
             x = layer(x)
             t = self._stretch(t)
@@ -247,7 +241,7 @@ class LayerProbe:
         x.register_hook(on_grad)
 
     def begin_backward(self, chunk: int) -> None:
-        self._t_last = time.thread_time()
+        self._t_last = time.perf_counter()
         self._handed = False
         self.in_backward = True
         if self._timed(chunk):
