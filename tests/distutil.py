@@ -1,10 +1,17 @@
 """Run a function on N real processes with a gloo process group, with a hard timeout.
 
-``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, each creating the
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, each creating the
 default group and calling ``fn(rank, world_size, *args)``. The group's store is hosted by the
 calling process, as torchrun's agent hosts it, so it outlives any one rank. Return values come back through
 files; an exception on any rank fails the test with that rank's traceback; a run that
 exceeds ``timeout_s`` kills every process and fails (no test can hang).
+
+Ranks start from a fork server that has imported torch and the runtime once per test session,
+not as spawned interpreters: a spawned rank imports torch, ``torch.distributed.pipelining``
+and the runtime afresh, several CPU-seconds each, and the suite starts hundreds of ranks on
+two cores. The server is a clean process (it runs nothing but the imports), so a rank is as
+fresh as a spawned one; the environment is the caller's at the time of the call, as with
+spawn (a fork server's own would be that of when it started).
 """
 
 from __future__ import annotations
@@ -29,12 +36,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, port, out_dir, pg_timeout_s, args):
+# What every rank imports anyway: done once, in the fork server (a module that fails to
+# import here fails in the rank, where the test sees the error).
+_PRELOAD = ["torch", "torch.distributed", "dynpipe.data", "dynpipe.runtime.train"]
+
+
+def _context() -> Any:
+    if "forkserver" not in mp.get_all_start_methods():  # Windows
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # Read when the server starts (the first call in the session); a server already started
+    # by the data loader preloads less, which costs time, not correctness.
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _entry(fn, rank, world, port, out_dir, pg_timeout_s, env, args):
     import datetime
 
     import torch
     import torch.distributed as dist
 
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -80,7 +104,7 @@ def run_ranks(
 
     import torch.distributed as dist
 
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     server = dist.TCPStore(
         "127.0.0.1",
         0,
@@ -90,9 +114,13 @@ def run_ranks(
         wait_for_workers=False,
     )
     port = server.port
+    env = dict(os.environ)
     with tempfile.TemporaryDirectory() as out:
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world_size, port, out, pg_timeout_s, args))
+            ctx.Process(
+                target=_entry,
+                args=(fn, r, world_size, port, out, pg_timeout_s, env, args),
+            )
             for r in range(world_size)
         ]
         for p in procs:
