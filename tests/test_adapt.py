@@ -391,6 +391,27 @@ def test_conditions_seen_before_bring_back_the_plan_measured_best_under_them() -
     assert d.repartition and d.bounds == best and d.reason.startswith("measured"), d
 
 
+def test_an_end_back_to_known_conditions_is_followed_in_one_window() -> None:
+    ctl = _controller(average_windows=2)
+    best = ((0, 3), (3, 10))
+    for s in range(3):
+        ctl.observe(_window(4 + 5 * s, best, TRUE))
+    clean = ctl.est.regime
+    # Stage 0 slowed 2x, holding one layer: stage 1 bounds the step, before and after the
+    # interferer, so its end moves the steps by less than a change of conditions.
+    under = ((0, 1), (1, 10))
+    ctl.applied(step=20, pause_ms=1.0, moved_bytes=1)
+    for s in range(4):
+        ctl.observe(_window(24 + 5 * s, under, TRUE, slow=(2.0, 1.0)))
+    assert ctl.est.regime != clean and ctl.est.returning is None
+    # The interferer ends: stage 0 reads as it ran under the clean conditions. Not yet a
+    # confirmed change, and the model cannot vouch for the device that sped up, but the
+    # plan measured fastest under those conditions is taken now, not a window later.
+    d = ctl.observe(_window(44, under, TRUE))
+    assert ctl.est.changing and ctl.est.returning == clean
+    assert d.repartition and d.bounds == best and "as they ran before" in d.reason, d
+
+
 def test_a_gain_only_a_timer_swing_shows_is_not_taken() -> None:
     ctl = _controller()
     best = ((0, 3), (3, 10))

@@ -357,6 +357,13 @@ class CostEstimates:
         ``limit`` of how they run now (an interferer gone: the clean conditions again), else
         a new one; never ``left``, the one they changed from (a change the steps confirmed
         may be one that noisy timers cannot tell from it)."""
+        known = self._known_regime(limit, left=left)
+        if known is not None:
+            return known
+        self._regimes += 1
+        return self._regimes - 1
+
+    def _known_regime(self, limit: np.ndarray, *, left: int) -> int | None:
         for rid, (total, count) in self._regime_loads.items():
             if rid == left:
                 continue
@@ -365,8 +372,16 @@ class CostEstimates:
                 np.abs(np.log(np.maximum(self.load, 1e-9) / np.maximum(then, 1e-9))) <= limit
             ):
                 return rid
-        self._regimes += 1
-        return self._regimes - 1
+        return None
+
+    @property
+    def returning(self) -> int | None:
+        """While a change is unconfirmed (``changing``): the earlier regime under which
+        every rank ran as it runs now, if there is one (an interferer gone, seen one window
+        before the next confirms it), else None. The regime it would be named when confirmed."""
+        if not self.changing:
+            return None
+        return self._known_regime(self.threshold(), left=self.regime)
 
     def _confirm(
         self,

@@ -12,7 +12,7 @@ within ``horizon_steps``. The step time is what the model answers to:
 - a plan measured faster under the same conditions, beyond what the two plans' window
   noise could make, is moved back to (``PlanMemory``: the regime's own last windows, so
   conditions that come back, an interferer gone, bring back the plan measured best under
-  them);
+  them, in the first window that reads as they did, before the next confirms it);
 - each move is judged on the first trusted window after it (``MoveRecord``), beyond what the
   two windows' noise could make; one measured slower across a change of conditions has the
   plan it left measured again under the new ones, so an onset neither undoes nor bars it;
@@ -368,6 +368,9 @@ class Controller:
                 "across a change of conditions",
                 bounds=last.src,
             )
+        back = self._back(w, key, here, pause, recent)
+        if back is not None:
+            return verdict(back[0], proposed=cur * back[2] / here, bounds=back[1])
         best = self.memory.best(regime, last=recent)
         if (
             best is not None
@@ -447,6 +450,34 @@ class Controller:
             bounds,
             model=True,
         )
+
+    def _back(
+        self, w: Window, key: Bounds, here: float, pause: float, recent: int
+    ) -> tuple[str, Bounds, float] | None:
+        """The plan measured fastest under an earlier regime that every device reads as
+        again, one window before the change is confirmed, if it beats this window's steps by
+        the memory's rule (``min_gain``, beyond the two plans' noise, paying the pause back
+        within the horizon). An interferer's end is then followed in one window, as its onset
+        is: the model alone cannot follow it so soon, for the device that sped up is as
+        uncertain as its unconfirmed change and the move puts layers on it. A reading that
+        only looked like the earlier conditions has the move judged on the next window."""
+        then = self.est.returning
+        if then is None:
+            return None
+        best = self.memory.best(then, last=recent)
+        if best is None or best[0] == key or best[1] >= here * (1 - self.config.min_gain):
+            return None
+        one = max(self.memory.noise(then, last=recent), w.step_noise)
+        n = max(1, self.memory.count(best[0], then, last=recent))
+        if np.log(here / best[1]) <= 3.0 * one * float(np.sqrt(1.0 + 1.0 / n)):
+            return None
+        if (here - best[1]) * self.config.horizon_steps <= pause:
+            return None
+        reason = (
+            f"devices read as they ran before: measured {best[1]:.2f} ms/step then "
+            f"against {here:.2f} now"
+        )
+        return reason, best[0], best[1]
 
     def _memory_noise(self, w: Window, a: Bounds, b: Bounds, recent: int) -> float:
         """How far apart (a log ratio) two plans' measured step times in the current regime
