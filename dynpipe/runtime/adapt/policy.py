@@ -368,9 +368,11 @@ class Controller:
                 "across a change of conditions",
                 bounds=last.src,
             )
-        back = self._back(w, key, here, pause, recent)
+        # This window's own steps: the regime's median of this plan is of the conditions
+        # that seem to have ended.
+        back = self._back(w, key, w.median_step_ms, pause, recent)
         if back is not None:
-            return verdict(back[0], proposed=cur * back[2] / here, bounds=back[1])
+            return verdict(back[0], proposed=cur * back[2] / w.median_step_ms, bounds=back[1])
         best = self.memory.best(regime, last=recent)
         if (
             best is not None
