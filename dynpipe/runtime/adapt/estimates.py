@@ -379,9 +379,27 @@ class CostEstimates:
         """While a change is unconfirmed (``changing``): the earlier regime under which
         every rank ran as it runs now, if there is one (an interferer gone, seen one window
         before the next confirms it), else None. The regime it would be named when confirmed."""
-        if not self.changing:
+        if not self.changing or self.regime not in self._regime_loads:
             return None
-        return self._known_regime(self.threshold(), left=self.regime)
+        limit = self.threshold()
+        then = self._known_regime(limit, left=self.regime)
+        if then is None:
+            return None
+        # On the ranks where the two regimes ran apart (beyond the threshold), closer to the
+        # earlier one than to the one being left: a threshold that noisy timers have widened
+        # can hold several regimes at once, and a reading still under the current
+        # conditions must not pass for an end. Ranks that ran alike in both say nothing.
+        now = np.log(np.maximum(self.load, 1e-9))
+
+        def mean(rid: int) -> np.ndarray:
+            total, count = self._regime_loads[rid]
+            return np.log(np.maximum(total / max(count, 1), 1e-9))
+
+        a, b = mean(then), mean(self.regime)
+        apart = np.abs(a - b) > limit
+        if apart.any() and np.all((np.abs(now - a) < np.abs(now - b))[apart]):
+            return then
+        return None
 
     def _confirm(
         self,
