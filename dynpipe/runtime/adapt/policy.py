@@ -368,19 +368,25 @@ class Controller:
                 "across a change of conditions",
                 bounds=last.src,
             )
-        # This window's own steps: the regime's median of this plan is of the conditions
-        # that seem to have ended.
-        back = self._back(w, key, w.median_step_ms, pause, recent)
+        # Devices that read as under an earlier regime, one window before the change is
+        # confirmed (an interferer's end followed in one window, as its onset is: the model
+        # alone cannot follow it so soon, for the device that sped up is as uncertain as its
+        # unconfirmed change and the move puts layers on it). Compared with this window's
+        # own steps: the regime's median of this plan is of the conditions that seem to have
+        # ended. A reading that only looked like the earlier conditions has the move judged
+        # on the next window.
+        then = self.est.returning
+        now = w.median_step_ms
+        back = None if then is None else self._faster(w, key, now, then, pause, recent, 1)
         if back is not None:
-            return verdict(back[0], proposed=cur * back[2] / w.median_step_ms, bounds=back[1])
-        best = self.memory.best(regime, last=recent)
-        if (
-            best is not None
-            and best[0] != key
-            and best[1] < here * (1 - cfg.min_gain)
-            and np.log(here / best[1]) > self._memory_noise(w, key, best[0], recent)
-            and (here - best[1]) * cfg.horizon_steps > pause
-        ):
+            return verdict(
+                f"devices read as they ran before: measured {back[1]:.2f} ms/step then "
+                f"against {now:.2f} now",
+                proposed=cur * back[1] / now,
+                bounds=back[0],
+            )
+        best = self._faster(w, key, here, regime, pause, recent)
+        if best is not None:
             return verdict(
                 f"measured {best[1]:.2f} ms/step under these conditions against {here:.2f} now",
                 proposed=cur * best[1] / here,
@@ -453,44 +459,33 @@ class Controller:
             model=True,
         )
 
-    def _back(
-        self, w: Window, key: Bounds, here: float, pause: float, recent: int
-    ) -> tuple[str, Bounds, float] | None:
-        """The plan measured fastest under an earlier regime that every device reads as
-        again, one window before the change is confirmed, if it beats this window's steps by
-        the memory's rule (``min_gain``, beyond the two plans' noise, paying the pause back
-        within the horizon). An interferer's end is then followed in one window, as its onset
-        is: the model alone cannot follow it so soon, for the device that sped up is as
-        uncertain as its unconfirmed change and the move puts layers on it. A reading that
-        only looked like the earlier conditions has the move judged on the next window."""
-        then = self.est.returning
-        if then is None:
-            return None
-        best = self.memory.best(then, last=recent)
+    def _faster(
+        self,
+        w: Window,
+        key: Bounds,
+        here: float,
+        regime: int,
+        pause: float,
+        recent: int,
+        here_windows: int | None = None,
+    ) -> tuple[Bounds, float] | None:
+        """The plan measured fastest in ``regime`` (among its ``recent`` windows) and its step
+        time, if it beats ``here``, this plan's step time, by the memory's rule: by more than
+        ``min_gain``, beyond three standard errors of the two plans' difference (each plan's
+        median over its windows, ``here_windows`` for this plan if given; window-to-window
+        spread from the memory, at least what the spread of this window's steps says of one
+        window), and paying the pause back within the horizon."""
+        best = self.memory.best(regime, last=recent)
         if best is None or best[0] == key or best[1] >= here * (1 - self.config.min_gain):
             return None
-        one = max(self.memory.noise(then, last=recent), w.step_noise)
-        n = max(1, self.memory.count(best[0], then, last=recent))
-        if np.log(here / best[1]) <= 3.0 * one * float(np.sqrt(1.0 + 1.0 / n)):
+        one = max(self.memory.noise(regime, last=recent), w.step_noise)
+        n_a = here_windows or max(1, self.memory.count(key, regime, last=recent))
+        n_b = max(1, self.memory.count(best[0], regime, last=recent))
+        if np.log(here / best[1]) <= 3.0 * one * float(np.sqrt(1.0 / n_a + 1.0 / n_b)):
             return None
         if (here - best[1]) * self.config.horizon_steps <= pause:
             return None
-        reason = (
-            f"devices read as they ran before: measured {best[1]:.2f} ms/step then "
-            f"against {here:.2f} now"
-        )
-        return reason, best[0], best[1]
-
-    def _memory_noise(self, w: Window, a: Bounds, b: Bounds, recent: int) -> float:
-        """How far apart (a log ratio) two plans' measured step times in the current regime
-        could be by noise alone: three standard errors of their difference, each plan's
-        median over its windows (window-to-window spread from the memory, at least what the
-        spread of this window's steps says of one window)."""
-        regime = self.est.regime
-        one = max(self.memory.noise(regime, last=recent), w.step_noise)
-        n_a = max(1, self.memory.count(a, regime, last=recent))
-        n_b = max(1, self.memory.count(b, regime, last=recent))
-        return 3.0 * one * float(np.sqrt(1.0 / n_a + 1.0 / n_b))
+        return best
 
     def tracking_error(self) -> float:
         """Relative standard deviation of the model's misses: how far, window to window,
