@@ -55,6 +55,11 @@ CONFIGS: dict[str, list[str]] = {
     "bert-w1024": ["--model", "bert", "--model-arg", "depth=12", "--model-arg", "width=1024",
                    "--model-arg", "heads=16", "--model-arg", "seq_len=512",
                    "--batch-size", "64", "--microbatches", "8"],
+    # 16 sequences a microbatch: at 8 (b64) the step swung 80-143 ms within a launch and
+    # 88-106 ms between launches of one split, too much for a phase comparison.
+    "bert-w1024-b128": ["--model", "bert", "--model-arg", "depth=12", "--model-arg",
+                        "width=1024", "--model-arg", "heads=16", "--model-arg", "seq_len=512",
+                        "--batch-size", "128", "--microbatches", "8"],
     "mlp-cpu": ["--model", "mlp", "--model-arg", "depth=8", "--model-arg", "width=384",
                 "--model-arg", "in_features=384", "--batch-size", "64", "--microbatches", "4"],
 }  # fmt: skip
