@@ -3,7 +3,7 @@
     python analysis/fig_accuracy.py
     python analysis/fig_accuracy.py --logs analysis/logs/gpu --target-accuracy 0.7
 
-Reads analysis/logs/<experiment>/*.jsonl (runs trained with --eval-every N) and writes
+Reads analysis/logs/<experiment>/*.jsonl.gz (runs trained with --eval-every N) and writes
 analysis/figures/<experiment>/time_to_accuracy.{png,pdf}. Without a target, the target is
 the best accuracy every run of the experiment reaches (or, for runs that log no accuracy,
 the lowest eval loss every run reaches); the figure's title says which. Experiments whose

@@ -18,6 +18,7 @@ from pathlib import Path
 from dynpipe.analysis.bubbles import partition_bubbles, plot_bubbles, run_bubbles
 from dynpipe.analysis.logs import group_experiments, load_runs
 from dynpipe.errors import UserError
+from dynpipe.runtime.records import glob_logs
 
 HERE = Path(__file__).resolve().parent
 
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     drew = False
     try:
-        if args.logs.is_dir() and any(args.logs.rglob("*.jsonl")):
+        if args.logs.is_dir() and glob_logs(args.logs):
             for name, paths in group_experiments(args.logs).items():
                 runs = load_runs(paths)
                 plot_bubbles(run_bubbles(runs, warmup=args.warmup), runs=runs, out=args.out / name)

@@ -3,7 +3,7 @@
     python analysis/fig_busy.py
     python analysis/fig_busy.py --logs analysis/logs/gpu
 
-Reads analysis/logs/<experiment>/*.jsonl and writes
+Reads analysis/logs/<experiment>/*.jsonl.gz and writes
 analysis/figures/<experiment>/busy_fraction.{png,pdf}: one panel per run, one line per stage.
 A stage far below the others waits on its neighbours: the pipeline is unbalanced.
 """

@@ -3,7 +3,7 @@
     python analysis/fig_loss.py
     python analysis/fig_loss.py --logs analysis/logs/gpu --target-loss 2.0
 
-Reads analysis/logs/<experiment>/*.jsonl and writes
+Reads analysis/logs/<experiment>/*.jsonl.gz and writes
 analysis/figures/<experiment>/loss_time.{png,pdf}. Without --target-loss the target is the
 largest of the runs' 10% loss quantiles (a loss every run reaches). All systems run the same
 steps on the same data, so a system that spends less wall time per step, pauses included,

@@ -2,7 +2,7 @@
 
     python analysis/fig_migration.py
 
-Reads every analysis/logs/<experiment>/*.jsonl and writes
+Reads every analysis/logs/<experiment>/*.jsonl.gz and writes
 analysis/figures/<experiment>/migration.{png,pdf} for each experiment whose logs hold
 repartition or restart events (the others are listed as skipped). Numbers are the
 repartition events' own decide_ms / transfer_ms / rebuild_ms / pause_ms, and for the restart

@@ -3,7 +3,7 @@
     python analysis/fig_phases.py
     python analysis/fig_phases.py --logs analysis/logs --warmup 5
 
-Reads every analysis/logs/<experiment>/*.jsonl and writes
+Reads every analysis/logs/<experiment>/*.jsonl.gz and writes
 analysis/figures/phases_<model>.{png,pdf}. Experiments of the same model under different
 interference (light, heavy) become panels side by side. Phases are cut where the logs'
 interference events say the interferer went on and off.

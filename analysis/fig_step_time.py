@@ -3,10 +3,10 @@
     python analysis/fig_step_time.py
     python analysis/fig_step_time.py --logs analysis/logs/gpu
 
-Reads the raw run logs analysis/logs/<experiment>/*.jsonl (one per system: static, measured,
-adaptive, restart) and writes analysis/figures/<experiment>/step_time.{png,pdf}. Shaded:
-interference on, from the logs' interference events; dashed: live repartitions; dotted:
-restarts.
+Reads the raw run logs analysis/logs/<experiment>/*.jsonl.gz (one per system: static,
+measured, adaptive, restart) and writes analysis/figures/<experiment>/step_time.{png,pdf}.
+Shaded: interference on, from the logs' interference events; dashed: live repartitions;
+dotted: restarts.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python analysis/fig_throughput.py
 
-Reads every analysis/logs/<experiment>/*.jsonl and writes
+Reads every analysis/logs/<experiment>/*.jsonl.gz and writes
 analysis/figures/throughput.{png,pdf}. Throughput is the samples of all steps over the wall
 time from the first step's start to the last step's end, so migration pauses and restarts
 count against a system. Inside each bar: the speed-up over the static run of the same model

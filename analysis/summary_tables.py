@@ -3,7 +3,7 @@
     python analysis/summary_tables.py
     python analysis/summary_tables.py --logs /path/to/bench/OUTDIR --target-loss 2.0
 
-Reads every experiment's raw run logs (analysis/logs/<experiment>/*.jsonl, or the flat
+Reads every experiment's raw run logs (analysis/logs/<experiment>/*.jsonl.gz, or the flat
 <experiment>-<system>.jsonl files bench/gpu_adapt.sh writes) and writes
 analysis/figures/<experiment>/summary.md: per run, end-to-end samples/s, speed-up over the
 static run, time to the target loss, repartitions, bytes moved and pauses; per run and phase,

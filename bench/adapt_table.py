@@ -1,9 +1,9 @@
 """Tabulate adaptive-runtime benchmark logs: per-phase step time, time to adapt, pauses.
 
-Reads the raw JSONL logs written by ``bench/gpu_adapt.sh`` (``<model>-<kind>-<mode>.jsonl``)
-and prints markdown tables; nothing here is typed in by hand.
+Reads the raw JSONL logs written by ``bench/gpu_adapt.sh`` (``<model>-<kind>-<mode>.jsonl``,
+or ``.jsonl.gz`` as committed) and prints markdown tables; nothing here is typed in by hand.
 
-    python bench/adapt_table.py analysis/logs/gpu/*.jsonl
+    python bench/adapt_table.py analysis/logs/gpu-h200-2gpu-vgg16-rep1/*.jsonl.gz
 
 Phases are cut at the steps where the scenario started or stopped interference. A phase's
 step time is the median over the whole phase but its first ``SETTLE`` steps (the first
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from dynpipe.analysis.phases import interference_windows
-from dynpipe.runtime.records import Event, read_log
+from dynpipe.runtime.records import Event, log_stem, read_log
 
 SETTLE = 5  # steps skipped after a phase starts or the plan changes
 
@@ -46,7 +46,7 @@ def _phases(ev: list[Event], end: int) -> list[tuple[str, int, int]]:
 
 def summarise(path: Path) -> dict:
     log = read_log(path)
-    model, kind, mode = path.stem.split("-", 2)
+    model, kind, mode = log_stem(path).split("-", 2)
     steps = {r.step: r for r in log.steps}
     ev = log.events()
     end = max(steps) + 1

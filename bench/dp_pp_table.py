@@ -1,15 +1,15 @@
 """Per-phase step times of the data x pipeline benchmark, against the best static shape/split.
 
-Reads the raw logs ``bench/gpu_dp_pp.sh`` wrote into OUTDIR (``<model>-<system>.jsonl`` and
-its ``meta.json``) and prints, per model and phase (clean, interference, after), every
-system's mean wall-clock time per step and its ratio to the oracle (``adaptive-dp4``: the
-adaptive policy started as DP only; the live policies may change shape, ``--reshape``, and
-their moves column lists reshapes as ``step:DPxPP split``): the fastest of the
-static shapes run under the same conditions (``dp4``: data parallelism alone, ``pp4``: one
-4-stage pipeline, ``static``: 2 x 2 with the even split) and of every 2 x 2 split the
-``sweep`` run held (its clean pass for the clean and after phases, its second pass, under
-the interferer, for the interference phase). Time per step is measured from one step's end
-to the next, so the per-window gather, adaptation pauses and a split's first steps count.
+Reads the raw logs ``bench/gpu_dp_pp.sh`` wrote into OUTDIR (``<model>-<system>.jsonl``, or
+``.jsonl.gz`` as committed, and its ``meta.json``) and prints, per model and phase (clean,
+interference, after), every system's mean wall-clock time per step and its ratio to the oracle
+(``adaptive-dp4``: the adaptive policy started as DP only; the live policies may change shape,
+``--reshape``, and their moves column lists reshapes as ``step:DPxPP split``): the fastest of
+the static shapes run under the same conditions (``dp4``: data parallelism alone, ``pp4``: one
+4-stage pipeline, ``static``: 2 x 2 with the even split) and of every 2 x 2 split the ``sweep``
+run held (its clean pass for the clean and after phases, its second pass, under the interferer,
+for the interference phase). Time per step is measured from one step's end to the next, so the
+per-window gather, adaptation pauses and a split's first steps count.
 
     python bench/dp_pp_table.py OUTDIR            # prints a markdown table per model
     python bench/dp_pp_table.py OUTDIR --json OUTDIR/dp-pp-table.json
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from dynpipe.runtime.records import read_log
+from dynpipe.runtime.records import find_log, read_log
 
 STATIC = ("dp4", "pp4", "static")
 SYSTEMS = ("dp4", "pp4", "static", "measured", "adaptive", "adaptive-dp4", "partial")
@@ -86,13 +86,13 @@ def table(outdir: Path) -> dict[str, Any]:
     for model in meta["models"]:
         runs = {}
         for system in SYSTEMS:
-            p = outdir / f"{model}-{system}.jsonl"
-            if p.is_file():
+            p = find_log(outdir, f"{model}-{system}")
+            if p is not None:
                 runs[system] = _steps(p)
-        sweep_path = outdir / f"{model}-sweep.jsonl"
+        sweep_path = find_log(outdir, f"{model}-sweep")
         sweep = (
             _sweep(sweep_path, meta["sweep_onset"][model], warm, meta["monitor_every"])
-            if sweep_path.is_file()
+            if sweep_path is not None
             else {"clean": {}, "interference": {}}
         )
         device = next((h.env.get("device_name") for _, _, h in runs.values() if h), None)

@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from dynpipe.runtime.records import read_log
+from dynpipe.runtime.records import find_log, read_log
 
 RUNS = ("keep-static", "keep-measured", "drop-static", "elastic", "release")
 FREEZE_RUNS = ("nofreeze", "freeze", "freeze-autodp")
@@ -49,8 +49,8 @@ def main(argv: list[str]) -> int:
     print(f"device {card}, scenario {meta['scenario']}, revision {meta.get('revision')}")
     print(f"{'run':<14}" + "".join(f"{name:>22}" for name, _, _ in _phases(meta)))
     for run in RUNS:
-        log = out / run / "log.jsonl"
-        if not log.is_file():
+        log = find_log(out / run, "log")
+        if log is None:
             print(f"{run:<14} (no log)")
             continue
         recs = read_log(log)
@@ -65,8 +65,8 @@ def main(argv: list[str]) -> int:
             n = "/".join(map(str, _stage_counts(recs, a, b, initial)))
             cells.append(f"{statistics.median(xs):>12.2f} ms ({n} st)")
         print(f"{run:<14}" + "".join(cells))
-    rel = out / "release" / "log.jsonl"
-    if rel.is_file():
+    rel = find_log(out / "release", "log")
+    if rel is not None:
         for e in read_log(rel).events("release"):
             what = f"released {e['ranks']}" if e["ranks"] else f"reclaimed {e['reclaimed']}"
             print(
@@ -75,8 +75,8 @@ def main(argv: list[str]) -> int:
             )
     evals = {}
     for run in FREEZE_RUNS:
-        log = out / run / "log.jsonl"
-        if not log.is_file():
+        log = find_log(out / run, "log")
+        if log is None:
             continue
         recs = read_log(log)
         t0 = recs.headers[0].time if recs.headers else 0.0

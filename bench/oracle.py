@@ -202,15 +202,17 @@ def report(a: argparse.Namespace) -> int:
     d = Path(a.dir)
     meta = json.loads((d / "oracle.json").read_text())
     every, warm = meta["monitor_every"], meta["warmup"]
+    from dynpipe.runtime.records import find_log, read_dicts
+
+    # A run's folder holds plain logs, committed ones are compressed (``sweep.jsonl.gz``):
+    # find_log and read_log take either.
     sweep = _sweep(d / "sweep.jsonl", meta["sweep_onset"], warm, every)
     phases = {"clean": (warm, meta["onset"]), "interference": (meta["onset"], meta["end"]),
               "after": (meta["end"], meta["steps"])}  # fmt: skip
     device = None
     out: dict[str, Any] = {"config": meta, "phases": {}}
-    logs = {s: d / f"{s}.jsonl" for s in SYSTEMS if (d / f"{s}.jsonl").exists()}
+    logs = {s: p for s in SYSTEMS if (p := find_log(d, s)) is not None}
     runs = {s: _read(p) for s, p in logs.items()}
-    from dynpipe.runtime.records import read_dicts
-
     for p in logs.values():
         head = next(r for r in read_dicts(p) if r["type"] == "header")
         device = device or head.get("env", {}).get("device_name")

@@ -12,7 +12,7 @@ and the step of the first move after an onset is how fast the policy reacts. Log
 before per-layer timing existed replay with stage times spread over layers by the policy's
 current estimates (``CostEstimates``' fallback).
 
-    python bench/replay_controller.py analysis/logs/oracle-*/static.jsonl \
+    python bench/replay_controller.py analysis/logs/oracle-*/*/static.jsonl.gz \
         [--mode measured|adaptive] [--predictor P] [--min-gain 0.05] ...
 """
 

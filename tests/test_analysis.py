@@ -18,6 +18,7 @@ off before step 70; the light one 1.5x from step 20 to 45.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ import pandas as pd
 import pytest
 
 from dynpipe.analysis.logs import (
+    expand_log_paths,
     group_experiments,
     load_run,
     load_runs,
@@ -234,6 +236,34 @@ def test_experiments_and_systems_from_file_names(tmp_path) -> None:
     assert group_experiments(LOGS) == {"logs": sorted(LOGS.glob("*.jsonl"))}
     with pytest.raises(UserError, match="no run logs under"):
         group_experiments(tmp_path / "none")
+
+
+def test_compressed_logs_group_and_name_as_the_plain_ones(tmp_path) -> None:
+    # Committed logs are X.jsonl.gz: experiments, systems and run names are those of X.jsonl.
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "packed").mkdir()
+    for src, dst in (
+        ("static", "mlp-emul-static"),
+        ("static", "mlp-emul-static_tuned"),
+        ("restart", "mlp-emul-restart"),
+        ("light", "mlp-x-static"),
+    ):
+        data = (LOGS / f"{src}.jsonl").read_bytes()
+        (tmp_path / "plain" / f"{dst}.jsonl").write_bytes(data)
+        (tmp_path / "packed" / f"{dst}.jsonl.gz").write_bytes(gzip.compress(data, mtime=0))
+    plain, packed = group_experiments(tmp_path / "plain"), group_experiments(tmp_path / "packed")
+    assert list(packed) == list(plain) == ["mlp-emul", "mlp-x"]
+    for key in plain:
+        a, b = load_runs(plain[key]), load_runs(packed[key])
+        assert [(r.name, r.system) for r in b] == [(r.name, r.system) for r in a]
+        if key == "mlp-emul":  # two static runs: named after what their file names add
+            assert sorted(r.system for r in b) == ["restart", "static", "static_tuned"]
+        assert all(x.steps.equals(y.steps) for x, y in zip(a, b, strict=True))
+    # A path or pattern naming plain logs finds them compressed.
+    assert expand_log_paths([tmp_path / "packed" / "mlp-x-static.jsonl"]) == packed["mlp-x"]
+    assert expand_log_paths([str(tmp_path / "packed" / "*.jsonl")]) == sorted(
+        packed["mlp-emul"] + packed["mlp-x"]
+    )
 
 
 def test_throughput_spans_steps_out_of_time_order(static) -> None:

@@ -5,6 +5,7 @@ know."""
 from __future__ import annotations
 
 import ast
+import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,10 @@ from dynpipe.runtime.records import (
     Telemetry,
     UnknownRecord,
     check_event,
+    find_log,
+    glob_logs,
+    log_stem,
+    open_text,
     parse_record,
     read_dicts,
     read_log,
@@ -31,9 +36,7 @@ from dynpipe.runtime.records import (
 )
 
 ROOT = Path(__file__).parents[1]
-COMMITTED = sorted(
-    [*(ROOT / "analysis" / "logs").rglob("*.jsonl"), *(ROOT / "tests" / "data").rglob("*.jsonl")]
-)
+COMMITTED = sorted([*glob_logs(ROOT / "analysis" / "logs"), *glob_logs(ROOT / "tests" / "data")])
 
 
 def test_there_are_committed_logs_of_both_schema_generations_to_read() -> None:
@@ -44,7 +47,8 @@ def test_there_are_committed_logs_of_both_schema_generations_to_read() -> None:
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_committed_log_loads_typed_and_round_trips(path: Path) -> None:
     log = read_log(path)
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    with open_text(path) as fh:
+        lines = [json.loads(line) for line in fh if line.strip()]
     assert len(log) == len(lines) > 0
     assert log.headers and all(1 <= h.schema <= SCHEMA_VERSION for h in log.headers)
     assert log.steps and all(st.layers[0] < st.layers[1] for s in log.steps for st in s.stages)
@@ -136,6 +140,41 @@ def test_newer_schema_is_refused_and_torn_lines_are_skipped(tmp_path) -> None:
         read_log(path)
     with pytest.raises(UserError, match="does not exist"):
         read_log(tmp_path / "missing.jsonl")
+
+
+def test_compressed_logs_read_as_the_plain_ones(tmp_path) -> None:
+    # Committed logs are stored as X.jsonl.gz: every reader finds and reads them as X.jsonl.
+    plain = ROOT / "tests" / "data" / "logs" / "static.jsonl"
+    packed = tmp_path / "runs" / "static.jsonl.gz"
+    packed.parent.mkdir()
+    packed.write_bytes(gzip.compress(plain.read_bytes(), mtime=0))
+    assert read_log(packed).records == read_log(plain).records
+    assert read_dicts(packed) == read_dicts(plain)
+    with open_text(packed) as a, open_text(plain) as b:
+        assert a.read() == b.read()
+    # The plain name reads the compressed file where only that is there.
+    assert read_log(tmp_path / "runs" / "static.jsonl").path == packed
+    assert log_stem(packed) == log_stem(plain) == "static" and log_stem("a/b.json") == "b"
+    assert find_log(packed.parent, "static") == packed and find_log(tmp_path, "static") is None
+    # A log present both ways is the plain one: a decompressed copy beside its archive.
+    (tmp_path / "runs" / "static.jsonl").write_bytes(plain.read_bytes())
+    (tmp_path / "runs" / "deep" / "x").mkdir(parents=True)
+    deep = tmp_path / "runs" / "deep" / "x" / "measured.jsonl.gz"
+    deep.write_bytes(packed.read_bytes())
+    (tmp_path / "runs" / "notes.txt").write_text("not a log")
+    assert find_log(packed.parent, "static") == tmp_path / "runs" / "static.jsonl"
+    assert glob_logs(tmp_path) == [deep, tmp_path / "runs" / "static.jsonl"]
+    assert glob_logs(tmp_path, "runs/*") == [tmp_path / "runs" / "static.jsonl"]
+    assert glob_logs(tmp_path, "*/deep/**/*") == [deep]
+
+
+def test_a_broken_compressed_log_is_refused_with_the_fix(tmp_path) -> None:
+    good = gzip.compress((ROOT / "tests" / "data" / "logs" / "static.jsonl").read_bytes())
+    for name, data in (("cut", good[: len(good) // 2]), ("notgz", b"plain text, not gzip\n")):
+        path = tmp_path / f"{name}.jsonl.gz"
+        path.write_bytes(data)
+        with pytest.raises(UserError, match=r"cannot be decompressed.*gzip -9 -n"):
+            read_log(path)
 
 
 def test_records_of_unknown_types_and_fields_are_kept(tmp_path) -> None:

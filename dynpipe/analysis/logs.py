@@ -24,7 +24,17 @@ import pandas as pd
 
 from dynpipe.analysis.phases import Window, assign_phases, interference_windows
 from dynpipe.errors import UserError
-from dynpipe.runtime.records import EVENTS, Eval, Event, Header, Step, read_log
+from dynpipe.runtime.records import (
+    EVENTS,
+    LOG_SUFFIXES,
+    Eval,
+    Event,
+    Header,
+    Step,
+    glob_logs,
+    log_stem,
+    read_log,
+)
 
 __all__ = [
     "Run",
@@ -105,16 +115,22 @@ class Run:
 
 
 def expand_log_paths(items: Iterable[str | Path]) -> list[Path]:
-    """Files, folders (every ``*.jsonl`` below) and glob patterns, in the order given."""
+    """Files, folders (every ``*.jsonl`` or ``*.jsonl.gz`` below) and glob patterns, in the
+    order given. A pattern (or file name) ending in ``.jsonl`` also matches the compressed
+    logs of those names (how logs are committed)."""
     out: list[Path] = []
     for item in items:
         p = Path(item)
         if p.is_dir():
-            found = sorted(p.rglob("*.jsonl"))
+            found = glob_logs(p)
         elif p.is_file():
             found = [p]
         else:
-            found = sorted(Path(g) for g in glob.glob(str(item), recursive=True))
+            plain = {Path(g) for g in glob.glob(str(item), recursive=True)}
+            packed: set[Path] = set()
+            if str(item).endswith(LOG_SUFFIXES[0]):
+                packed = {Path(g) for g in glob.glob(f"{item}.gz", recursive=True)}
+            found = sorted(plain | {f for f in packed if f.with_suffix("") not in plain})
         if not found:
             raise UserError(
                 f"no run log at {item}; give JSONL files written by `dynpipe train --log FILE` "
@@ -127,13 +143,13 @@ def expand_log_paths(items: Iterable[str | Path]) -> list[Path]:
 def group_experiments(root: str | Path) -> dict[str, list[Path]]:
     """Experiments under ``root``, each a list of run logs (one per system).
 
-    Every folder holding ``*.jsonl`` logs is an experiment, named by its path below ``root``
-    (``root``'s own name for logs lying directly in it). A folder of logs named
-    ``<experiment>-<system>.jsonl`` with several experiment prefixes (what
+    Every folder holding ``*.jsonl`` (or ``*.jsonl.gz``) logs is an experiment, named by its
+    path below ``root`` (``root``'s own name for logs lying directly in it). A folder of logs
+    named ``<experiment>-<system>.jsonl`` with several experiment prefixes (what
     ``bench/gpu_adapt.sh`` writes) is split by prefix.
     """
     root = Path(root)
-    found = sorted(root.rglob("*.jsonl")) if root.is_dir() else []
+    found = glob_logs(root) if root.is_dir() else []
     if not found:
         raise UserError(
             f"no run logs under {root}; put each experiment's logs in {root}/<experiment>/"
@@ -146,12 +162,12 @@ def group_experiments(root: str | Path) -> dict[str, list[Path]]:
     for folder, files in folders.items():
         rel = folder.relative_to(root).as_posix()
         base = root.name if rel == "." else rel
-        prefixes = {f.stem.rpartition("-")[0] for f in files}
+        prefixes = {log_stem(f).rpartition("-")[0] for f in files}
         if "" in prefixes or len(prefixes) < 2:
             out[base] = files
             continue
         for f in files:
-            prefix = f.stem.rpartition("-")[0]
+            prefix = log_stem(f).rpartition("-")[0]
             out.setdefault(prefix if rel == "." else f"{rel}/{prefix}", []).append(f)
     return out
 
@@ -340,13 +356,13 @@ def load_runs(
     for (mode, _, _, _), group in groups.items():
         if len(group) < 2:
             continue
-        common = _common_prefix([r.path.stem for r in group])
+        common = _common_prefix([log_stem(r.path) for r in group])
         for r in group:
-            rest = r.path.stem[len(common) :]
+            rest = log_stem(r.path)[len(common) :]
             if rest and rest[0] in "_-.":
                 r.system = r.name = f"{mode}{rest}"
             elif rest:
-                r.system = r.name = f"{mode} ({r.path.stem})"
+                r.system = r.name = f"{mode} ({log_stem(r.path)})"
         if len({r.system for r in group}) < len(group):
             for r in group:
                 r.system = r.name = f"{r.system} ({r.path.parent.name})"
@@ -373,9 +389,9 @@ def _unique_names(runs: list[Run]) -> None:
     for name, group in by_name.items():
         if len(group) == 1:
             continue
-        stems_differ = len({r.path.stem for r in group}) == len(group)
+        stems_differ = len({log_stem(r.path) for r in group}) == len(group)
         for k, run in enumerate(group):
-            tag = run.path.stem if stems_differ else run.path.parent.name
+            tag = log_stem(run.path) if stems_differ else run.path.parent.name
             cand = f"{name} ({tag})"
             run.name = cand if cand not in taken else f"{name} #{k + 1}"
             taken.add(run.name)

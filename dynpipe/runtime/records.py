@@ -12,6 +12,11 @@ Writers build these records (``RunLog.record``, ``RunLog.event``); every reader 
 analysis package, the benchmarks, the tests) gets them from ``read_log``, which loads every
 log ever written, version 1 included (those without ``schema`` in their header).
 
+A live run writes plain ``X.jsonl``; logs committed to the repository are stored
+gzip-compressed as ``X.jsonl.gz`` (they are most of its bytes). Readers find and open either
+through ``find_log``, ``glob_logs``, ``log_stem`` and ``open_text`` here, so no reader knows
+which it got.
+
 Adding a record type is one dataclass here: derive from ``Record``, decorate it with
 ``@record_type("name")``. Adding an event is one ``EventSpec`` line in ``EVENTS``. Bump
 ``SCHEMA_VERSION`` only when a reader of the previous version would misread a log (a field
@@ -25,19 +30,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gzip
 import json
 import time
 import types
 import typing
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import IO, Any, ClassVar, TypeVar
 
 from dynpipe.errors import UserError
 
 __all__ = [
     "EVENTS",
+    "LOG_SUFFIXES",
     "RECORD_TYPES",
     "SCHEMA_VERSION",
     "Eval",
@@ -53,6 +61,10 @@ __all__ = [
     "Telemetry",
     "UnknownRecord",
     "check_event",
+    "find_log",
+    "glob_logs",
+    "log_stem",
+    "open_text",
     "parse_record",
     "read_dicts",
     "read_log",
@@ -591,16 +603,67 @@ class LogRecords:
         return [e for e in evs if e.event in names] if names else evs
 
 
+# A run log as written (first: preferred where a log is present both ways), and as committed.
+LOG_SUFFIXES = (".jsonl", ".jsonl.gz")
+
+
+def log_stem(path: str | Path) -> str:
+    """A log's file name without its log suffix: ``static`` for ``static.jsonl`` and for
+    ``static.jsonl.gz`` (``Path.stem`` for any other file)."""
+    path = Path(path)
+    for suffix in sorted(LOG_SUFFIXES, key=len, reverse=True):
+        if path.name.endswith(suffix) and len(path.name) > len(suffix):
+            return path.name[: -len(suffix)]
+    return path.stem
+
+
+def open_text(path: str | Path) -> IO[str]:
+    """A log (or any text file) open for reading lines, decompressed when its name ends in
+    ``.gz``. Undecodable bytes become replacement characters: such a line is not JSON and is
+    skipped like a torn one, so a binary file reads as a log without records."""
+    path = Path(path)
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rt", errors="replace")
+    return path.open(errors="replace")
+
+
+def find_log(folder: str | Path, stem: str) -> Path | None:
+    """The log named ``stem`` in ``folder``, plain or compressed, or None."""
+    for suffix in LOG_SUFFIXES:
+        path = Path(folder) / f"{stem}{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
+def glob_logs(root: str | Path, pattern: str = "**/*") -> list[Path]:
+    """The logs below ``root`` whose names without their log suffix match ``pattern``
+    (``Path.glob`` syntax: the default is every log below ``root``), plain or compressed,
+    sorted; a log present both ways is listed once, as its plain file."""
+    found: dict[tuple[Path, str], Path] = {}
+    for suffix in LOG_SUFFIXES:
+        for path in Path(root).glob(f"{pattern}{suffix}"):
+            found.setdefault((path.parent, log_stem(path)), path)
+    return sorted(found.values())
+
+
 def read_log(path: str | Path) -> LogRecords:
     """Every record of a run log, typed. Lines that are not JSON (a torn last line left by
-    a killed writer) are skipped; a log from a newer schema is refused."""
+    a killed writer) are skipped; a log from a newer schema is refused. ``X.jsonl`` that is
+    not there but committed as ``X.jsonl.gz`` reads that."""
     path = Path(path)
+    if not path.is_file() and path.name.endswith(LOG_SUFFIXES[0]):
+        path = find_log(path.parent, log_stem(path)) or path
     if not path.is_file():
         raise UserError(f"run log {path} does not exist; write one with `dynpipe train --log FILE`")
-    # Undecodable bytes become replacement characters: such a line is not JSON and is skipped
-    # like a torn one, so a binary file reads as a log without records.
-    with path.open(errors="replace") as fh:
-        records = tuple(_parse_lines(fh, source=path))
+    try:
+        with open_text(path) as fh:
+            records = tuple(_parse_lines(fh, source=path))
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:  # not gzip, cut short, corrupt
+        raise UserError(
+            f"run log {path} cannot be decompressed ({exc}); compress it again from the "
+            "plain log with `gzip -9 -n`"
+        ) from exc
     return LogRecords(path=path, records=records)
 
 

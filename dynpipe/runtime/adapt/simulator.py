@@ -41,6 +41,7 @@ from dynpipe.runtime.adapt.config import AdaptConfig
 from dynpipe.runtime.adapt.policy import Decision, Policy, moved_bytes
 from dynpipe.runtime.adapt.record import Bounds
 from dynpipe.runtime.adapt.window import Window
+from dynpipe.runtime.records import glob_logs, log_stem, open_text
 
 __all__ = [
     "NoiseTrace",
@@ -164,9 +165,11 @@ class NoiseTrace:
 def noise_from_logs(root: str | Path = DEFAULT_LOGS) -> list[NoiseTrace]:
     """Every stage of every static GPU run under ``root``, over its clean steps."""
     out = []
-    for path in sorted(_path(root).glob("gpu-*/**/*static*.jsonl")):
+    for path in glob_logs(_path(root), "gpu-*/**/*static*"):
         steps, onset = [], None
-        for line in path.open():
+        with open_text(path) as fh:
+            lines = fh.readlines()
+        for line in lines:
             if '"interference_start"' in line and onset is None:
                 onset = json.loads(line)["step"]
             elif line.startswith('{"type": "step"'):
@@ -179,7 +182,7 @@ def noise_from_logs(root: str | Path = DEFAULT_LOGS) -> list[NoiseTrace]:
         real = step / np.median(step)
         for s in range(comp.shape[1]):
             x = comp[:, s] / np.median(comp[:, s])
-            out.append(NoiseTrace(f"{path.parent.name}/{path.stem}#{s}", real, x / real))
+            out.append(NoiseTrace(f"{path.parent.name}/{log_stem(path)}#{s}", real, x / real))
     return out
 
 
