@@ -564,15 +564,20 @@ class ReplicaPolicy:
     ) -> list[ReplicaConfig]:
         total = sum(cur.shares)
         splits: list[Bounds] = [cur.bounds]
-        worst = dataclasses.replace(
-            costs[0],
-            fwd_ms=np.max([c.fwd_ms for c in costs], axis=0),
-            bwd_ms=np.max([c.bwd_ms for c in costs], axis=0),
-            stage_fwd_ms=np.max([c.stage_fwd_ms for c in costs], axis=0),
-            stage_bwd_ms=np.max([c.stage_bwd_ms for c in costs], axis=0),
-        )
+        # One stage has one split: every model gives it, or the same memory error (their
+        # bytes are the base's; only their times differ), so one of them tells.
+        planned = costs[:1]
+        if self.num_stages > 1:
+            worst = dataclasses.replace(
+                costs[0],
+                fwd_ms=np.max([c.fwd_ms for c in costs], axis=0),
+                bwd_ms=np.max([c.bwd_ms for c in costs], axis=0),
+                stage_fwd_ms=np.max([c.stage_fwd_ms for c in costs], axis=0),
+                stage_bwd_ms=np.max([c.stage_bwd_ms for c in costs], axis=0),
+            )
+            planned = [*costs, worst]
         mean = total // self.dp
-        for cm in [*costs, worst]:
+        for cm in planned:
             # ``plan_partition``'s split, listed and scored at once where splits are few.
             b = best_bounds(
                 cm,
@@ -737,7 +742,10 @@ class ReplicaPolicy:
         predictor prices each device's rows on their own, so a replica's numbers are the
         ones a call of its own gives, for a fraction of the calls' fixed cost."""
         out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(subs)
-        use = [r for r, sub in enumerate(subs) if sub.telemetry]
+        # A replica of one stage holds every layer on its device: its costs are all
+        # measured, and ``CostEstimates.costs`` reads a prediction only for a layer a
+        # device does not hold, so it needs none.
+        use = [r for r, sub in enumerate(subs) if sub.telemetry and sub.num_stages > 1]
         if self.mode_used != "adaptive" or not use:
             return out
         from dynpipe.predictor import predict_layer_times
