@@ -51,7 +51,7 @@ done once: each split's pipeline step per microbatch count for all replicas toge
 split scored where they are few), one predictor call over every replica's devices and none
 for replicas of one stage (whose layers are all measured). Over the six 4 x H200 dp x pp
 logs of ``6bdb40a`` (``bench/replay_replicas.py``) that took a window's decision from 16.3
-to 4.2 ms (medians, one CPU core of the development host), with the same decisions.
+to 4.2 ms (medians, on a CPU host), with the same decisions.
 """
 
 from __future__ import annotations
