@@ -242,3 +242,21 @@ def test_layer_moves_stay_within_every_replicas_free_memory() -> None:
     # Without the limit the same slowdown moves layers onto the first stage.
     _, free = _run(lambda w: [[1, 2.0 if w >= 3 else 1]] * 2, windows=8)
     assert any(d.bounds[0][1] > L // 2 for _, d in free)
+
+
+def test_a_one_stage_replica_prices_no_layer_from_predicted_slowdowns() -> None:
+    """Every layer of a one-stage replica is on the device that measures it: its costs are
+    the same whatever the predictor says (so the replica policy does not ask it)."""
+    policy = ReplicaPolicy(
+        base=BASE, config=AdaptConfig(mode="measured", settle_windows=0), num_stages=1, dp=2
+    )
+    cfg = ReplicaConfig(bounds=((0, L),), shares=(4, 4))
+    for w in range(3):
+        policy.observe(_window(4 + 5 * w, cfg, [[1.0], [2.5]], schedule="gpipe"))
+    rng = np.random.default_rng(0)
+    for est in policy.est:
+        plain = est.costs(((0, L),), (0,))
+        for _ in range(3):
+            pred = (rng.uniform(0.5, 4, (1, L)), rng.uniform(0.5, 4, (1, L)))
+            got = est.costs(((0, L),), (0,), predicted=pred)
+            assert np.array_equal(got[0], plain[0]) and np.array_equal(got[1], plain[1])
