@@ -14,13 +14,20 @@ current estimates (``CostEstimates``' fallback).
 
     python bench/replay_controller.py analysis/logs/oracle-*/*/static.jsonl.gz \
         [--mode measured|adaptive] [--predictor P] [--min-gain 0.05] ...
+
+``--time`` also prints the policy's host time per window (what a training rank spends in
+``think`` while its device runs a step), with the predictor's part in ``adaptive`` mode;
+on a GPU host ``--cuda`` first opens a CUDA context, as a training rank holds one.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
+
+import numpy as np
 
 from dynpipe.cliargs import add_config_args, config_kwargs
 from dynpipe.planner.plan import Plan
@@ -40,12 +47,16 @@ def replay(
     *,
     through: bool = False,
     link_gbs: float | None = None,
+    host_ms: list[tuple[float, float, float | None]] | None = None,
 ) -> list[dict]:
     """One dict per window: the decision, or the first move the recorded run did not make.
 
     ``through``: replay the whole log, the recorded moves imposed on the policy where it
     would have moved elsewhere or not at all (decisions after one are conditional on it;
-    such windows carry ``recorded``, the plan the run moved to)."""
+    such windows carry ``recorded``, the plan the run moved to).
+    ``host_ms``: if given, gets one ``(wall, cpu, predictor)`` per window the policy read:
+    milliseconds of its ``observe`` (wall clock and this thread's CPU time) and of the
+    predictor's call within it (None where it made none)."""
     log = read_log(path)
     header = log.headers[0]
     conf = header.config
@@ -108,7 +119,11 @@ def replay(
             layers=layers.get(last),
             telemetry=tels[covering] if covering is not None and predictor else None,
         )
+        t0, c0 = time.perf_counter(), time.thread_time()
         d = policy.observe(w)
+        if host_ms is not None:
+            wall, cpu = (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3
+            host_ms.append((wall, cpu, getattr(policy, "predict_ms", None)))
         marks = [events[s] for s in range(window[0]["step"], last + 1) if s in events]
         # A move starts a step after the window's decision (the loop decides while the
         # device runs the next step); logs from before that started it at once.
@@ -201,20 +216,60 @@ def build_parser() -> argparse.ArgumentParser:
         help="link bandwidth (GB/s, the model's float32 bytes) for logs that did not measure "
         "theirs (static and sweep runs); a log's own links event wins",
     )
+    ap.add_argument(
+        "--time",
+        action="store_true",
+        help="also print the policy's host time per window (median, p90, max)",
+    )
+    ap.add_argument(
+        "--cuda",
+        action="store_true",
+        help="open a CUDA context before replaying, as a training rank holds one (GPU hosts)",
+    )
     add_config_args(ap, AdaptConfig, flags=ADAPT_FLAGS, exclude=("mode",), unset=True)
     return ap
+
+
+def _time_line(host_ms: list[tuple[float, float, float | None]]) -> str:
+    """Median, p90 and max of the policy's wall and CPU time per window, and the
+    predictor's wall time where it ran."""
+
+    def stats(xs: list[float]) -> str:
+        a = np.asarray(xs)
+        return f"median {np.median(a):.3f} p90 {np.percentile(a, 90):.3f} max {a.max():.3f}"
+
+    out = [
+        f"host ms per window ({len(host_ms)} windows): wall {stats([h[0] for h in host_ms])}",
+        f"cpu {stats([h[1] for h in host_ms])}",
+    ]
+    pred = [h[2] for h in host_ms if h[2] is not None]
+    if pred:
+        out.append(f"predictor wall {stats(pred)}")
+    return "; ".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     given = {k: v for k, v in config_kwargs(args, AdaptConfig).items() if v is not None}
     overrides = {**given, "mode": args.mode}
+    if args.cuda:
+        import torch
+
+        torch.zeros(1, device="cuda")  # the context a training rank's process holds
     for path in args.logs:
         print(f"## {path}")
+        host_ms: list[tuple[float, float, float | None]] | None = [] if args.time else None
         for d in replay(
-            path, overrides, args.predictor, through=args.through, link_gbs=args.link_gbs
+            path,
+            overrides,
+            args.predictor,
+            through=args.through,
+            link_gbs=args.link_gbs,
+            host_ms=host_ms,
         ):
             print("  ", d)
+        if host_ms:
+            print("  ", _time_line(host_ms))
     return 0
 
 

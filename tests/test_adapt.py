@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from dynpipe.runtime.adapt.policy import (
 from dynpipe.runtime.adapt.record import MoveRecord, PlanMemory
 from dynpipe.runtime.adapt.window import Window
 
+ROOT = Path(__file__).resolve().parents[1]
 L = 10
 M = 4
 
@@ -521,3 +523,35 @@ def test_the_planner_keeps_each_stage_within_its_free_device_memory() -> None:
         )
         assert not d.repartition, d
     assert ctl._memory(dataclasses.replace(w, memory_bytes=None)) is None
+
+
+def test_the_predictors_host_time_is_kept_per_window_where_it_ran() -> None:
+    """``predict_ms``: the adaptive mode's one cost over the measured mode's, logged beside
+    each window's decide_ms; None in windows that made no prediction."""
+    from dynpipe.predictor import load_predictor, prepare_layers
+
+    pred = load_predictor(ROOT / "predictor" / "h200.json.gz")
+    pred.estimator.set_predict_threads(1)
+    layers = [
+        {"kind": "conv", "param_bytes": 1e6, "in_bytes": 1e5, "out_bytes": 1e5,
+         "fwd_flops": 1e9, "bwd_flops": 2e9}
+        for _ in range(L)
+    ]  # fmt: skip
+    prepared = prepare_layers(pred, layers, batch_size=8)
+    tel = {"tel_util": 90.0, "tel_mem_util": 30.0, "tel_clock_mhz": 1980.0,
+           "tel_mem_used_mb": 5000.0, "tel_power_w": 500.0, "tel_other_procs": 0.0,
+           "tel_other_util": 0.0, "tel_other_mem_util": 0.0, "tel_throttle": None}  # fmt: skip
+    cfg = AdaptConfig(mode="adaptive", settle_windows=1)
+    adaptive = Controller(base=_base(), config=cfg, num_ranks=2, predictor=pred, prepared=prepared)
+    measured = Controller(
+        base=_base(), config=dataclasses.replace(cfg, mode="measured"), num_ranks=2
+    )
+    for s in range(3):
+        w = dataclasses.replace(_window(4 + 5 * s, EVEN, TRUE), telemetry=(tel, tel))
+        for policy in (adaptive, measured):
+            policy.observe(w)
+        if s == 0:  # settling: no decision, no prediction
+            assert adaptive.predict_ms is None
+        else:
+            assert adaptive.predict_ms is not None and adaptive.predict_ms > 0
+        assert measured.predict_ms is None

@@ -78,6 +78,7 @@ class _Pending:
     thought: bool = False
     decision: Decision | None = None
     policy_ms: float = 0.0
+    predict_ms: float | None = None  # of ``policy_ms``, the predictor's call (adaptive)
     error: BaseException | None = None
 
 
@@ -163,6 +164,7 @@ class Adapter:
         except Exception as exc:  # raised in ``finish``, not as the step's failure
             p.error = exc
         p.policy_ms = (time.perf_counter() - t0) * 1e3
+        p.predict_ms = getattr(self.policy, "predict_ms", None)
 
     def finish(
         self, step: int, *, before_move: Callable[[], object] | None = None
@@ -209,7 +211,10 @@ class Adapter:
             d = decision.to_dict()
             d.pop("judged")
             # Every window's own cost, not only a move's: the policy's host time (spent while
-            # the device ran step ``first - 1``) and the agreement's (between two steps).
+            # the device ran step ``first - 1``), the predictor's part of it where it ran, and
+            # the agreement's (between two steps).
+            if p.predict_ms is not None:
+                d["predict_ms"] = round(p.predict_ms, 3)
             self.log.event(
                 "decision",
                 window_step=window.step,

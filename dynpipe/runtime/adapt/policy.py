@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -179,7 +180,7 @@ def predicted_slowdowns(
         layers=prepared,
         alone_fwd_ms=np.maximum(cf, 1e-6),
         alone_bwd_ms=np.maximum(cb, 1e-6),
-        telemetry=[{k: (np.nan if v is None else v) for k, v in t.items()} for t in telemetry],
+        telemetry=telemetry,  # a reading logged as None is NaN there
     )
     return pf / np.maximum(cf, 1e-6), pb / np.maximum(cb, 1e-6)
 
@@ -233,6 +234,9 @@ class Controller:
         self._misses: list[float] = []
         self._shortfalls: list[float] = []  # of the last moves (see ``required_gain``)
         self._prediction: tuple[Window, Any] | None = None  # (window, ``_predicted``'s answer)
+        # Host ms the last window's prediction took (None: it made none). The adaptive
+        # mode's one cost over the measured mode's, logged beside the window's decide_ms.
+        self.predict_ms: float | None = None
         # Ranks handed back on request (``dynpipe release``): never brought back by --elastic.
         self.excluded: frozenset[int] = frozenset()
 
@@ -250,6 +254,7 @@ class Controller:
 
     # ---- one window ----------------------------------------------------------------------
     def observe(self, window: Window) -> Decision | None:
+        self.predict_ms = None
         if self.settle > 0:
             self.settle -= 1
             return None
@@ -653,7 +658,9 @@ class Controller:
         if self.mode_used != "adaptive" or not w.telemetry:
             return None
         if self._prediction is None or self._prediction[0] is not w:
+            t0 = time.perf_counter()
             got = predicted_slowdowns(self.predictor, self.prepared, self.est, w.telemetry)
+            self.predict_ms = (time.perf_counter() - t0) * 1e3
             self._prediction = (w, got)
         return self._prediction[1]
 
