@@ -184,7 +184,8 @@ def test_one_pipeline_every_rank_sees_the_same_windows(tmp_path) -> None:
     log = read_log(cfg.log)
     # The forced moves were made (the policy may have made moves of its own besides).
     assert {7, 13} <= {e.step for e in log.events("repartition")}
-    assert [(e.step, e["idle"]) for e in log.events("stage_count")][:2] == [(7, [1]), (13, [])]
+    counts = [(e.step, e["idle"]) for e in log.events("stage_count")]
+    assert (7, [1]) in counts and (13, []) in counts, counts
 
 
 def test_replicas_every_rank_sees_the_same_windows_across_a_reshape(tmp_path) -> None:
