@@ -228,9 +228,10 @@ class Step(Record):
 
     wall: seconds from this launch's training loop start to this step's end; t_end: the
     step's end as epoch seconds, which a relaunch shares with the launch before it (None in
-    older logs); step_ms: the step's duration on the writing rank; stages: every stage's
-    timing, in stage order (with replicas: replica 0's). replicas: with data parallelism,
-    every replica's timing (absent otherwise).
+    older logs); step_ms: the step's duration on the writing rank (the job's step time: every
+    rank's adaptation window carries it); stages: every stage's timing, in stage order (with
+    replicas: replica 0's). replicas: with data parallelism, every replica's timing (absent
+    otherwise).
     """
 
     step: int
@@ -373,7 +374,8 @@ EVENTS: dict[str, EventSpec] = {
         ),
         EventSpec(
             "repartition",
-            "layers moved live before `step`: plans, bytes, and the pause by part",
+            "layers moved live before `step`: plans, bytes, and the pause by part "
+            "(`pause_ms`: the slowest rank's; older logs: the writing rank's)",
             ("step", "old_plan", "new_plan", "bytes", "decide_ms", "transfer_ms", "rebuild_ms"),
         ),
         EventSpec(

@@ -169,7 +169,15 @@ _TIMES = 5
 class _StepLog:
     """Buffers this rank's per-step timings; every window one all-gather hands every rank
     every stage's numbers, every layer's sampled timings and every device's telemetry (the
-    adaptation loop reads them, the writer logs them)."""
+    adaptation loop reads them, the writer logs them).
+
+    Every rank builds the same records from what the gather brought: the policy runs on
+    every rank, and only a window that is the same on all of them keeps their policies'
+    state the same, so that any rank's decision is the job's. ``clock_rank``: the rank whose
+    step times are the job's (the log's writer, whose clock the log has always recorded);
+    each rank's own differs, by when its part of a step starts and by the policy's host
+    time where it outlasts the device.
+    """
 
     def __init__(
         self,
@@ -178,9 +186,11 @@ class _StepLog:
         plan: Plan,
         log: RunLog | None,
         batch_size: int,
+        clock_rank: int,
         mesh: Mesh | None = None,
     ):
         self.topo = topo
+        self.clock_rank = clock_rank
         self.plan = plan
         self.log = log
         self.batch_size = batch_size
@@ -255,19 +265,21 @@ class _StepLog:
         layer_rows = [p[_TIMES * k + nt : -1].tolist() for p in by_rank]
         free = [float(p[-1]) for p in by_rank]
         steps = []
+        clock = times[self.clock_rank]
         for j, res in enumerate(self.pending):
             replicas = [self._replica(times, r, j) for r in range(self.mesh.dp)]
+            step_ms = float(clock[j, 3])  # the job's step time, the same on every rank
             rec = Step(
                 step=res.step,
                 # When this step ended here: seconds since this process started training, and
                 # the epoch time (which a relaunched run shares with the launch before it).
                 wall=round(res.end_time - self.t_start, 4),
                 t_end=round(res.end_time, 4),
-                step_ms=round(res.step_ms, 4),
+                step_ms=round(step_ms, 4),
                 loss=res.loss,
                 lr=res.lr,
                 grad_norm=res.grad_norm,
-                samples_per_s=round(self.batch_size / (res.step_ms / 1e3), 3),
+                samples_per_s=round(self.batch_size / (step_ms / 1e3), 3),
                 stages=replicas[0].stages,
                 replicas=tuple(replicas) if self.mesh.dp > 1 else (),
             )
@@ -405,6 +417,16 @@ def _window(got: _Gathered, plan: Plan, *, telemetry: bool, world_size: int) -> 
         memory_bytes=got.free_bytes,
         **extra,
     )
+
+
+def _slowest(ms: float, *, topo: Topology) -> float:
+    """The largest of every rank's ``ms`` (collective): a pause the job waits out is its
+    slowest rank's, and every rank's policy must learn the same number."""
+    if topo.world_size == 1:
+        return ms
+    t = torch.tensor([ms], dtype=torch.float64, device=topo.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
 
 
 def _finite(v: float) -> float | None:
@@ -638,6 +660,11 @@ def train(
         Plan.from_dict(meta["initial_plan"]) if meta and meta.get("initial_plan") else plan
     )
     writer = mesh.replica == 0 and engine.is_last
+    # Replica 0's last stage writes the log: its place is its global rank. The same process
+    # writes it for the whole run (whatever later plans make of its rank), and its clock
+    # times every rank's windows (``_StepLog``).
+    writer_rank = plan.stages[-1].rank
+    assert writer == (topo.rank == writer_rank), (topo.rank, writer_rank)
     progress_key = f"dynpipe/progress/{topo.run_id}" if topo.run_id else None
     log = None
     if writer:
@@ -687,7 +714,14 @@ def train(
     if not injected:
         policy = policy_for(plan)
     every = cfg.adapt.monitor_every if policy is not None else cfg.log_every
-    steplog = _StepLog(topo=topo, plan=plan, log=log, batch_size=cfg.batch_size, mesh=mesh)
+    steplog = _StepLog(
+        topo=topo,
+        plan=plan,
+        log=log,
+        batch_size=cfg.batch_size,
+        clock_rank=writer_rank,
+        mesh=mesh,
+    )
     adapter = None
     if policy is not None:
         adapter = Adapter(
@@ -700,13 +734,13 @@ def train(
             warm_bytes=warm_bytes(model, microbatch_size=mb, cuda=topo.is_cuda),
             # Release / reclaim requests live beside the run log; its writer reads them.
             requests=log.path.parent if log is not None else None,
-            # Replica 0's last stage: its place is its global rank.
-            request_rank=plan.stages[-1].rank,
+            request_rank=writer_rank,
         )
         if meta is not None and meta.get("adapt_state") is not None:
             adapter.load_state(meta["adapt_state"])
             if "restart_plan" in meta:
-                pause_ms = (time.time() - meta["decided_time"]) * 1e3
+                # Each rank's clock saw its own relaunch: every policy learns the slowest's.
+                pause_ms = _slowest((time.time() - meta["decided_time"]) * 1e3, topo=topo)
                 moved = sum(t.nbytes or 0 for t in diff(Plan.from_dict(meta["plan"]), plan))
                 policy.applied(step=start, pause_ms=pause_ms, moved_bytes=moved)
     freezer = None

@@ -1,9 +1,12 @@
 """The adaptation loop of one rank: hand each window to the policy, carry out its moves.
 
 Run by the training loop once per monitoring window, with the window every rank gathered
-(every rank holds the same numbers). The policy decides on every rank, but the plan is still
-taken from one rank and broadcast, so ranks can never act on different plans; every rank
-then builds the new plan from the same bounds in one place (``_plan``).
+(every rank holds the same numbers, its step times included: one rank's clock, not each
+rank's own). The policy decides on every rank and learns each move's cost as every rank
+agreed it (``_cost``), so every rank's policy keeps the same state and decides the same;
+the plan is still taken from one rank and broadcast, so that even a policy that strayed
+could never make ranks act on different plans; every rank then builds the new plan from
+the same bounds in one place (``_plan``).
 
 The policy reads a window while the device runs the next step (``window`` keeps it,
 ``think`` runs in the engine's ``while_device_runs``, ``finish`` follows that step): a
@@ -480,8 +483,8 @@ class Adapter:
 
         old = self.engine.plan
         stats = repartition(self.engine, new_plan, beat=self.beat)
-        pause_ms = exposed_ms + (stats.transfer_s + stats.rebuild_s) * 1e3
-        moved = self._bytes(stats)  # collective: every rank takes part
+        mine = exposed_ms + (stats.transfer_s + stats.rebuild_s) * 1e3
+        moved, pause_ms = self._cost(stats, mine)  # collective: every rank takes part
         self.policy.applied(step=step, pause_ms=pause_ms, moved_bytes=moved)
         world = self.topo.world_size
         idle = new_plan.idle_ranks(world) if new_plan.dp == 1 else []
@@ -551,17 +554,28 @@ class Adapter:
             after_ms=round(float(np.median(rest)), 4) if len(rest) else None,
         )
 
-    def _bytes(self, stats) -> int:
-        # Every rank knows only what it sent; the sum over ranks is the bytes moved.
-        t = torch.tensor([stats.bytes_sent], dtype=torch.int64, device=self.topo.device)
-        if self.topo.world_size > 1:
-            dist.all_reduce(t)
-        return int(t.item())
+    def _cost(self, stats, pause_ms: float) -> tuple[int, float]:
+        """What a move cost the job, the same on every rank: the bytes moved (each rank
+        knows what it sent: their sum) and the pause (each rank timed its own part: the
+        slowest rank's, which the job waits for), in one all-reduce. Every rank's policy
+        learns these, so they must not be any one rank's own."""
+        world = self.topo.world_size
+        if world == 1:
+            return int(stats.bytes_sent), pause_ms
+        # The maximum of one rank's slot and zeros is what that rank sent (exact in float64
+        # below 2**53 bytes); the last slot is the slowest pause.
+        t = torch.zeros(world + 1, dtype=torch.float64)
+        t[self.topo.rank], t[world] = float(stats.bytes_sent), pause_ms
+        t = t.to(self.topo.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        t = t.cpu()
+        return int(t[:world].sum().item()), float(t[world])
 
     def _agree(
         self, decision: Decision | None
     ) -> tuple[Bounds, tuple[int, ...] | None, tuple[int, ...]] | None:
-        """The last stage's rank's decision, broadcast: ranks never act on different plans.
+        """The last stage's rank's decision, broadcast: ranks never act on different plans
+        (every rank's policy read the same window and decided the same; this is the net).
 
         Returns (bounds, batch shares, dropped replicas) of the plan to move to, or None.
         """
