@@ -34,8 +34,10 @@ class AdaptConfig:
         its measured window-to-window noise, if that is more) has changed conditions: its
         layers' averages start afresh, so an onset is seen in one window, and moves are
         judged, and measured plans compared, only within one set of conditions.
-    min_gain: smallest relative step-time gain worth a repartition, and how much slower a
-        move must measure to be undone (hysteresis: noise cannot make plans flap).
+    min_gain: smallest relative step-time gain the model must promise for a repartition
+        (hysteresis against its errors). Plans measured under one set of conditions are
+        compared on their measurements' noise instead (a move measured slower beyond it
+        is undone).
     horizon_steps: steps over which a gain must pay back the measured migration pause.
     sweep_windows: windows each split is held in ``sweep`` mode (the first settles).
     sweep_plans: ``sweep`` mode with more than 2 stages: how many splits to visit (the best
