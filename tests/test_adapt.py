@@ -257,6 +257,21 @@ def test_controller_moves_to_the_measured_best_split_once_its_model_is_checked()
     assert d.moved_bytes == moved_bytes(ctl.base.state_bytes, EVEN, d.bounds, (0, 1))
 
 
+def test_a_plan_measured_no_faster_is_not_taken_for_the_models_promise() -> None:
+    # The same start as above, but the split the model will propose was measured under
+    # these conditions, no faster than the even split: the measurement prices it.
+    first = _controller()
+    first.observe(_window(4, EVEN, TRUE))
+    proposed = first.observe(_window(9, EVEN, TRUE)).bounds
+    ctl = _controller()
+    ctl.observe(_window(4, EVEN, TRUE))
+    here = _window(9, EVEN, TRUE).median_step_ms
+    for _ in range(2):
+        ctl.memory.add(proposed, ctl.est.regime, 1.02 * here)
+    d = ctl.observe(_window(9, EVEN, TRUE))
+    assert not d.repartition and "the model's" in d.reason and "not taken" in d.reason, d
+
+
 def test_controller_reacts_to_an_onset_and_not_to_a_timer_spike() -> None:
     ctl = _controller()
     best = ((0, 3), (3, 10))

@@ -435,6 +435,17 @@ class Controller:
         need = self.required_gain()
         if gain < need * cur:
             return verdict(f"gain {gain / cur:.1%} below {need:.1%}", res.step_ms)
+        # A plan already measured under these conditions is priced by its measurement, not
+        # the model: one measured no faster than this plan is not taken for the model's
+        # promise (vgg16 256 under gemm on 2 x H200 went back and forth between two splits,
+        # the model promising 6% each time, the steps measuring 3.7% slower).
+        known = self.memory.measured(bounds, regime, last=recent)
+        if known is not None and known >= here:
+            return verdict(
+                f"{_split(bounds)} measured {known:.2f} ms/step under these conditions against "
+                f"{here:.2f} now: the model's {gain / cur:.1%} not taken",
+                res.step_ms,
+            )
         # A gain the estimates' own noise could make is no gain: on a launch-bound GPU a
         # stage's timers swing 0.4-1.3x for a window or two while its steps do not, and the
         # planner picks exactly the split that favours the devices whose timers read low.
