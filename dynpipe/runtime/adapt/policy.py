@@ -438,8 +438,10 @@ class Controller:
         # A plan already measured under these conditions is priced by its measurement, not
         # the model: one measured no faster than this plan is not taken for the model's
         # promise (vgg16 256 under gemm on 2 x H200 went back and forth between two splits,
-        # the model promising 6% each time, the steps measuring 3.7% slower).
-        known = self.memory.measured(bounds, regime, last=recent)
+        # the model promising 6% each time, the steps measuring 3.7% slower). Only for
+        # plans on the devices that hold layers now: a regime is their conditions, and an
+        # idle device's (probed) may have changed since a plan using it was measured.
+        known = self.memory.measured(bounds, regime, last=recent) if on == w.ranks else None
         if known is not None and known >= here:
             return verdict(
                 f"{_split(bounds)} measured {known:.2f} ms/step under these conditions against "
