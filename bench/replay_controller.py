@@ -70,15 +70,7 @@ def replay(
             "replayed; replay single-pipeline logs (dp 1)"
         )
     adapt = AdaptConfig.from_dict({**conf["adapt"], **overrides})
-    cfg = TrainConfig(
-        model=conf["model"],
-        model_args=conf["model_args"],
-        data=conf.get("data", "synthetic"),
-        batch_size=conf["batch_size"],
-        microbatches=conf["microbatches"],
-        adapt=adapt,
-        progress=False,
-    )
+    cfg = TrainConfig.of_logged_model(conf, adapt)
     model, _ = build_model_and_data(cfg)
     plan = Plan.from_dict(header.plan)
     # The links as the run measured them (``links`` event; the analytic default without):

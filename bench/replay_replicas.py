@@ -132,15 +132,7 @@ def replay(
     if dp < 2:
         raise SystemExit(f"{path}: one pipeline (dp 1); replay it with bench/replay_controller.py")
     adapt = AdaptConfig.from_dict(conf["adapt"])
-    cfg = TrainConfig(
-        model=conf["model"],
-        model_args=conf["model_args"],
-        data=conf.get("data", "synthetic"),
-        batch_size=conf["batch_size"],
-        microbatches=conf["microbatches"],
-        adapt=adapt,
-        progress=False,
-    )
+    cfg = TrainConfig.of_logged_model(conf, adapt)
     model, _ = build_model_and_data(cfg)
     links = log.events("links")
     wire = 0.5 if conf.get("bf16") else 1.0

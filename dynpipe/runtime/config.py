@@ -213,3 +213,18 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def of_logged_model(cls, conf: dict[str, Any], adapt: AdaptConfig) -> TrainConfig:
+        """What a run log's header (``conf``: its ``to_dict``) records of the model and its
+        batches, with ``adapt``: enough to rebuild the run's model and cost its layers, as
+        the replay tools do (the rest of the run's settings are left at their defaults)."""
+        return cls(
+            model=conf["model"],
+            model_args=conf["model_args"],
+            data=conf.get("data", "synthetic"),
+            batch_size=conf["batch_size"],
+            microbatches=conf["microbatches"],
+            adapt=adapt,
+            progress=False,
+        )
