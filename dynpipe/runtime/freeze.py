@@ -42,6 +42,7 @@ from dynpipe.errors import UserError
 from dynpipe.planner.plan import Plan
 from dynpipe.runtime.engine import PipelineEngine
 from dynpipe.runtime.runlog import RunLog
+from dynpipe.runtime.topology import slowest
 
 __all__ = [
     "FreezeRule",
@@ -198,12 +199,8 @@ class Freezer:
                 new_plan = Plan.from_wide_bounds(engine.model, want_b, **kw)
             stats = repartition(engine, new_plan)
             moved = [repr(t) for t in stats.transfers]
-            pause_ms = (stats.transfer_s + stats.rebuild_s) * 1e3
-            if engine.topo.world_size > 1:
-                # Each rank timed its own part: every rank's policy learns the slowest's.
-                t = torch.tensor([pause_ms], dtype=torch.float64, device=engine.topo.device)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                pause_ms = float(t.item())
+            # Each rank timed its own part: every rank's policy learns the slowest's.
+            pause_ms = slowest((stats.transfer_s + stats.rebuild_s) * 1e3, topo=engine.topo)
             if adapter is not None:
                 adapter.policy.applied(step=step + 1, pause_ms=pause_ms, moved_bytes=0)
             if autodp is not None:

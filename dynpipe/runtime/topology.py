@@ -141,6 +141,16 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
+def slowest(ms: float, *, topo: Topology) -> float:
+    """The largest of every rank's ``ms`` (collective): a pause the job waits out is its
+    slowest rank's, and every rank's policy must learn the same number."""
+    if topo.world_size == 1:
+        return ms
+    t = torch.tensor([ms], dtype=torch.float64, device=topo.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def wait_all(works: list, *, timeout_s: float, what: str) -> None:
     """Wait for asynchronous collectives or point-to-point works, each within ``timeout_s``;
     ``TimeoutError`` naming ``what`` if one does not complete (no wait is unbounded)."""

@@ -51,7 +51,7 @@ from dynpipe.runtime.records import (
 )
 from dynpipe.runtime.runlog import RunLog, code_revision, environment
 from dynpipe.runtime.signals import Stopped, StopRequest
-from dynpipe.runtime.topology import Topology
+from dynpipe.runtime.topology import Topology, slowest
 
 __all__ = [
     "RESTART_EXIT",
@@ -419,16 +419,6 @@ def _window(got: _Gathered, plan: Plan, *, telemetry: bool, world_size: int) -> 
     )
 
 
-def _slowest(ms: float, *, topo: Topology) -> float:
-    """The largest of every rank's ``ms`` (collective): a pause the job waits out is its
-    slowest rank's, and every rank's policy must learn the same number."""
-    if topo.world_size == 1:
-        return ms
-    t = torch.tensor([ms], dtype=torch.float64, device=topo.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def _finite(v: float) -> float | None:
     return None if v != v else round(v, 4)  # NaN -> null in JSON
 
@@ -740,7 +730,7 @@ def train(
             adapter.load_state(meta["adapt_state"])
             if "restart_plan" in meta:
                 # Each rank's clock saw its own relaunch: every policy learns the slowest's.
-                pause_ms = _slowest((time.time() - meta["decided_time"]) * 1e3, topo=topo)
+                pause_ms = slowest((time.time() - meta["decided_time"]) * 1e3, topo=topo)
                 moved = sum(t.nbytes or 0 for t in diff(Plan.from_dict(meta["plan"]), plan))
                 policy.applied(step=start, pause_ms=pause_ms, moved_bytes=moved)
     freezer = None

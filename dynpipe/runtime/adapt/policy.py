@@ -168,13 +168,20 @@ def predicted_step_ms(
 
 
 def predicted_slowdowns(
-    predictor: Any, prepared: Any, est: CostEstimates, telemetry: list[dict]
+    predictor: Any,
+    prepared: Any,
+    clean_fwd: np.ndarray,
+    clean_bwd: np.ndarray,
+    telemetry: list[dict],
 ) -> tuple[np.ndarray, np.ndarray]:
     """``[R, L]`` forward and backward slowdowns the predictor gives each layer on each
-    device from the device's telemetry, against the layers' measured clean costs."""
+    device from the device's telemetry, against the layers' measured clean costs:
+    ``clean_*`` ``[L]`` for every device, or ``[R, L]`` one row per device (the predictor
+    prices each device's rows on their own, so devices of several estimates go in one
+    call)."""
     from dynpipe.predictor import predict_layer_times
 
-    cf, cb = est.clean_f, est.clean_b
+    cf, cb = clean_fwd, clean_bwd
     pf, pb = predict_layer_times(
         predictor,
         layers=prepared,
@@ -675,7 +682,9 @@ class Controller:
             return None
         if self._prediction is None or self._prediction[0] is not w:
             t0 = time.perf_counter()
-            got = predicted_slowdowns(self.predictor, self.prepared, self.est, w.telemetry)
+            got = predicted_slowdowns(
+                self.predictor, self.prepared, self.est.clean_f, self.est.clean_b, w.telemetry
+            )
             self.predict_ms = (time.perf_counter() - t0) * 1e3
             self._prediction = (w, got)
         return self._prediction[1]

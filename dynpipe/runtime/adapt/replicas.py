@@ -75,6 +75,7 @@ from dynpipe.runtime.adapt.policy import (
     layer_classes,
     moved_bytes,
     planner_costs,
+    predicted_slowdowns,
     predicted_step_ms,
 )
 from dynpipe.runtime.adapt.record import Bounds
@@ -746,10 +747,9 @@ class ReplicaPolicy:
 
     def _predicted(self, subs: Sequence[Window]) -> list[tuple[np.ndarray, np.ndarray] | None]:
         """Per replica, its devices' per-layer predicted slowdowns from their telemetry
-        (``policy.predicted_slowdowns``: the predicted times over the clean costs; None
-        where it has none), from one predictor call over every replica's devices: the
-        predictor prices each device's rows on their own, so a replica's numbers are the
-        ones a call of its own gives, for a fraction of the calls' fixed cost."""
+        (``predicted_slowdowns``; None where it has none), from one predictor call over
+        every replica's devices: a replica's numbers are the ones a call of its own gives,
+        for a fraction of the calls' fixed cost."""
         out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(subs)
         # A replica of one stage holds every layer on its device: its costs are all
         # measured, and ``CostEstimates.costs`` reads a prediction only for a layer a
@@ -757,23 +757,14 @@ class ReplicaPolicy:
         use = [r for r, sub in enumerate(subs) if sub.telemetry and sub.num_stages > 1]
         if self.mode_used != "adaptive" or not use:
             return out
-        from dynpipe.predictor import predict_layer_times
-
         counts = [len(subs[r].telemetry or ()) for r in use]
-        cf = np.repeat([np.maximum(self.est[r].clean_f, 1e-6) for r in use], counts, axis=0)
-        cb = np.repeat([np.maximum(self.est[r].clean_b, 1e-6) for r in use], counts, axis=0)
-        tel = [
-            {k: (np.nan if v is None else v) for k, v in t.items()}
-            for r in use
-            for t in subs[r].telemetry or ()
-        ]
-        pf, pb = predict_layer_times(
-            self.predictor, layers=self.prepared, alone_fwd_ms=cf, alone_bwd_ms=cb, telemetry=tel
-        )
+        cf = np.repeat([self.est[r].clean_f for r in use], counts, axis=0)
+        cb = np.repeat([self.est[r].clean_b for r in use], counts, axis=0)
+        tel = [t for r in use for t in subs[r].telemetry or ()]
+        sf, sb = predicted_slowdowns(self.predictor, self.prepared, cf, cb, tel)
         at = 0
         for r, k in zip(use, counts, strict=True):
-            rows = slice(at, at + k)
-            out[r] = (pf[rows] / cf[rows], pb[rows] / cb[rows])
+            out[r] = (sf[at : at + k], sb[at : at + k])
             at += k
         return out
 
