@@ -10,9 +10,11 @@
 #                  idle and take it back (its probe) when the interferer is gone
 #   release        NGPU ranks, --adapt measured; an operator's `dynpipe release --rank L` as
 #                  soon as the log reaches step 30, `dynpipe reclaim --rank L` at step 90
-#   freeze / nofreeze  gpt on real text (pystdlib) with --eval-every, both --adapt measured
-#                  --elastic, with and without --freeze: time to accuracy (freezing changes
-#                  what training computes)
+#   freeze / nofreeze  gpt 12 x 768 on real text (pystdlib, a fresh batch every step: the
+#                  held-out accuracy must not be read off a model that saw four batches)
+#                  with --eval-every, AdamW with warm-up and cosine decay over FREEZE_STEPS
+#                  (default 900), both --adapt measured --elastic, with and without
+#                  --freeze: time to accuracy (freezing changes what training computes)
 #   freeze-autodp  (AUTODP=1, the default; AUTODP=0 leaves it out) the freeze run with
 #                  --autodp: GPUs the frozen prefix frees host more pipeline replicas, live;
 #                  last, so the runs above are the same either way (on CPU it freezes with
@@ -23,6 +25,8 @@
 # Every run is bounded by RUN_TIMEOUT (default 90 s) and the script by BUDGET (default
 # 560 s; a run that would not fit is skipped, and said so). Logs, outputs and the table
 # are packed into OUTDIR/elastic-logs.tgz on exit.
+# WIDTH (default 1024) is the width of the gpt of the keep / drop runs: at 2048 its
+# microbatches of 4 sequences keep a GPU busy, where at 1024 they are launch-bound.
 # HEAVY=train uses three 'train' interferers instead (recipes/scenarios/gpu-train3-rank3.toml;
 # NGPU=4 only). RUNS, if set, names the runs to do (e.g. "keep-static drop-static elastic");
 # the others are skipped.
@@ -46,12 +50,14 @@ STEPS=130; ONSET=30; END=90; EVERY=5
 if [ "$DEVICE" = cuda ]; then
   SCENARIO=recipes/scenarios/gpu-${HEAVY:-gemm}3-rank$L.toml
   if [ ! -f "$SCENARIO" ]; then echo "no scenario $SCENARIO (HEAVY=gemm or train)"; exit 2; fi
-  MODEL=(--model gpt --model-arg depth=12 --model-arg width=1024 --model-arg heads=16
-         --model-arg seq_len=1024 --batch-size 32 --microbatches 8)
-  TEXT=(--model gpt --model-arg depth=8 --model-arg width=512 --model-arg heads=8
-        --model-arg seq_len=256 --data pystdlib --batch-size 64 --microbatches 8)
-  EXTRA=(--bf16 --device-batches 4)
-  FREEZE_STEPS=600; EVAL_EVERY=50; AUTODP_THRESHOLD=0.05
+  MODEL=(--model gpt --model-arg depth=12 --model-arg width="${WIDTH:-1024}" --model-arg heads=16
+         --model-arg seq_len=1024 --batch-size 32 --microbatches 8 --device-batches 4)
+  # bench/gpu_tta.sh's gpt and schedule (its learning rate reaches 3e-4 after 30 steps).
+  TEXT=(--model gpt --model-arg depth=12 --model-arg width=768 --model-arg heads=12
+        --model-arg seq_len=512 --data pystdlib --batch-size 64 --microbatches 8
+        --lr 3e-4 --warmup 30 --lr-schedule cosine --eval-batches 8)
+  EXTRA=(--bf16)
+  FREEZE_STEPS=${FREEZE_STEPS:-900}; EVAL_EVERY=50; AUTODP_THRESHOLD=0.05
 else
   SCENARIO=recipes/scenarios/emulate-10x-rank$L.toml
   MODEL=(--model mlp --model-arg depth=6 --model-arg width=64 --batch-size 32 --microbatches 4)
