@@ -145,7 +145,7 @@ PY
   sweep_scenario "$SCENARIO" "${SWEEP_ONSET[$m]}" "$O/$m-sweep-scenario.toml"
   # The planner's choice of shape and split for 4 GPUs (analytic costs), beside the runs.
   python3 -m dynpipe plan $(args_of "$m" | sed 's/--model-arg/--set/g') --gpus 4 \
-    --dtype bfloat16 --link-gbs 300 > "$O/$m-plan-gpus4.txt" 2>&1
+    --bf16 --link-gbs 300 > "$O/$m-plan-gpus4.txt" 2>&1
 done
 
 run() {  # model, name, shape, extra args...

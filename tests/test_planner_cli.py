@@ -60,11 +60,40 @@ def test_memory_too_small_is_one_line_with_exit_2(capsys) -> None:
         (["--stages", "2", "--predictor", "x.json"], "needs --telemetry"),
         (["--stages", "2", "--conditions", "none"], "needs --profile"),
         (["--stages", "2", "--migration-ms-per-gb", "5"], "give --current"),
+        (["--stages", "2", "--bf16", "--dtype", "float16"], "give one of them"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, message, capsys) -> None:
     assert main(["plan", *MLP, *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bf16_counts_float32_weights(capsys) -> None:
+    """``--bf16`` (autocast) runs layers in bfloat16 but keeps float32 weights, gradients and
+    optimizer state: the same times as ``--dtype bfloat16``, twice its parameter bytes (and
+    so a memory limit that a bfloat16 model fits and the autocast run does not)."""
+
+    def plan(*extra: str) -> Plan:
+        assert main(["plan", *MLP, "--stages", "1", "--json", *extra]) == 0
+        return Plan.from_json(capsys.readouterr().out)
+
+    half, auto = plan("--dtype", "bfloat16"), plan("--bf16")
+    assert auto.stages[0].fwd_ms == pytest.approx(half.stages[0].fwd_ms)
+    assert auto.meta["costs"]["weights_dtype"] == "float32"
+    assert "weights_dtype" not in half.meta["costs"]
+    # AdamW: weights, gradients and two moments, each twice as wide.
+    params = sum(
+        p.numel() for p in get_model("mlp", depth=10, width=256).build_sequential().parameters()
+    )
+    extra = auto.stages[0].mem_bytes - half.stages[0].mem_bytes
+    assert extra == pytest.approx(4 * 2 * params, rel=1e-6)
+    limit = (half.stages[0].mem_bytes + auto.stages[0].mem_bytes) / 2 / 2**30
+    assert (
+        main(["plan", *MLP, "--stages", "1", "--dtype", "bfloat16", "--memory-gb", f"{limit}"]) == 0
+    )
+    capsys.readouterr()
+    assert main(["plan", *MLP, "--stages", "1", "--bf16", "--memory-gb", f"{limit}"]) == 2
+    assert "does not fit" in capsys.readouterr().err
 
 
 def test_profile_and_predictor_inputs(tmp_path, capsys) -> None:

@@ -96,7 +96,21 @@ def register(subparsers: Any) -> None:
         choices=("adamw", "sgd", "none"),
         help="optimizer whose state the memory model counts (default adamw)",
     )
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="the dtype of the whole model, weights and activations alike, for analytic costs "
+        "(default float32); a run of `dynpipe train --bf16` is --bf16",
+    )
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="the run is `dynpipe train --bf16` (bfloat16 autocast): layers run and keep "
+        "activations in bfloat16 (analytic costs at bfloat16; a profile taken with --dtype "
+        "bfloat16), while weights, gradients and optimizer state stay float32, which the "
+        "memory model and the bytes a move sends count",
+    )
     p.add_argument(
         "--device-tflops",
         type=float,
@@ -188,6 +202,12 @@ def _costs(args: argparse.Namespace, model: Any, mb: int) -> Any:
     from dynpipe.planner.costs import CostModel, parse_slowdown
 
     s = args.stages
+    if args.bf16 and args.dtype != "float32":
+        raise UserError(
+            f"--bf16 computes in bfloat16 with float32 weights; --dtype {args.dtype} makes the "
+            "weights that dtype too: give one of them"
+        )
+    dtype = "bfloat16" if args.bf16 else args.dtype
     link = dict(bandwidth=args.link_gbs * 1e9, latency_ms=args.link_latency_us / 1e3)
     if args.profile:
         conds = args.conditions.split(",") if args.conditions else ["none"]
@@ -208,7 +228,7 @@ def _costs(args: argparse.Namespace, model: Any, mb: int) -> Any:
         cm = CostModel.from_model(
             model,
             microbatch_size=mb,
-            dtype=args.dtype,
+            dtype=dtype,
             num_devices=s,
             flops_per_s=args.device_tflops * 1e12,
             mem_bytes_per_s=args.mem_bandwidth_gbs * 1e9,
@@ -227,7 +247,7 @@ def _costs(args: argparse.Namespace, model: Any, mb: int) -> Any:
         from dynpipe.models.stats import layer_stats
 
         pred = load_predictor(args.predictor)
-        stats = layer_stats(model, batch_size=mb, dtype=getattr(torch, args.dtype))
+        stats = layer_stats(model, batch_size=mb, dtype=getattr(torch, dtype))
         fwd, bwd = predict_layer_times(
             pred,
             layers=stats,
@@ -244,9 +264,27 @@ def _costs(args: argparse.Namespace, model: Any, mb: int) -> Any:
         cm = replace(cm, fwd_ms=fwd, bwd_ms=bwd, meta=meta)
     elif args.telemetry:
         raise UserError("--telemetry is read by --predictor; give both")
+    if args.bf16:
+        cm = _float32_weights(cm)
     if args.slowdown:
         cm = cm.with_slowdown(parse_slowdown(args.slowdown, s))
     return cm
+
+
+def _float32_weights(cm: Any) -> Any:
+    """``cm`` with its parameters counted at 4 bytes each: autocast computes in bfloat16
+    but keeps float32 weights, so their gradients and the optimizer's state are float32
+    too. Costs taken at 2 bytes a parameter (analytic at bfloat16, or a bfloat16 profile)
+    would put half the weights' memory in the plan and let it exceed the device."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    width = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(cm.meta.get("dtype")), 4)
+    if width == 4:
+        return cm
+    meta = {**cm.meta, "weights_dtype": "float32"}
+    return replace(cm, param_bytes=np.asarray(cm.param_bytes) * (4 / width), meta=meta)
 
 
 def run(args: argparse.Namespace) -> int:
