@@ -119,11 +119,18 @@ TWO_BY_TWO = ReplicaConfig(bounds=((0, _L // 2), (_L // 2, _L)), shares=(4, 4))
 DP_ONLY = ReplicaConfig(bounds=((0, _L),), shares=(2, 2, 2, 2))
 
 
-def test_shapes_split_the_steps_microbatches_and_keep_two_replicas() -> None:
-    assert shape_options(4, total=8, schedule="gpipe", num_layers=12) == [(2, 2), (4, 1)]
+def test_shapes_split_the_steps_microbatches_one_pipeline_included() -> None:
+    assert shape_options(4, total=8, schedule="gpipe", num_layers=12) == [(1, 4), (2, 2), (4, 1)]
     # 6 microbatches do not split over 4 replicas; 1F1B needs pp per replica.
-    assert shape_options(4, total=6, schedule="gpipe", num_layers=12) == [(2, 2)]
-    assert shape_options(8, total=8, schedule="1f1b", num_layers=12) == [(2, 4), (4, 2), (8, 1)]
+    assert shape_options(4, total=6, schedule="gpipe", num_layers=12) == [(1, 4), (2, 2)]
+    assert shape_options(8, total=8, schedule="1f1b", num_layers=12) == [
+        (1, 8),
+        (2, 4),
+        (4, 2),
+        (8, 1),
+    ]
+    assert shape_options(8, total=4, schedule="gpipe", num_layers=12) == [(1, 8), (2, 4), (4, 2)]
+    # One layer: one stage, so DP only.
     assert shape_options(4, total=4, schedule="1f1b", num_layers=1) == [(4, 1)]
 
 
@@ -437,7 +444,15 @@ _MLP = ["--model-arg", "depth=4", "--model-arg", "width=16"]
 @pytest.mark.parametrize(
     ("args", "needles"),
     [
-        (["--nproc", "4", "--adapt", "measured", "--reshape"], ["1 x 4", "--dp 2 or more"]),
+        (
+            ["--nproc", "4", "--adapt", "measured", "--reshape", "--elastic"],
+            ["one pipeline of 4 stages with --elastic", "drop --reshape"],
+        ),
+        (
+            ["--nproc", "4", "--schedule", "gpipe", "--microbatches", "3", "--batch-size", "12"]
+            + ["--adapt", "measured", "--reshape"],
+            ["as 1 x 4: no other shape splits the step's 3 microbatches", "1 x microbatches"],
+        ),
         (
             ["--nproc", "4", "--dp", "2", "--adapt", "static", "--reshape"],
             ["2 x 2 with --adapt static", "drop --reshape"],

@@ -125,12 +125,8 @@ def resolve_plan(cfg: TrainConfig, model: LayeredModel, world_size: int) -> Plan
     from dynpipe.runtime.engine import check_batch
 
     check_batch(plan, cfg.batch_size)
-    if cfg.adapt.reshape and (plan.dp < 2 or cfg.adapt.mode not in _RESHAPING):
-        raise UserError(
-            f"--reshape lets the replica policy change a replicated run's shape; this run is "
-            f"{plan.dp} x {plan.num_stages} with --adapt {cfg.adapt.mode}: use --dp 2 or more "
-            f"with --adapt {' or '.join(_RESHAPING)}, or drop --reshape"
-        )
+    if cfg.adapt.reshape:
+        _check_reshape(cfg, plan, world_size=world_size, num_layers=len(model))
     if cfg.autodp:
         from dynpipe.runtime.autodp import check_autodp
 
@@ -146,6 +142,40 @@ def resolve_plan(cfg: TrainConfig, model: LayeredModel, world_size: int) -> Plan
 
 # The modes whose replica policy may change the data x pipeline shape (--reshape).
 _RESHAPING = ("measured", "adaptive", "restart")
+
+
+def _check_reshape(cfg: TrainConfig, plan: Plan, *, world_size: int, num_layers: int) -> None:
+    """One-line errors for a --reshape run that could not work: a mode without the replica
+    policy, one pipeline that leaves ranks idle or changes its stage count (--elastic:
+    the replica policy's shapes use every rank), or no other shape to move to."""
+    from dynpipe.runtime.adapt.replicas import shape_options
+
+    shape = f"{plan.dp} x {plan.num_stages}"
+    if cfg.adapt.mode not in _RESHAPING:
+        raise UserError(
+            f"--reshape lets the replica policy change the run's data x pipeline shape; this "
+            f"run is {shape} with --adapt {cfg.adapt.mode}: use --adapt "
+            f"{' or '.join(_RESHAPING)}, or drop --reshape"
+        )
+    if plan.dp == 1 and (plan.num_stages != world_size or cfg.adapt.elastic):
+        raise UserError(
+            f"--reshape moves among shapes that use all {world_size} ranks; this run is one "
+            f"pipeline of {plan.num_stages} stages"
+            + (" with --elastic" if cfg.adapt.elastic else "")
+            + f": launch it over every rank (--stages {world_size}, or a plan of "
+            f"{world_size} stages) without --elastic, or drop --reshape"
+        )
+    options = shape_options(
+        world_size, total=plan.total_microbatches, schedule=plan.schedule, num_layers=num_layers
+    )
+    if not [s for s in options if s != (plan.dp, plan.num_stages)]:
+        need = " (at least pp per replica under 1F1B)" if plan.schedule == "1f1b" else ""
+        raise UserError(
+            f"--reshape on {world_size} ranks as {shape}: no other shape splits the step's "
+            f"{plan.total_microbatches} microbatches evenly among its replicas{need}; choose "
+            f"--microbatches so that {plan.dp} x microbatches is a multiple of {world_size} "
+            "(every shape fits it), or drop --reshape"
+        )
 
 
 @dataclass
@@ -198,6 +228,9 @@ class _StepLog:
         self.pending: list[StepResult] = []
         self.t_start = time.time()
         self.probe_layer: int | None = None  # the layer this rank probes while idle
+        # Records carry every replica's timings (``replicas``) with replicas, and for one
+        # pipeline whose policy is the replica policy (``--reshape``: a run of one replica).
+        self.replicated = self.mesh.dp > 1
 
     def add(self, res: StepResult) -> None:
         self.pending.append(res)
@@ -281,7 +314,7 @@ class _StepLog:
                 grad_norm=res.grad_norm,
                 samples_per_s=round(self.batch_size / (step_ms / 1e3), 3),
                 stages=replicas[0].stages,
-                replicas=tuple(replicas) if self.mesh.dp > 1 else (),
+                replicas=tuple(replicas) if self.replicated else (),
             )
             steps.append(rec)
             if self.log is not None:
@@ -296,7 +329,7 @@ class _StepLog:
         layers = per_replica[0]
         if self.log is not None and layers is not None:
             extra = {}
-            if self.mesh.dp > 1:
+            if self.replicated:
                 extra["replicas"] = tuple(x or {} for x in per_replica)
             self.log.record(LayerTimes(step=self.pending[-1].step, **layers, **extra))
         if self.log is not None and telemetry is not None:
@@ -314,7 +347,7 @@ class _StepLog:
             layers=layers,
             telemetry=tels,
             free_bytes=free,
-            replica_layers=per_replica if self.mesh.dp > 1 else None,
+            replica_layers=per_replica if self.replicated else None,
             probes=probes,
         )
 
@@ -396,11 +429,15 @@ def _free_bytes(topo: Topology) -> float:
     return float(free + cached)
 
 
-def _window(got: _Gathered, plan: Plan, *, telemetry: bool, world_size: int) -> Window:
+def _window(
+    got: _Gathered, plan: Plan, *, telemetry: bool, world_size: int, replicated: bool = False
+) -> Window:
+    """The window the policy reads; ``replicated``: with every replica's part (a run of the
+    replica policy in one pipeline has one), which replicated plans always have."""
     extra: dict[str, Any] = {}
     if plan.dp == 1 and plan.num_stages < world_size:
         extra = {"idle": tuple(plan.idle_ranks(world_size)), "probes": got.probes or None}
-    if plan.dp > 1:
+    if plan.dp > 1 or replicated:
         extra = {
             "shares": plan.replica_microbatches,
             "dropped": plan.dropped,
@@ -690,14 +727,18 @@ def train(
         link_bw = _link_bandwidth(cfg, model, topo=topo, microbatch_size=mb, log=log)
 
     def policy_for(p: Plan) -> Policy | None:
-        """The configured policy for plans of ``p``'s shape."""
+        """The configured policy for plans of ``p``'s shape: the replica policy for
+        replicas, and with --reshape for one pipeline over every rank (a shape among the
+        others to it); one pipeline's controller else."""
+        replicas = p.dp > 1 or (cfg.adapt.reshape and p.num_stages == topo.world_size)
         return make_policy(
             cfg.adapt,
             model=model,
             microbatch_size=mb,
-            num_ranks=p.num_stages if p.dp > 1 else topo.world_size,
+            num_ranks=p.num_stages if replicas else topo.world_size,
             predictor=cfg.predictor,
             dp=p.dp,
+            replicas=replicas,
             link_bandwidth=link_bw,
         )
 
@@ -726,6 +767,7 @@ def train(
             requests=log.path.parent if log is not None else None,
             request_rank=writer_rank,
         )
+        steplog.replicated = adapter.replicated
         if meta is not None and meta.get("adapt_state") is not None:
             adapter.load_state(meta["adapt_state"])
             if "restart_plan" in meta:
@@ -822,6 +864,7 @@ def train(
         """Gather and log the steps since the last flush under the plan they ran: at a
         window's end, and before a move between windows changes the plan (collective)."""
         steplog.plan, steplog.mesh = engine.plan, engine.mesh
+        steplog.replicated = adapter.replicated if adapter is not None else engine.mesh.dp > 1
         steplog.probe_layer = engine.probe_layer
         return steplog.flush(telemetry)
 
@@ -889,6 +932,7 @@ def train(
                             engine.plan,
                             telemetry=sampler is not None,
                             world_size=topo.world_size,
+                            replicated=adapter.replicated,
                         )
                     )
             if freezer is not None and (step + 1) % cfg.freeze_every == 0 and step + 1 < cfg.steps:

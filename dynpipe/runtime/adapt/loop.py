@@ -144,9 +144,9 @@ class Adapter:
             self._log_first_step(window)
         self._pending = None
         t0 = time.perf_counter()
-        if self.engine.plan.dp == 1 and self._requests(window, t0):
+        if not self.replicated and self._requests(window, t0):
             return  # a release or reclaim moved layers: the next window is the policy's
-        if self.engine.plan.dp > 1 and self._replicated_requests(window):
+        if self.replicated and self._replicated_requests(window):
             return  # the run left its replicas: the next window is the new policy's
         self._pending = _Pending(window=window, plan=self.engine.plan, policy=self.policy)
 
@@ -198,7 +198,7 @@ class Adapter:
             )
         reshaping = decision.repartition and self._reshapes(decision)
         shape = None
-        if self.reshape is not None and self.engine.plan.dp > 1:
+        if self.reshape is not None and self.replicated:
             # Every window, on every rank: whether the deciding rank asks for another shape.
             shape = self._agree_shape(decision if reshaping else None)
         agreed = None
@@ -239,10 +239,18 @@ class Adapter:
             )
         return decision
 
+    @property
+    def replicated(self) -> bool:
+        """The run is in replicas, or its policy reads every replica's window
+        (``per_replica``: the replica policy, whose shapes include one pipeline over every
+        rank, a run of one replica to it); else one pipeline's controller, whose ranks may
+        go idle."""
+        return self.engine.plan.dp > 1 or bool(getattr(self.policy, "per_replica", False))
+
     def _reshapes(self, decision: Decision) -> bool:
         """A replicated run's decision for another data x pipeline shape."""
         cur = self.engine.plan
-        if cur.dp == 1:
+        if not self.replicated:
             return False
         other_dp = decision.shares is not None and len(decision.shares) != cur.dp
         other_pp = decision.bounds is not None and len(decision.bounds) != cur.num_stages
@@ -413,8 +421,9 @@ class Adapter:
             why = "it would leave no rank to train on"
         elif self.unreplicate is None:
             why = (
-                f"every rank is a stage of one of {cur.dp} replicas; launch with --autodp "
-                f"to let a replicated run go back to one pipeline, or restart on fewer ranks"
+                f"every rank is a stage of the {cur.dp} x {cur.num_stages} shape the replica "
+                "policy holds; launch with --autodp to let the run go back to one pipeline "
+                "over the other ranks, or restart on fewer ranks"
             )
         elif self.unreplicate(want, window.step + 1):
             self.released = want

@@ -22,6 +22,7 @@ def make_policy(
     predictor: str | None = None,
     base: CostModel | None = None,
     dp: int = 1,
+    replicas: bool | None = None,
     link_bandwidth: float | None = None,
 ) -> Policy | None:
     """The policy of ``config.mode`` (None for ``static``).
@@ -31,6 +32,8 @@ def make_policy(
         are only the prior before the first window measures every layer.
     dp: pipeline replicas; more than one makes the replica policy (``num_ranks`` is then
         the stages of one pipeline).
+    replicas: the replica policy even for one replica (``--reshape``: one pipeline over
+        every rank is one of its shapes); default: ``dp > 1``.
     link_bandwidth: measured bytes/s between stages, in the cost model's (float32) bytes
         (``dynpipe.runtime.links``); the analytic default if None.
     """
@@ -54,7 +57,7 @@ def make_policy(
         prepared = prepare_layers(
             loaded, layer_stats(model, batch_size=microbatch_size), batch_size=microbatch_size
         )
-    if dp > 1:
+    if replicas if replicas is not None else dp > 1:
         from dynpipe.runtime.adapt.replicas import ReplicaPolicy
 
         return ReplicaPolicy(

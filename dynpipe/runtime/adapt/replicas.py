@@ -18,16 +18,18 @@ It considers three kinds of move:
   model and of their element-wise worst, each with its best shares, applied by live
   migration in every replica at once.
 - **change the data x pipeline shape** (opt in, ``AdaptConfig.reshape``): another
-  ``dp' x pp'`` of the same ranks (``dp' >= 2``; DP only, ``dp' = world``, included), each
-  with its best split and best batch shares, predicted from what every device measures
-  now. A layer on a device costs what the device's current model says (measured where it
+  ``dp' x pp'`` of the same ranks (one pipeline over all of them, ``1 x world``, and DP
+  only, ``world x 1``, included), each with its best split and best batch shares,
+  predicted from what every device measures now. A layer on a device costs what the device's current model says (measured where it
   holds the layer, its clean cost times the device's slowdown elsewhere), so a slowed
   device slows the replica or stage it would be in: with DP only its replica bounds the
   step unless shares shift, in ``dp' x pp'`` it is one stage of one replica. Applied
   between two steps by the live reshape (``migrate.reshape``: layers and optimizer state
   copied point to point); its predicted pause adds the copies' largest per-rank bytes over
   the link to the last measured pause. The step's microbatches (count and size) never
-  change, so every shape computes the same update.
+  change, so every shape computes the same update. One pipeline is a run of one replica
+  for the policy: one replica's estimates, its step the pipeline's alone (no all-reduce
+  tail); batch shares do not move there, layers do.
 - **partial reduce** (opt in, ``AdaptConfig.partial_reduce``; SD-Pipe's): the slowest
   replica's share is left out of the update. That changes what training computes (the
   step trains on fewer samples), so it is compared by time per counted sample, not per
@@ -136,13 +138,14 @@ def best_shares(
 def shape_options(
     world_size: int, *, total: int, schedule: str, num_layers: int
 ) -> list[tuple[int, int]]:
-    """The ``(dp, pp)`` shapes of ``world_size`` ranks a replicated run may take: at least 2
-    replicas, the step's ``total`` microbatches split evenly into per-replica counts (a
-    plan's ``microbatches``; shares may then shift), at least ``pp`` each under 1F1B, and no
-    more stages than layers."""
-    # ``--autodp``'s rule from one replica: every shape with more (at least 2).
+    """The ``(dp, pp)`` shapes of ``world_size`` ranks a run of the replica policy may take:
+    one pipeline over every rank (``1 x world_size``) and every shape of more replicas, the
+    step's ``total`` microbatches split evenly into per-replica counts (a plan's
+    ``microbatches``; shares may then shift), at least ``pp`` each under 1F1B, and no more
+    stages than layers."""
+    # ``--autodp``'s rule from zero replicas: every shape with at least one.
     return candidate_shapes(
-        world_size, dp=1, total_microbatches=total, schedule=schedule, units=num_layers
+        world_size, dp=0, total_microbatches=total, schedule=schedule, units=num_layers
     )
 
 
@@ -211,7 +214,13 @@ class ReplicaPolicy:
         parameter bytes, the link the all-reduce crosses.
     predictor / prepared: as ``Controller``'s (``adaptive``): per-layer slowdowns predicted
         from each replica's device telemetry, calibrated on what its devices measure.
+
+    ``dp`` may be 1 (``--reshape``: one pipeline over every rank is a shape among the others).
     """
+
+    # It reads every replica's window (``Window.replicas``), one replica's included: the
+    # training loop fills them for a run of one pipeline too (``loop.Adapter.replicated``).
+    per_replica = True
 
     def __init__(
         self,
@@ -262,8 +271,8 @@ class ReplicaPolicy:
 
     def describe(self) -> str:
         shapes = (
-            f"; may change the data x pipeline shape of its {self.world} ranks (at least 2 "
-            "replicas, DP only included) live"
+            f"; may change the data x pipeline shape of its {self.world} ranks (one "
+            "pipeline and DP only included) live"
             if self.config.reshape
             else ""
         )
@@ -293,7 +302,6 @@ class ReplicaPolicy:
             self.config.reshape
             and window.replicas is not None
             and shape != (self.dp, self.num_stages)
-            and shape[0] > 1
             and shape[0] * shape[1] == self.world
         ):
             self._reshaped(*shape)  # a reshape this policy asked for took effect
