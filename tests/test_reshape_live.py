@@ -449,8 +449,19 @@ _MLP = ["--model-arg", "depth=4", "--model-arg", "width=16"]
             ["one pipeline of 4 stages with --elastic", "drop --reshape"],
         ),
         (
-            ["--nproc", "4", "--schedule", "gpipe", "--microbatches", "3", "--batch-size", "12"]
-            + ["--adapt", "measured", "--reshape"],
+            [
+                "--nproc",
+                "4",
+                "--schedule",
+                "gpipe",
+                "--microbatches",
+                "3",
+                "--batch-size",
+                "12",
+                "--adapt",
+                "measured",
+                "--reshape",
+            ],
             ["as 1 x 4: no other shape splits the step's 3 microbatches", "1 x microbatches"],
         ),
         (
