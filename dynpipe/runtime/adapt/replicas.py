@@ -585,7 +585,7 @@ class ReplicaPolicy:
         # One stage has one split: every model gives it, or the same memory error (their
         # bytes are the base's; only their times differ), so one of them tells.
         planned = costs[:1]
-        if self.num_stages > 1:
+        if self.num_stages > 1 and len(costs) > 1:
             worst = dataclasses.replace(
                 costs[0],
                 fwd_ms=np.max([c.fwd_ms for c in costs], axis=0),
@@ -594,6 +594,8 @@ class ReplicaPolicy:
                 stage_bwd_ms=np.max([c.stage_bwd_ms for c in costs], axis=0),
             )
             planned = [*costs, worst]
+        elif self.num_stages > 1:
+            planned = costs  # one replica (one pipeline): its model is its worst
         mean = total // self.dp
         for cm in planned:
             # ``plan_partition``'s split, listed and scored at once where splits are few.
@@ -676,14 +678,17 @@ class ReplicaPolicy:
             ]
             splits: list[Bounds] = [((0, n),)] if p == 1 else []
             if p > 1:
-                worst = dataclasses.replace(
-                    models[0],
-                    fwd_ms=np.max([m.fwd_ms for m in models], axis=0),
-                    bwd_ms=np.max([m.bwd_ms for m in models], axis=0),
-                    stage_fwd_ms=np.max([m.stage_fwd_ms for m in models], axis=0),
-                    stage_bwd_ms=np.max([m.stage_bwd_ms for m in models], axis=0),
-                )
-                for cm in [*models, worst]:
+                planned = models  # one pipeline: its model is its worst
+                if d > 1:
+                    worst = dataclasses.replace(
+                        models[0],
+                        fwd_ms=np.max([m.fwd_ms for m in models], axis=0),
+                        bwd_ms=np.max([m.bwd_ms for m in models], axis=0),
+                        stage_fwd_ms=np.max([m.stage_fwd_ms for m in models], axis=0),
+                        stage_bwd_ms=np.max([m.stage_bwd_ms for m in models], axis=0),
+                    )
+                    planned = [*models, worst]
+                for cm in planned:
                     split = best_bounds(
                         cm, num_stages=p, schedule=w.schedule, microbatches=total // d
                     )
