@@ -45,10 +45,10 @@ class AdaptConfig:
     partial_reduce: with pipeline replicas, let the policy leave a straggling replica's
         batch share out of the update (SD-Pipe's partial reduce). This changes what training
         computes (fewer samples per update while it holds); off, every move is exact.
-    reshape: with pipeline replicas (``--dp`` of at least 2), let the replica policy
-        (``measured``, ``adaptive``) change the data x pipeline shape live: every other
-        ``dp' x pp'`` of the same ranks with at least 2 replicas (DP only included), each
-        with its best split and batch shares, is predicted from the measured per-layer costs
+    reshape: let the replica policy (``measured``, ``adaptive``) change the data x
+        pipeline shape live, from any starting ``--dp`` (one pipeline over every rank is a
+        run of one replica to it): every other ``dp' x pp'`` of the same ranks (one
+        pipeline and DP only included), each with its best split and batch shares, is predicted from the measured per-layer costs
         and per-device slowdowns, and moved to by the same rule as any other move; layers
         and optimizer state are copied point to point between two steps. Exact: the step's
         microbatches are the same in every shape.

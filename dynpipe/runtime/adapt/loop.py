@@ -30,7 +30,10 @@ With replicas no rank can go idle: a release request is carried out by ``unrepli
 (``--autodp``: back to one pipeline over the other ranks), or refused in one line.
 
 With replicas a decision may also change the data x pipeline shape (``--reshape``): its
-shares name the new replica count, its bounds the new stages. Such a decision travels in a
+shares name the new replica count, its bounds the new stages. One pipeline over every rank
+is one of those shapes, a run of one replica: under the replica policy it is handled as a
+replicated run (``Adapter.replicated``: its windows carry its one replica, its shape moves
+travel as any other, release requests go the replicated way). Such a decision travels in a
 message of its own (``_agree_shape``, sized for any shape of the world) and is carried out
 by ``reshape``, the training loop's live reshape (``migrate.reshape`` through
 ``AutoDP.apply``: copies, checksums, the vote, each rank rebuilt at its place in the new
