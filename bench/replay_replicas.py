@@ -129,9 +129,10 @@ def replay(
     header = log.headers[0]
     conf = header.config
     dp = int(header.plan.get("dp", 1) or 1)
-    if dp < 2:
-        raise SystemExit(f"{path}: one pipeline (dp 1); replay it with bench/replay_controller.py")
     adapt = AdaptConfig.from_dict(conf["adapt"])
+    if dp < 2 and not adapt.reshape:
+        # One pipeline under --reshape is a run of one replica to the replica policy.
+        raise SystemExit(f"{path}: one pipeline (dp 1); replay it with bench/replay_controller.py")
     cfg = TrainConfig.of_logged_model(conf, adapt)
     model, _ = build_model_and_data(cfg)
     links = log.events("links")
@@ -149,6 +150,7 @@ def replay(
         num_ranks=len(header.plan["stages"]),
         predictor=predictor,
         dp=dp,
+        replicas=True,
         link_bandwidth=links[0]["bandwidth_gbs"] * 1e9 / wire if links else None,
     )
     logged = {e["window_step"]: e.to_dict() for e in log.events("decision")}
