@@ -18,9 +18,10 @@ a device that does not hold it. That is its *clean* cost times the device's slow
   median, or whose timers over-read, every share lands below what its layer costs. A
   timer can read long (a stall inside its events) but never short of the work it times:
   only a layer whose own timer also reads below its clean cost proves that cost too high.
-  On 2 x H200, vgg16 256 under ``gemm`` scaled stage 1's layers 8-19% down for nine
-  windows, and the clean costs lowered on those shares left the device reading 1.11x
-  clean after the interferer stopped, where its timers read its clean costs throughout.
+  On 2 x H200, vgg16 256 under ``gemm`` on stage 1 scaled that stage's forward shares
+  5-20% down in every window the interferer ran (its sampled step ran slower than the
+  window's median), and the clean costs lowered on those shares left the device reading
+  1.11x clean after the interferer stopped, where its timers read their clean costs.
 - the device's slowdown: how much slower than clean it runs the layers it holds. In
   ``measured`` mode every layer is taken to slow alike; with a predictor, the predicted
   per-layer slowdowns from the device's telemetry are calibrated to what its held layers
