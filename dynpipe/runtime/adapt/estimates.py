@@ -317,7 +317,10 @@ class CostEstimates:
             # Its share of the stage's time must say so and, where its timer read it, its
             # own readings too: a share scaled down on a slowed stage proves nothing (see
             # the module docstring). The cost lowered to is the share, which is what the
-            # device's load compares with it.
+            # device's load compares with it. (Timers that read steadily above their shares
+            # by more than the noise bar keep such a layer's clean cost where it is; comparing
+            # the timers with what they read when the cost was taken cancels that bias, but
+            # did worse in the simulator's scenarios with swinging timers.)
             for (a, b), r in zip(w.bounds, w.ranks, strict=True):
                 run = self.run_f[a:b] + self.run_b[a:b]
                 raw = self.raw_f[a:b] + self.raw_b[a:b]
