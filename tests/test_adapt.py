@@ -171,6 +171,66 @@ def test_a_stall_between_layers_shows_in_the_stage_load() -> None:
     assert est.overheads((0, 1))[0][1] == pytest.approx(10.0)
 
 
+def _estimates() -> CostEstimates:
+    return CostEstimates(
+        prior_fwd=np.ones(L), prior_bwd=2 * np.ones(L), classes=np.arange(L), num_ranks=2,
+        window=8, jump=0.1,
+    )  # fmt: skip
+
+
+def test_shares_scaled_down_on_a_slowed_stage_do_not_lower_its_clean_costs() -> None:
+    # Rank 1 stalled between its layers; its layers' own timers read their clean costs.
+    est = _estimates()
+    for s in range(3):
+        est.update(_window(4 + 5 * s, EVEN, TRUE))
+    clean = (est.clean_f + est.clean_b).copy()
+    for s in range(4):
+        w = _window(19 + 5 * s, EVEN, TRUE, stall=(0.0, 5.0))
+        # The sampled step stalled twice as long as the window's median step: scaled by
+        # median over sampled, every layer's share of stage 1 reads 2/3-3/4 of its cost.
+        sf, sb = w.sampled_fwd_ms.copy(), w.sampled_bwd_ms.copy()
+        sf[1] += 5.0
+        sb[1] += 5.0
+        est.update(dataclasses.replace(w, sampled_fwd_ms=sf, sampled_bwd_ms=sb))
+        assert np.all((est.run_f + est.run_b)[5:] < 0.8 * clean[5:])  # the shares
+    assert est.regime == 1
+    assert np.allclose(est.clean_f + est.clean_b, clean)
+    # Timers that sum beyond the stage's time: one layer's over-reads 8x, which scales its
+    # twins' shares to half their cost; their own timers read their clean costs.
+    for s in range(4):
+        w = _window(39 + 5 * s, EVEN, TRUE, stall=(0.0, 5.0))
+        lf, lb = w.layer_fwd_ms.copy(), w.layer_bwd_ms.copy()
+        lf[9] *= 8 * 2.5
+        lb[9] *= 8 * 2.5
+        est.update(dataclasses.replace(w, layer_fwd_ms=lf, layer_bwd_ms=lb))
+    assert np.all((est.run_f + est.run_b)[5:9] < 0.8 * clean[5:9])
+    assert np.allclose(est.clean_f + est.clean_b, clean)
+    # Once the stall ends the device reads clean again, as it runs.
+    for s in range(3):
+        est.update(_window(59 + 5 * s, EVEN, TRUE))
+    assert est.load[1] == pytest.approx(1.0) and est.regime == 0
+
+
+def test_a_stage_that_really_runs_faster_lowers_its_clean_costs() -> None:
+    # Calibrated under interference on rank 1 (layers 1.5x slower, timers and stage alike),
+    # then the interference ends: the layers' shares and their timers read faster.
+    for timed in (True, False):  # with layer timers, and without (the shares alone)
+        est = _estimates()
+        for s in range(6):
+            slow = (1.0, 1.5 if s < 3 else 1.0)
+            w = _window(4 + 5 * s, EVEN, TRUE, slow=slow)
+            if not timed:
+                w = dataclasses.replace(
+                    w, layer_fwd_ms=None, layer_bwd_ms=None, sampled_fwd_ms=None,
+                    sampled_bwd_ms=None,
+                )  # fmt: skip
+            est.update(w)
+        # (Without timers a stage's time spreads over its layers by their priors: rank 1's
+        # five are alike, so their shares are their costs.)
+        assert np.allclose(est.clean_f[5:], TRUE[5:]) and np.allclose(est.clean_b[5:], 2 * TRUE[5:])
+        assert est.load[1] == pytest.approx(1.0)
+
+
 def test_identical_layers_share_a_clean_cost_and_interference_at_start_is_seen() -> None:
     classes = np.array([0] + [1] * 8 + [2])
     est = CostEstimates(

@@ -10,7 +10,18 @@ a device that does not hold it. That is its *clean* cost times the device's slow
   (a transformer's blocks) share one clean cost, the least any device shows for them; and a
   layer that runs faster than its clean cost by more than its device's noise lowers it:
   interference only ever slows a device, so such a layer shows its clean cost was taken
-  during a start-up transient or under interference.
+  during a start-up transient or under interference. "Runs faster" is read twice: in its
+  share of the stage's time (what ``run`` holds) and in its own timer's readings, unscaled
+  (``raw``). The share is how a stage's measured time divides among its layers, scaled by
+  the window's median stage time over the sampled step's (or down to the stage's time where
+  the timers sum beyond it), so on a slowed stage whose sampled step ran slower than the
+  median, or whose timers over-read, every share lands below what its layer costs. A
+  timer can read long (a stall inside its events) but never short of the work it times:
+  only a layer whose own timer also reads below its clean cost proves that cost too high.
+  On 2 x H200, vgg16 256 under ``gemm`` on stage 1 scaled that stage's forward shares
+  5-20% down in every window the interferer ran (its sampled step ran slower than the
+  window's median), and the clean costs lowered on those shares left the device reading
+  1.11x clean after the interferer stopped, where its timers read their clean costs.
 - the device's slowdown: how much slower than clean it runs the layers it holds. In
   ``measured`` mode every layer is taken to slow alike; with a predictor, the predicted
   per-layer slowdowns from the device's telemetry are calibrated to what its held layers
@@ -72,6 +83,11 @@ class CostEstimates:
         self.calibrated = False
         self.run_f = np.full(n, np.nan)
         self.run_b = np.full(n, np.nan)
+        # The same running averages of the layers' own timer readings, unscaled (NaN where
+        # no window since the last reset timed the layer): the evidence that lowers a
+        # clean cost (see the module docstring).
+        self.raw_f = np.full(n, np.nan)
+        self.raw_b = np.full(n, np.nan)
         self.n = np.zeros(n)  # windows in each layer's running average
         self.owner = np.full(n, -1)
         self.over_f = np.zeros(num_ranks)
@@ -113,8 +129,11 @@ class CostEstimates:
         return any(x is not None for x in self._suspect)
 
     # ---- from one window ---------------------------------------------------------------
-    def _measure(self, w: Window) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Per-layer fwd/bwd ms per microbatch measured in ``w`` and per-rank overheads.
+    def _measure(
+        self, w: Window
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per-layer fwd/bwd ms per microbatch measured in ``w``, per-rank overheads, and
+        the layers' own timer readings unscaled (NaN where the stage's were not used).
 
         The sampled step gives each stage's split into layers and overhead; the window's
         median stage time over all its steps gives the total (one step is noisier than the
@@ -124,9 +143,13 @@ class CostEstimates:
         m = w.microbatches
         med_f, med_b = w.stage_medians()
         mf, mb = np.full(self.num_layers, np.nan), np.full(self.num_layers, np.nan)
+        rf, rb = np.full(self.num_layers, np.nan), np.full(self.num_layers, np.nan)
         of, ob = self.over_f.copy(), self.over_b.copy()
         for s, ((a, b), r) in enumerate(zip(w.bounds, w.ranks, strict=True)):
-            for phase, med, out, over in (("fwd", med_f, mf, of), ("bwd", med_b, mb, ob)):
+            for phase, med, out, raw, over in (
+                ("fwd", med_f, mf, rf, of),
+                ("bwd", med_b, mb, rb, ob),
+            ):
                 total = float(med[s]) / m
                 # On a GPU the device's own times (see the module docstring).
                 layers = getattr(w, f"device_{phase}_ms")
@@ -135,6 +158,7 @@ class CostEstimates:
                 sampled = getattr(w, f"sampled_{phase}_ms")
                 seg = None if layers is None else layers[a:b]
                 if seg is not None and np.isfinite(seg).all() and sampled is not None:
+                    raw[a:b] = seg
                     stage = float(sampled[s])
                     if np.isfinite(stage) and stage > 0:
                         # The stage's time bounds its layers': where their timers sum to
@@ -147,7 +171,7 @@ class CostEstimates:
                     continue
                 shares = self._shares(a, b, r, phase)
                 out[a:b] = max(total - over[r], 0.0) * shares / max(shares.sum(), 1e-12)
-        return mf, mb, of, ob
+        return mf, mb, of, ob, rf, rb
 
     def _shares(self, a: int, b: int, r: int, phase: str) -> np.ndarray:
         run = (self.run_f if phase == "fwd" else self.run_b)[a:b]
@@ -221,7 +245,7 @@ class CostEstimates:
         ``changed``: the caller saw conditions change (the steps jumped): every rank's
         averages start afresh from this window, a new regime at once.
         """
-        mf, mb, of, ob = self._measure(w)
+        mf, mb, of, ob, rf, rb = self._measure(w)
         self._within(w)
         limit = self.threshold()
         changed_now = bool(changed)
@@ -252,7 +276,10 @@ class CostEstimates:
                 # conditions only if the next window confirms it (a spike does not).
                 self._suspect[r] = (
                     np.sign(ratio - 1.0),
-                    {i: (self.run_f[i], self.run_b[i], self.n[i]) for i in range(a, b)},
+                    {
+                        i: (self.run_f[i], self.run_b[i], self.n[i], self.raw_f[i], self.raw_b[i])
+                        for i in range(a, b)
+                    },
                     (self.over_f[r], self.over_b[r]),
                     history,
                     abs(float(np.log(ratio))),
@@ -264,6 +291,14 @@ class CostEstimates:
             alpha = 1.0 / np.minimum(self.n[held] + 1, self.window)
             for run, meas in ((self.run_f, mf), (self.run_b, mb)):
                 run[held] = np.where(stay, run[held] + alpha * (meas[held] - run[held]), meas[held])
+            # A window that did not time a layer leaves its timer average as it was (or
+            # empty, where the averages start afresh).
+            for run, meas in ((self.raw_f, rf), (self.raw_b, rb)):
+                timed = np.isfinite(meas[held])
+                fold = np.where(
+                    np.isfinite(run[held]), run[held] + alpha * (meas[held] - run[held]), meas[held]
+                )
+                run[held] = np.where(stay, np.where(timed, fold, run[held]), meas[held])
             k = 1.0 / min(float(self.n[held].min()) + 1, self.window) if stay.any() else 1.0
             self.over_f[r] += k * (of[r] - self.over_f[r])
             self.over_b[r] += k * (ob[r] - self.over_b[r])
@@ -279,10 +314,20 @@ class CostEstimates:
         else:
             # A layer running clearly faster than its clean cost (beyond its device's noise)
             # shows that cost was taken under a transient or under interference: lower it.
+            # Its share of the stage's time must say so and, where its timer read it, its
+            # own readings too: a share scaled down on a slowed stage proves nothing (see
+            # the module docstring). The cost lowered to is the share, which is what the
+            # device's load compares with it. (Timers that read steadily above their shares
+            # by more than the noise bar keep such a layer's clean cost where it is; comparing
+            # the timers with what they read when the cost was taken cancels that bias, but
+            # did worse in the simulator's scenarios with swinging timers.)
             for (a, b), r in zip(w.bounds, w.ranks, strict=True):
                 run = self.run_f[a:b] + self.run_b[a:b]
+                raw = self.raw_f[a:b] + self.raw_b[a:b]
                 clean = self.clean_f[a:b] + self.clean_b[a:b]
-                low = np.flatnonzero(run < clean * np.exp(-limit[r])) + a
+                bar = clean * np.exp(-limit[r])
+                faster = (run < bar) & ~(raw >= bar)  # NaN: never timed, the share alone
+                low = np.flatnonzero(faster) + a
                 self.clean_f[low], self.clean_b[low] = self.run_f[low], self.run_b[low]
                 if self.over_f[r] + self.over_b[r] < (self.clean_of[r] + self.clean_ob[r]) * np.exp(
                     -limit[r]
@@ -432,7 +477,7 @@ class CostEstimates:
             self.steps[r] = history + this
             return stay
         for i in common:
-            self.run_f[i], self.run_b[i], self.n[i] = snap[i]
+            self.run_f[i], self.run_b[i], self.n[i], self.raw_f[i], self.raw_b[i] = snap[i]
         self.over_f[r], self.over_b[r] = sf, sb
         return (self.owner[a:b] == r) & np.isfinite(self.run_f[a:b])
 
@@ -501,7 +546,7 @@ class CostEstimates:
         keys = (
             "clean_f", "clean_b", "run_f", "run_b", "n", "owner",
             "over_f", "over_b", "clean_of", "clean_ob", "slow", "load",
-            "host_f", "host_b",
+            "host_f", "host_b", "raw_f", "raw_b",
         )  # fmt: skip
         out: dict[str, Any] = {k: _jsonable(getattr(self, k)) for k in keys}
         out["calibrated"] = self.calibrated
