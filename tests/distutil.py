@@ -194,3 +194,55 @@ def forced_decision(step: int, bounds, shares=None, *, ranks: int = 4):
         bounds=bounds,
         shares=shares,
     )
+
+
+def replica_window(step: int, cfg, slow, cf, cb, *, k: int = 5, extra: float = 1.0):
+    """What a replicated run of ``cfg`` (a ``ReplicaConfig``) measures under GPipe when
+    global rank ``g``'s device runs ``slow[g]`` times slower (rank ``r pp + s`` is stage ``s``
+    of replica ``r``), its layers costing ``cf`` / ``cb`` ms clean: every replica's window,
+    the job's step 2% beyond its slowest replica's (the all-reduce and the optimizer) times
+    ``extra`` (what no per-layer model sees). One replica's is one pipeline's window as the
+    training loop hands the replica policy."""
+    import dataclasses
+
+    import numpy as np
+
+    from dynpipe.planner.simulate import step_times
+    from dynpipe.runtime.adapt.window import Window
+
+    dp, pp = cfg.shape
+    subs, pipes = [], []
+    for r, m in enumerate(cfg.shares):
+        f = [slow[r * pp + s] for s in range(pp)]
+        lf = np.concatenate([cf[a:b] * f[s] for s, (a, b) in enumerate(cfg.bounds)])
+        lb = np.concatenate([cb[a:b] * f[s] for s, (a, b) in enumerate(cfg.bounds)])
+        sf = np.array([lf[a:b].sum() for a, b in cfg.bounds])
+        sb = np.array([lb[a:b].sum() for a, b in cfg.bounds])
+        pipe = step_times(
+            sf[None], sb[None], np.zeros((1, pp - 1)), schedule="gpipe", microbatches=m
+        )[0]
+        pipes.append(float(pipe))
+        subs.append(
+            Window(
+                step=step,
+                bounds=cfg.bounds,
+                ranks=tuple(range(pp)),
+                microbatches=m,
+                schedule="gpipe",
+                step_ms=np.full(k, float(pipe)),
+                stage_fwd_ms=np.tile(sf * m, (k, 1)),
+                stage_bwd_ms=np.tile(sb * m, (k, 1)),
+                layer_fwd_ms=lf,
+                layer_bwd_ms=lb,
+                sampled_fwd_ms=sf,
+                sampled_bwd_ms=sb,
+            )
+        )
+    return dataclasses.replace(
+        subs[0],
+        step_ms=np.full(k, max(pipes) * 1.02 * extra),
+        replicas=tuple(subs),
+        shares=cfg.shares,
+        dropped=(),
+        reduce_ms=np.zeros((k, dp)),
+    )

@@ -16,11 +16,16 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from distutil import assert_same_tensors, forced_decision, merged_state, run_ranks
+from distutil import (
+    assert_same_tensors,
+    forced_decision,
+    merged_state,
+    replica_window,
+    run_ranks,
+)
 
 from dynpipe.models import get_model
 from dynpipe.planner.costs import CostModel
-from dynpipe.planner.simulate import step_times
 from dynpipe.runtime.adapt.config import AdaptConfig
 from dynpipe.runtime.adapt.policy import Decision
 from dynpipe.runtime.adapt.replicas import ReplicaConfig, ReplicaPolicy, shape_options
@@ -37,46 +42,9 @@ BASE = dataclasses.replace(_B, fwd_ms=CF[None], bwd_ms=CB[None])
 
 
 def _window(step: int, cfg: ReplicaConfig, slow, *, k: int = 5, extra: float = 1.0) -> Window:
-    """What a run of ``cfg`` measures (GPipe) when global rank ``g``'s device runs
-    ``slow[g]`` times slower (rank ``r pp + s`` is stage ``s`` of replica ``r``); ``extra``:
-    the job's step beyond its slowest replica's (what no per-layer model sees)."""
-    dp, pp = cfg.shape
-    subs, pipes = [], []
-    for r, m in enumerate(cfg.shares):
-        f = [slow[r * pp + s] for s in range(pp)]
-        lf = np.concatenate([CF[a:b] * f[s] for s, (a, b) in enumerate(cfg.bounds)])
-        lb = np.concatenate([CB[a:b] * f[s] for s, (a, b) in enumerate(cfg.bounds)])
-        sf = np.array([lf[a:b].sum() for a, b in cfg.bounds])
-        sb = np.array([lb[a:b].sum() for a, b in cfg.bounds])
-        pipe = step_times(
-            sf[None], sb[None], np.zeros((1, pp - 1)), schedule="gpipe", microbatches=m
-        )[0]
-        pipes.append(float(pipe))
-        subs.append(
-            Window(
-                step=step,
-                bounds=cfg.bounds,
-                ranks=tuple(range(pp)),
-                microbatches=m,
-                schedule="gpipe",
-                step_ms=np.full(k, float(pipe)),
-                stage_fwd_ms=np.tile(sf * m, (k, 1)),
-                stage_bwd_ms=np.tile(sb * m, (k, 1)),
-                layer_fwd_ms=lf,
-                layer_bwd_ms=lb,
-                sampled_fwd_ms=sf,
-                sampled_bwd_ms=sb,
-            )
-        )
-    job = max(pipes) * 1.02 * extra  # the all-reduce and the optimizer
-    return dataclasses.replace(
-        subs[0],
-        step_ms=np.full(k, job),
-        replicas=tuple(subs),
-        shares=cfg.shares,
-        dropped=(),
-        reduce_ms=np.zeros((k, dp)),
-    )
+    """``distutil.replica_window`` for this file's layers; ``extra``: the job's step beyond
+    its slowest replica's (what no per-layer model sees)."""
+    return replica_window(step, cfg, slow, CF, CB, k=k, extra=extra)
 
 
 def _drive(
@@ -247,9 +215,11 @@ def _cfg(tmp: str, steps: int, **kw):
 
 
 class _Forced:
-    """Moves at given windows (by their last step): ``{step: (bounds, shares)}``."""
+    """Moves at given windows (by their last step): ``{step: (bounds, shares)}``. It reads
+    every replica's window, one pipeline's included, as the replica policy does."""
 
     mode_used = "measured"
+    per_replica = True
 
     def __init__(self, moves: dict, engine: dict) -> None:
         self.moves, self.engine = moves, engine
@@ -258,6 +228,7 @@ class _Forced:
         self.after: list[tuple[dict, dict]] = []  # each move's state, before the next step
 
     def observe(self, window: Window) -> Decision | None:
+        assert window.replicas is not None and len(window.replicas) == window.dp
         self.seen.append((window.step, window.dp, window.num_stages, tuple(window.shares)))
         if window.step not in self.moves:
             return None
@@ -315,9 +286,10 @@ def _live(rank: int, world: int, cfg, moves: dict) -> dict:
     }
 
 
-def _reference(cfg, groups: dict[int, tuple[int, ...]], *, steps: int | None = None):
-    """Single-process accumulation over the run's 8 microbatches, added in the replicas'
-    grouping of each step (each replica's share, then the replicas' sums in order)."""
+def _reference(cfg, groups: dict[int, tuple[int, ...] | None], *, steps: int | None = None):
+    """Single-process accumulation over the run's 8 microbatches: in the replicas' grouping
+    of each step (each replica's share, then the replicas' sums), or in microbatch order
+    (None: one pipeline's)."""
     from dynpipe.runtime.reference import ReferenceTrainer
     from dynpipe.runtime.train import build_model_and_data
 

@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
-from distutil import assert_same_tensors, forced_decision, merged_state, run_ranks
+from distutil import (
+    assert_same_tensors,
+    merged_state,
+    replica_window,
+    run_ranks,
+)
+from test_reshape_live import TOL, _cfg, _live, _reference
 
 from dynpipe.models import get_model
 from dynpipe.planner.costs import CostModel
-from dynpipe.planner.simulate import step_times
 from dynpipe.runtime.adapt.config import AdaptConfig
-from dynpipe.runtime.adapt.policy import Decision
 from dynpipe.runtime.adapt.replicas import ReplicaConfig, ReplicaPolicy
 from dynpipe.runtime.adapt.window import Window
 
@@ -38,45 +41,9 @@ BASE = dataclasses.replace(_B, fwd_ms=CF[None], bwd_ms=CB[None])
 
 
 def _window(step: int, cfg: ReplicaConfig, slow, *, k: int = 5) -> Window:
-    """What a run of ``cfg`` measures (GPipe) when global rank ``g``'s device runs
-    ``slow[g]`` times slower (rank ``r pp + s`` is stage ``s`` of replica ``r``): one
-    replica's window for one pipeline, as the training loop hands the replica policy."""
-    dp, pp = cfg.shape
-    subs, pipes = [], []
-    for r, m in enumerate(cfg.shares):
-        f = [slow[r * pp + s] for s in range(pp)]
-        lf = np.concatenate([CF[a:b] * f[s] for s, (a, b) in enumerate(cfg.bounds)])
-        lb = np.concatenate([CB[a:b] * f[s] for s, (a, b) in enumerate(cfg.bounds)])
-        sf = np.array([lf[a:b].sum() for a, b in cfg.bounds])
-        sb = np.array([lb[a:b].sum() for a, b in cfg.bounds])
-        pipe = step_times(
-            sf[None], sb[None], np.zeros((1, pp - 1)), schedule="gpipe", microbatches=m
-        )[0]
-        pipes.append(float(pipe))
-        subs.append(
-            Window(
-                step=step,
-                bounds=cfg.bounds,
-                ranks=tuple(range(pp)),
-                microbatches=m,
-                schedule="gpipe",
-                step_ms=np.full(k, float(pipe)),
-                stage_fwd_ms=np.tile(sf * m, (k, 1)),
-                stage_bwd_ms=np.tile(sb * m, (k, 1)),
-                layer_fwd_ms=lf,
-                layer_bwd_ms=lb,
-                sampled_fwd_ms=sf,
-                sampled_bwd_ms=sb,
-            )
-        )
-    return dataclasses.replace(
-        subs[0],
-        step_ms=np.full(k, max(pipes) * 1.02),  # the all-reduce and the optimizer
-        replicas=tuple(subs),
-        shares=cfg.shares,
-        dropped=(),
-        reduce_ms=np.zeros((k, dp)),
-    )
+    """``distutil.replica_window`` for this file's 24 layers: one replica's window for one
+    pipeline, as the training loop hands the replica policy."""
+    return replica_window(step, cfg, slow, CF, CB, k=k)
 
 
 def _drive(slowdowns, *, start: ReplicaConfig, windows: int):
@@ -156,103 +123,9 @@ def test_one_pipeline_with_a_slow_device_moves_its_layers() -> None:
 
 # ---- live, on gloo processes ------------------------------------------------------------
 
-MODEL = {"depth": 6, "width": 32}  # 8 layers
-BATCH = 16  # 8 microbatches of 2 samples in every shape
-EVERY = 2
+# The live runs share tests/test_reshape_live.py's model, configuration, forced policy,
+# worker and single-process reference.
 PIPE = ((0, 2), (2, 4), (4, 6), (6, 8))
-
-
-def _cfg(tmp: str, steps: int, **kw):
-    from dynpipe.runtime.config import TrainConfig
-    from dynpipe.runtime.optim import OptimConfig
-
-    base = dict(
-        model="mlp",
-        model_args=MODEL,
-        steps=steps,
-        batch_size=BATCH,
-        dp=2,
-        microbatches=4,
-        schedule="gpipe",
-        progress=False,
-        telemetry=False,
-        log=f"{tmp}/log.jsonl",
-        optim=OptimConfig(name="adamw", lr=3e-3, clip_grad=0.5, total_steps=8),
-        adapt=AdaptConfig(mode="measured", monitor_every=EVERY, reshape=True),
-    )
-    return TrainConfig(**{**base, **kw})
-
-
-class _Forced:
-    """Moves at given windows (by their last step): ``{step: (bounds, shares)}``. It reads
-    every replica's window, one pipeline's included, as the replica policy does."""
-
-    mode_used = "measured"
-    per_replica = True
-
-    def __init__(self, moves: dict, engine: dict) -> None:
-        self.moves, self.engine = moves, engine
-        self.seen: list[tuple[int, int, int, tuple[int, ...]]] = []
-        self.after: list[tuple[dict, dict]] = []  # each move's state, before the next step
-
-    def observe(self, window: Window) -> Decision | None:
-        assert window.replicas is not None and len(window.replicas) == window.dp
-        self.seen.append((window.step, window.dp, window.num_stages, tuple(window.shares)))
-        if window.step not in self.moves:
-            return None
-        bounds, shares = self.moves[window.step]
-        return forced_decision(window.step, bounds, shares)
-
-    def applied(self, *, step: int, pause_ms: float, moved_bytes: int) -> None:
-        assert pause_ms > 0
-        eng = self.engine["engine"]
-        copy = lambda d: {k: v.clone() for k, v in d.items()}  # noqa: E731 (live tensors)
-        self.after.append((copy(eng.model_state()), copy(eng.optim_state())))
-
-    def describe(self) -> str:
-        return "forced"
-
-    def state(self) -> dict:
-        return {}
-
-    def load_state(self, state: dict) -> None:
-        pass
-
-
-def _live(rank: int, world: int, cfg, moves: dict) -> dict:
-    from dynpipe.runtime.topology import Topology
-    from dynpipe.runtime.train import train
-
-    shapes: list[tuple[int, int, int]] = []
-    final: dict = {}
-    held: dict = {}
-
-    def on_step(engine, res) -> None:
-        held["engine"] = engine
-        shapes.append((res.step, engine.mesh.dp, engine.mesh.pp))
-        final.update(
-            model=engine.model_state(), optim=engine.optim_state(), replica=engine.mesh.replica
-        )
-
-    policy = _Forced(moves, held)
-    out = train(cfg, topo=Topology.from_env(device="cpu"), on_step=on_step, policy=policy)
-    return {"shapes": shapes, "losses": out["losses"], "seen": policy.seen, **final}
-
-
-def _reference(cfg, groups: dict[int, tuple[int, ...] | None], *, steps: int | None = None):
-    """Single-process accumulation over the run's 8 microbatches: in the replicas' grouping
-    of each step (each replica's share, then the replicas' sums), or in microbatch order
-    (None: one pipeline's)."""
-    from dynpipe.runtime.reference import ReferenceTrainer
-    from dynpipe.runtime.train import build_model_and_data
-
-    model, data = build_model_and_data(cfg)
-    ref = ReferenceTrainer(model=model, batch_size=BATCH, microbatches=8, optim=cfg.optim)
-    losses = []
-    for s in range(cfg.steps if steps is None else steps):
-        ref.groups = groups[s]
-        losses.append(ref.step(s, data.batch(s, BATCH)))
-    return ref.model_state(), ref.optim_state(), losses
 
 
 # After the window ending at step 1: one pipeline from step 3; after step 3, a layer move
@@ -305,9 +178,6 @@ def test_two_by_two_to_one_pipeline_and_back_trains_what_one_process_does(tmp_pa
 
 # Launched as one pipeline with --reshape: DP only from step 3, one pipeline again from 5.
 MOVES_FROM_PIPE = {1: (((0, 8),), (2, 2, 2, 2)), 3: (PIPE, (8,))}
-# Four replicas add their sums in gloo's order (tests/test_reshape_live.py says why): the
-# DP-only steps and what follows are compared within AdamW's float tolerance.
-TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
 @pytest.mark.slow
