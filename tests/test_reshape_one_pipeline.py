@@ -176,6 +176,31 @@ def test_two_by_two_to_one_pipeline_and_back_trains_what_one_process_does(tmp_pa
         assert got["value"]["losses"] == want_l
 
 
+def test_a_checkpoint_taken_as_one_pipeline_resumes_as_one_pipeline(tmp_path) -> None:
+    """A run that reshaped 2 x 2 -> 1 x 4 and stopped resumes from its checkpoint in 1 x 4,
+    under the replica policy (its windows carry their one replica), and trains on as one
+    process does: bit for bit, one pipeline adding its microbatches in order."""
+    torch.set_num_threads(1)
+    kw = {"save_every": 4, "save_dir": str(tmp_path / "ckpt"), "resume": "auto"}
+    # Stopped after step 4: its checkpoint is of step 4, in 1 x 4 since step 3.
+    run_ranks(_live, 4, _cfg(str(tmp_path), 5, **kw), {1: MOVES[1]}, timeout_s=120)
+    again = _cfg(str(tmp_path), 10, **kw)
+    res = run_ranks(_live, 4, again, {}, timeout_s=120)
+    for got in res:
+        v = got["value"]
+        assert v["start"] == 4
+        assert {(d, p) for _, d, p in v["shapes"]} == {(1, 4)}
+        # The policy reads the resumed run's windows (after the one that settles).
+        assert v["seen"] and all(dp == 1 and pp == 4 for _, dp, pp, _ in v["seen"]), v["seen"]
+    groups = {s: (4, 4) if s < 3 else None for s in range(10)}
+    want_m, want_o, want_l = _reference(again, groups)
+    m, o = merged_state(res, 0)
+    assert_same_tensors(m, want_m, "parameters")
+    assert_same_tensors(o, want_o, "optimizer state")
+    for got in res:
+        assert got["value"]["losses"] == want_l[4:]
+
+
 # Launched as one pipeline with --reshape: DP only from step 3, one pipeline again from 5.
 MOVES_FROM_PIPE = {1: (((0, 8),), (2, 2, 2, 2)), 3: (PIPE, (8,))}
 
