@@ -22,7 +22,7 @@ from distutil import (
     replica_window,
     run_ranks,
 )
-from test_reshape_live import TOL, _cfg, _live, _reference
+from test_reshape_live import TOL, _cfg, _Forced, _live, _reference
 
 from dynpipe.models import get_model
 from dynpipe.planner.costs import CostModel
@@ -236,3 +236,37 @@ def test_a_run_launched_as_one_pipeline_reshapes_to_dp_only_and_back(tmp_path) -
             assert torch.equal(o[k], v), k
     for got in res:
         torch.testing.assert_close(got["value"]["losses"], want_l, **TOL)
+
+
+def _release(rank: int, world: int, cfg) -> dict:
+    from pathlib import Path
+
+    from dynpipe.cli import main
+    from dynpipe.runtime.topology import Topology
+    from dynpipe.runtime.train import train
+
+    idle: list[int] = []
+
+    def on_step(engine, res) -> None:
+        if engine.idle:
+            idle.append(res.step)
+        if rank == 0 and res.step == 2:
+            assert main(["release", "--rank", "3", str(Path(cfg.log).parent)]) == 0
+
+    policy = _Forced({}, {})  # the replica policy's seam: reads every replica, never moves
+    out = train(cfg, topo=Topology.from_env(device="cpu"), on_step=on_step, policy=policy)
+    return {"idle": idle, "steps": len(out["losses"])}
+
+
+def test_a_release_while_one_pipeline_under_reshape_is_refused_in_one_line(tmp_path) -> None:
+    """The replica policy's shapes use every rank: a release request is refused (once, in
+    one line), as for ``--dp R``, though the run is one pipeline now, and it trains on."""
+    from dynpipe.runtime.records import read_log
+
+    torch.set_num_threads(1)
+    cfg = _cfg(str(tmp_path), 9, dp=1, microbatches=8, log=str(tmp_path / "run" / "log.jsonl"))
+    res = run_ranks(_release, 4, cfg, timeout_s=120)
+    assert all(r["value"] == {"idle": [], "steps": 9} for r in res), res
+    rel = read_log(cfg.log).events("release")
+    assert len(rel) == 1 and rel[0]["ranks"] == [3], rel
+    assert "launch with --autodp" in rel[0]["refused"]
