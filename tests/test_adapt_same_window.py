@@ -182,10 +182,16 @@ def test_one_pipeline_every_rank_sees_the_same_windows(tmp_path) -> None:
     assert len(windows) >= 7, len(windows)
     assert sum("applied" in s for s in first) >= 2
     log = read_log(cfg.log)
-    # The forced moves were made (the policy may have made moves of its own besides).
-    assert {7, 13} <= {e.step for e in log.events("repartition")}
+    # The forced moves were made: rank 1 idle from step 7 and holding layers again by step
+    # 13 (the policy may have moves of its own besides: on a loaded machine it once gave
+    # rank 1 its layers back at step 9, which left the forced move at 13 nothing to do).
+    assert 7 in {e.step for e in log.events("repartition")}
     counts = [(e.step, e["idle"]) for e in log.events("stage_count")]
-    assert (7, [1]) in counts and (13, []) in counts, counts
+    assert (7, [1]) in counts, counts
+    assert any(idle == [] and 7 < step <= 13 for step, idle in counts), counts
+    # Without --elastic the policy never leaves a rank idle itself: the forced 1-stage plan,
+    # measured faster here (an mlp on CPU), is not one its plan memory goes back to.
+    assert [step for step, idle in counts if idle] == [7], counts
 
 
 def test_replicas_every_rank_sees_the_same_windows_across_a_reshape(tmp_path) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -503,7 +504,7 @@ class Controller:
         promises; two measurements of one regime need only beat their own noise (a split
         measured 3.6% slower than the one it left, beyond 0.5% of noise, was otherwise kept
         for 55 steps: vgg16 256 under ``gemm`` on 2 x H200)."""
-        best = self.memory.best(regime, last=recent)
+        best = self.memory.best(regime, last=recent, allow=self._may_hold(w))
         if best is None or best[0] == key or best[1] >= here:
             return None
         one = max(self.memory.noise(regime, last=recent), w.step_noise)
@@ -514,6 +515,16 @@ class Controller:
         if (here - best[1]) * self.config.horizon_steps <= pause:
             return None
         return best
+
+    def _may_hold(self, w: Window) -> Callable[[Bounds], bool]:
+        """Which measured plans the memory may move to: any (but a released device's) with
+        ``elastic``; else those on the devices that hold layers now. Without ``elastic`` the
+        stage count is the run's: a plan measured with a device idle (a release, since
+        reclaimed) is not one to go back to for its speed."""
+        if self.config.elastic:
+            return lambda b: not any(b[r][1] > b[r][0] for r in self.excluded if r < len(b))
+        active = set(w.ranks)
+        return lambda b: {r for r, (a, c) in enumerate(b) if c > a} == active
 
     def tracking_error(self) -> float:
         """Relative standard deviation of the model's misses: how far, window to window,

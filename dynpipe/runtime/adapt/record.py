@@ -13,7 +13,7 @@ the loop that applies the move only fills in what the move cost.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,10 +67,16 @@ class PlanMemory:
             return 0.0
         return 1.4826 * float(np.median(np.abs(res)))
 
-    def best(self, regime: int | None, *, last: int | None = None) -> tuple[Bounds, float] | None:
+    def best(
+        self,
+        regime: int | None,
+        *,
+        last: int | None = None,
+        allow: Callable[[Bounds], bool] | None = None,
+    ) -> tuple[Bounds, float] | None:
         """The plan measured fastest in ``regime`` (None: any) among the ``last`` windows
-        recorded in that regime, and its step time."""
-        plans = {b for b, _, _ in self._pick(regime, last)}
+        recorded in that regime, and its step time; ``allow``: only plans it accepts."""
+        plans = {b for b, _, _ in self._pick(regime, last) if allow is None or allow(b)}
         scored = [(b, self.measured(b, regime, last=last)) for b in plans]
         scored = [(b, t) for b, t in scored if t is not None]
         return min(scored, key=lambda x: x[1]) if scored else None
