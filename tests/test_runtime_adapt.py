@@ -237,22 +237,12 @@ class _Misled:
     whatever else the machine runs). Injected through ``train(policy=...)``; every other
     window is the real controller's."""
 
-    # Not before the window ending at step 24: the move is judged against steady steps,
-    # past the start-up that a loaded machine stretches unevenly (the first windows once
-    # read stage 0 at 15x, and the bad move then measured "faster" than them).
-    FIRE_AT = 24
-
     def __init__(self, inner) -> None:
         self.inner, self.fired = inner, False
         self.mode_used = inner.mode_used
 
     def observe(self, window):
         d = self.inner.observe(window)
-        if not self.fired and window.step < self.FIRE_AT:
-            if d is not None and d.repartition:
-                self.inner.pending = None  # vetoed, as the loop vetoes (held on the even split)
-                return None
-            return d
         if d is None or self.fired or window.bounds != ((0, 5), (5, 10)):
             return d
         self.fired = True
@@ -296,7 +286,10 @@ def _misled(rank: int, world: int, log: str, scenario: str) -> list[float]:
     from dynpipe.runtime.train import train
 
     torch.set_num_threads(1)
-    adapt = AdaptConfig(mode="measured", monitor_every=5)
+    # Two settling windows: the move is judged against steps 10-14, past the start-up that a
+    # loaded machine stretches unevenly (steps 5-9 once read stage 0 at 15x, the bad move
+    # then "faster").
+    adapt = AdaptConfig(mode="measured", monitor_every=5, settle_windows=2)
     cfg = TrainConfig(
         model="mlp",
         model_args=MODEL,
@@ -335,5 +328,8 @@ def test_a_move_that_makes_steps_slower_is_undone(tmp_path) -> None:
     # after the step during which the judging window was read.
     assert reps[1]["new_plan"]["stages"] == reps[0]["old_plan"]["stages"]
     assert reps[1].step == judged[0].step + 2
+    # On a measurement, not the model: "measured ... under these conditions", or, where the
+    # move's readings looked like a change of conditions, "devices read as they ran before:
+    # measured ... then" (a loaded machine gives either).
     decisions = [e for e in recs.events("decision") if e.step == reps[1].step]
-    assert decisions and decisions[0]["reason"].startswith("measured"), decisions
+    assert decisions and "measured" in decisions[0]["reason"], decisions
