@@ -521,10 +521,14 @@ class Controller:
         ``elastic``; else those on the devices that hold layers now. Without ``elastic`` the
         stage count is the run's: a plan measured with a device idle (a release, since
         reclaimed) is not one to go back to for its speed."""
+
+        def holding(b: Bounds) -> set[int]:  # a plan's key has one range per rank
+            return {r for r, (a, c) in enumerate(b) if c > a}
+
         if self.config.elastic:
-            return lambda b: not any(b[r][1] > b[r][0] for r in self.excluded if r < len(b))
+            return lambda b: not holding(b) & self.excluded
         active = set(w.ranks)
-        return lambda b: {r for r, (a, c) in enumerate(b) if c > a} == active
+        return lambda b: holding(b) == active
 
     def tracking_error(self) -> float:
         """Relative standard deviation of the model's misses: how far, window to window,

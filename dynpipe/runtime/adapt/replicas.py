@@ -149,6 +149,22 @@ def shape_options(
     )
 
 
+def _with_worst(models: Sequence[CostModel]) -> list[CostModel]:
+    """``models`` (one per replica) and, with more than one, their element-wise worst: the
+    splits to weigh are each replica's best and the best for the slowest of every layer.
+    One replica's model is its own worst."""
+    if len(models) < 2:
+        return list(models)
+    worst = dataclasses.replace(
+        models[0],
+        fwd_ms=np.max([m.fwd_ms for m in models], axis=0),
+        bwd_ms=np.max([m.bwd_ms for m in models], axis=0),
+        stage_fwd_ms=np.max([m.stage_fwd_ms for m in models], axis=0),
+        stage_bwd_ms=np.max([m.stage_bwd_ms for m in models], axis=0),
+    )
+    return [*models, worst]
+
+
 class _Steps:
     """Each replica's predicted pipeline step (``predicted_step_ms``) under ``costs`` (one
     model per replica), by split and microbatch count, computed once per split and count for
@@ -584,18 +600,7 @@ class ReplicaPolicy:
         splits: list[Bounds] = [cur.bounds]
         # One stage has one split: every model gives it, or the same memory error (their
         # bytes are the base's; only their times differ), so one of them tells.
-        planned = costs[:1]
-        if self.num_stages > 1 and len(costs) > 1:
-            worst = dataclasses.replace(
-                costs[0],
-                fwd_ms=np.max([c.fwd_ms for c in costs], axis=0),
-                bwd_ms=np.max([c.bwd_ms for c in costs], axis=0),
-                stage_fwd_ms=np.max([c.stage_fwd_ms for c in costs], axis=0),
-                stage_bwd_ms=np.max([c.stage_bwd_ms for c in costs], axis=0),
-            )
-            planned = [*costs, worst]
-        elif self.num_stages > 1:
-            planned = costs  # one replica (one pipeline): its model is its worst
+        planned = _with_worst(costs) if self.num_stages > 1 else costs[:1]
         mean = total // self.dp
         for cm in planned:
             # ``plan_partition``'s split, listed and scored at once where splits are few.
@@ -678,17 +683,7 @@ class ReplicaPolicy:
             ]
             splits: list[Bounds] = [((0, n),)] if p == 1 else []
             if p > 1:
-                planned = models  # one pipeline: its model is its worst
-                if d > 1:
-                    worst = dataclasses.replace(
-                        models[0],
-                        fwd_ms=np.max([m.fwd_ms for m in models], axis=0),
-                        bwd_ms=np.max([m.bwd_ms for m in models], axis=0),
-                        stage_fwd_ms=np.max([m.stage_fwd_ms for m in models], axis=0),
-                        stage_bwd_ms=np.max([m.stage_bwd_ms for m in models], axis=0),
-                    )
-                    planned = [*models, worst]
-                for cm in planned:
+                for cm in _with_worst(models):
                     split = best_bounds(
                         cm, num_stages=p, schedule=w.schedule, microbatches=total // d
                     )
