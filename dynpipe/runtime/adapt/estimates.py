@@ -235,7 +235,7 @@ class CostEstimates:
                 out[r] = max(out[r], self._suspect[r][4])
         return out
 
-    def update(self, w: Window, *, changed: bool = False) -> None:
+    def update(self, w: Window, *, changed: bool = False, steady: bool = False) -> None:
         """Fold one trusted window into the running per-layer costs.
 
         A rank's reading is its stage's whole time per microbatch (its layers that stayed,
@@ -244,6 +244,16 @@ class CostEstimates:
         device back between kernels) shows in the overhead, not in any layer.
         ``changed``: the caller saw conditions change (the steps jumped): every rank's
         averages start afresh from this window, a new regime at once.
+        ``steady``: the window ran the plan of the one before it and its steps did not move
+        beyond their noise. A change of a rank's reading confirmed over two steady windows
+        still names a new regime, but its reading is kept among the rank's noise readings
+        (``uncertainty``) rather than set aside as a change: the steps did not show it, and
+        on a launch-bound GPU a stage's timers swing 2x for several windows at a time while
+        its steps do not. Set aside, every swing passed for a confirmed change, the rank's
+        noise stayed small, and the planner piled layers on whichever device's timers read
+        low (in the controller simulator a 4-stage resnet50 made seven moves, each measured
+        slower). A real change on a stage off the critical path, which the steps do not
+        show either, costs only caution: the planner counts that device as less certain.
         """
         mf, mb, of, ob, rf, rb = self._measure(w)
         self._within(w)
@@ -268,7 +278,7 @@ class CostEstimates:
                 pass
             elif self._suspect[r] is not None:
                 regime = self.regime
-                stay = self._confirm(r, a, b, mf, mb, of[r] + ob[r], limit[r], stay)
+                stay = self._confirm(r, a, b, mf, mb, of[r] + ob[r], limit[r], stay, steady)
                 changed_now |= self.regime != regime
             elif ratio > 0 and abs(np.log(ratio)) > limit[r]:
                 # The device seems to have changed speed: its averages start afresh at once
@@ -283,6 +293,7 @@ class CostEstimates:
                     (self.over_f[r], self.over_b[r]),
                     history,
                     abs(float(np.log(ratio))),
+                    steady,
                 )
                 stay[:] = False
             # Within a regime every window counts alike (a running mean), up to ``window``
@@ -456,11 +467,12 @@ class CostEstimates:
         over: float,
         limit: float,
         stay: np.ndarray,
+        steady: bool = False,
     ) -> np.ndarray:
         """The window after a suspected change on rank ``r``: still beyond ``limit`` of the
         level before it, in the same direction, and conditions changed (a new regime); back
         within it, and it was a spike: the averages from before it come back."""
-        sign, snap, (sf, sb), history, _ = self._suspect[r]
+        sign, snap, (sf, sb), history, _, was_steady = self._suspect[r]
         self._suspect[r] = None
         # A confirmed change's reading is not noise of a steady device (a spike's is).
         this = self.steps[r][-1:] if len(self.steps[r]) > len(history) + 1 else []
@@ -474,7 +486,11 @@ class CostEstimates:
         change = float(np.log(max(now, 1e-12) / max(before, 1e-12)))
         if abs(change) > limit and np.sign(change) == sign:
             self.regime = -1  # a change (named once every rank is read)
-            self.steps[r] = history + this
+            if not (steady and was_steady):
+                self.steps[r] = history + this
+            # else: the steps of an unchanged plan did not move in either window, so the
+            # change may be the timers' own (see ``update``): its reading stays among the
+            # rank's noise readings.
             return stay
         for i in common:
             self.run_f[i], self.run_b[i], self.n[i], self.raw_f[i], self.raw_b[i] = snap[i]

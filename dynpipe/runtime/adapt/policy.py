@@ -279,7 +279,8 @@ class Controller:
             > np.log1p(self._step_noise_limit(window))
         )
         regime = self.est.regime
-        self.est.update(window, changed=changed)
+        steady = prev is not None and prev[0] == window.key and not changed
+        self.est.update(window, changed=changed, steady=steady)
         if window.probes:
             self.est.probe(window.probes)
         if changed or self.est.regime != regime:
