@@ -87,7 +87,7 @@ def _estimates():
     )
 
 
-def test_light_ranks_are_those_holding_less_than_one_probe_layer() -> None:
+def test_light_ranks_are_those_holding_less_than_half_a_probe_layer() -> None:
     est = _estimates()
     assert est.probe_layer() == 1  # a block (the median unit of work), first of its class
     assert est.light_probes(LIGHT) == {0: 1}
@@ -211,3 +211,129 @@ def test_the_controller_moves_layers_back_only_once_the_probe_reads_clean() -> N
     # back to it while the interference lasts (the run measured on 4 x H200).
     blind = _moves_back(False)
     assert len(blind) <= 6 and blind[-1] is not None, blind
+
+
+# ---- the training loop: a light active rank's probes reach the window and the log ----------
+
+GPT = {"depth": 4, "width": 128, "heads": 2, "seq_len": 32, "vocab": 64}  # 6 layers
+STEPS, EVERY = 25, 5
+
+
+class _Recorder:
+    """The real controller, recording the probes of every window it reads."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.mode_used = inner, inner.mode_used
+        self.probes: list = []
+
+    def observe(self, window):
+        self.probes.append((window.step, dict(window.probes or {}), tuple(window.idle)))
+        return self.inner.observe(window)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _train(rank: int, world: int, log: str, plan: str, adapt: bool) -> dict:
+    from dynpipe.models import get_model
+    from dynpipe.runtime.adapt.config import AdaptConfig
+    from dynpipe.runtime.adapt.make import make_policy
+    from dynpipe.runtime.config import TrainConfig
+    from dynpipe.runtime.optim import OptimConfig
+    from dynpipe.runtime.topology import Topology
+    from dynpipe.runtime.train import train
+
+    # min_gain 0.99: the controller reads every window but never moves layers.
+    cfg_adapt = AdaptConfig(
+        mode="measured" if adapt else "static",
+        monitor_every=EVERY,
+        settle_windows=0,
+        min_gain=0.99,
+    )
+    cfg = TrainConfig(
+        model="gpt",
+        model_args=GPT,
+        steps=STEPS,
+        batch_size=8,
+        microbatches=4,
+        plan=plan,
+        progress=False,
+        log=log,
+        telemetry=False,
+        optim=OptimConfig(name="adamw", lr=1e-3, clip_grad=1.0),
+        adapt=cfg_adapt,
+    )
+    policy = None
+    if adapt:
+        inner = make_policy(
+            cfg_adapt, model=get_model("gpt", **GPT), microbatch_size=2, num_ranks=world
+        )
+        policy = _Recorder(inner)
+    probed: list[int] = []
+    final: dict = {}
+
+    def on_step(engine, res) -> None:
+        if res.probe is not None:
+            probed.append(res.step)
+        if res.step == STEPS - 1:
+            final.update(model=engine.model_state(), optim=engine.optim_state())
+
+    out = train(cfg, topo=Topology.from_env(device="cpu"), policy=policy, on_step=on_step)
+    return {
+        "losses": out["losses"],
+        "probed": probed,
+        "windows": policy.probes if policy is not None else [],
+        **final,
+    }
+
+
+@pytest.mark.slow
+def test_light_ranks_probe_in_training_without_changing_what_it_computes(tmp_path) -> None:
+    import torch
+    from distutil import run_ranks
+
+    from dynpipe.models import get_model
+    from dynpipe.planner import Plan
+    from dynpipe.runtime.records import read_log
+
+    model = get_model("gpt", **GPT)
+    plan = tmp_path / "plan.json"
+    # The embedding alone on rank 0, the head alone on rank 2: both light.
+    Plan.from_bounds(model, [1, 4, 1], schedule="1f1b", microbatches=4).save(plan)
+    log = tmp_path / "light.jsonl"
+    got = run_ranks(_train, 3, str(log), str(plan), True, timeout_s=400)
+    ref = run_ranks(_train, 3, str(tmp_path / "static.jsonl"), str(plan), False, timeout_s=400)
+    # Probes change nothing training computes: parameters, optimizer state and losses are
+    # bit-identical to the same plan run without them.
+    for r in range(3):
+        a, b = got[r]["value"], ref[r]["value"]
+        assert a["losses"] == b["losses"]
+        for key in ("model", "optim"):
+            assert set(a[key]) == set(b[key])
+            for k in a[key]:
+                assert torch.equal(a[key][k], b[key][k]), (r, key, k)
+    # The analytic prior prices every layer of so small a model alike (a per-kernel floor):
+    # the ranks are light once the first window has measured the layers' clean costs.
+    recs = read_log(log)
+    light = [(e.step, e["ranks"]) for e in recs.events("light_probes")]
+    assert len(light) == 1 and light[0][1] == {"0": 1, "2": 1}, light
+    start = light[0][0]
+    assert start <= 2 * EVERY, start
+    sampled = [s for s in range(start, STEPS) if (s + 1) % EVERY == 0]
+    # Ranks 0 and 2 probed a block on every sampled step from then on; rank 1 (four blocks)
+    # never did, nor did any rank of the static run.
+    assert got[0]["value"]["probed"] == sampled and got[2]["value"]["probed"] == sampled
+    assert got[1]["value"]["probed"] == []
+    assert all(r["value"]["probed"] == [] for r in ref)
+    # Every window the controller read since carried both probes (on every rank alike; the
+    # last window, with no step left to move at, is logged but not read).
+    windows = got[0]["value"]["windows"]
+    assert windows == got[1]["value"]["windows"]
+    later = [(p, idle) for step, p, idle in windows if step >= start]
+    assert len(later) == len([s for s in sampled if s + 2 < STEPS])
+    for probes, idle in later:
+        assert idle == () and set(probes) == {0, 2}
+        assert all(i == 1 and f > 0 and b > 0 for i, f, b in probes.values())
+    logged = [t.probes for t in recs.layer_times if t.step >= start]
+    assert len(logged) == len(sampled)
+    assert all(sorted(int(p[0]) for p in x) == [0, 2] for x in logged)

@@ -446,6 +446,13 @@ EVENTS: dict[str, EventSpec] = {
             ("step", "stages", "old_stages", "active", "idle"),
         ),
         EventSpec(
+            "light_probes",
+            "from `step` the ranks of `ranks` (rank -> layer) hold too little work for their "
+            "timers to read their devices and time that layer on sampled steps instead "
+            "(none: empty)",
+            ("step", "ranks"),
+        ),
+        EventSpec(
             "first_step",
             "the first step under a new plan beside the medians before and after it",
             ("step", "first_step_ms", "before_ms", "after_ms"),

@@ -55,6 +55,11 @@ __all__ = ["CostEstimates"]
 # Windows of readings kept per rank for its noise, and how many it takes to estimate it.
 _NOISE_KEEP = 16
 _NOISE_MIN = 6
+# A rank is light (``CostEstimates.light_probes``) below this share of one probe layer's
+# clean work: half a transformer block's, where an embedding or a final norm costs under a
+# tenth of one (gpt in the analytic model: 0.08 and 0.09); a stage of one layer nearly as
+# heavy as the probe layer reads its device as well as the probe would.
+_LIGHT = 0.5
 
 
 class CostEstimates:
@@ -429,10 +434,10 @@ class CostEstimates:
         """``{rank: layer}``: the ranks of a plan (one range per rank, an idle rank's
         empty) that hold too little work to read their device, and the layer each times.
 
-        Too little work: the clean cost of the layers a rank holds is less than that of one
-        ``probe_layer``. A rank holding at least one such layer's work times that much work
-        per microbatch on every step, which reads its device at least as well as the probe
-        would (and costs nothing extra); one holding less, an embedding or a final norm,
+        Too little work: the clean cost of the layers a rank holds is less than half that
+        of one ``probe_layer`` (``_LIGHT``). A rank holding more times that much work per
+        microbatch on every step, which reads its device about as well as the probe would
+        (and costs nothing extra); one holding less, an embedding or a final norm,
         runs kernels short enough to fit between another process's on a time-sliced GPU, and
         its timers read the same with and without an interferer (4 x H200, gpt 12 x 2048,
         three ``gemm`` processes: the head's stage read clean throughout). Identical layers
@@ -440,7 +445,7 @@ class CostEstimates:
         ranks are not listed: they probe the layer they last held (``probe``)."""
         i = self.probe_layer()
         cost = self.clean_f + self.clean_b
-        bar = float(cost[i])
+        bar = _LIGHT * float(cost[i])
         out = {}
         for r, (a, b) in enumerate(key):
             if b > a and not a <= i < b and float(cost[a:b].sum()) < bar:
