@@ -137,6 +137,19 @@ def test_a_light_ranks_probe_prices_its_device_and_shows_onset_and_end() -> None
     assert fwd[0, 3] == pytest.approx(1.0)
 
 
+def test_predicted_slowdowns_are_calibrated_on_a_light_ranks_probe() -> None:
+    # The predictor says rank 0's device runs every layer 3x slower (its telemetry); its
+    # embedding's timers read clean, its probe 3x. Calibrated on the embedding the block
+    # would be priced clean; on the probe, 3x.
+    est = _estimates()
+    _feed(est, [(4, 3.0)], probed=True)
+    pred = np.ones((3, N)), np.ones((3, N))
+    pred[0][0], pred[1][0] = 3.0, 3.0
+    fwd, bwd = est.costs(LIGHT, (0, 1, 2), predicted=pred)
+    assert fwd[0, 3] == pytest.approx(3.0, rel=0.02) and bwd[0, 3] == pytest.approx(6.0, rel=0.02)
+    assert fwd[0, 0] == pytest.approx(COST[0])  # its own layer: as its timers read it
+
+
 def test_without_its_probe_a_light_rank_reads_clean_throughout() -> None:
     # The blind spot itself: the same conditions, no probe, no change seen.
     est = _estimates()
@@ -337,3 +350,60 @@ def test_light_ranks_probe_in_training_without_changing_what_it_computes(tmp_pat
     logged = [t.probes for t in recs.layer_times if t.step >= start]
     assert len(logged) == len(sampled)
     assert all(sorted(int(p[0]) for p in x) == [0, 2] for x in logged)
+
+
+# ---- the simulator's blind stages ---------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_simulated_blind_stage_runs_clean_and_its_probe_reads_the_device() -> None:
+    from dynpipe.runtime.adapt import simulator as sim
+
+    workloads = {w.name: w for w in sim.load_workloads()}
+    traces = sim.noise_from_logs()
+    w = workloads["gpt-bs32"]
+    cond = "gemm@1x1"
+
+    def scenario(blind: bool) -> sim.Scenario:
+        return sim.Scenario(
+            seed=1,
+            workload=w.name,
+            stages=4,
+            microbatches=4,
+            steps=60,
+            events=(((0, 60, cond),), (), (), ()),
+            noise=((0, 0),) * 4,
+            pause_fixed_ms=10.0,
+            link_bytes_per_ms=20e6,
+            blind=blind,
+        )
+
+    light = ((0, 1), (1, 5), (5, 9), (9, 14))  # the embedding alone on the slowed rank
+    heavy = ((0, 4), (4, 8), (8, 11), (11, 14))
+    truth = sim._Truth(scenario(True), w, traces)
+    assert truth.blind(0, 1) and not truth.blind(0, 4)
+    f, _ = truth.stage_loads(light, 30, (0, 1, 2, 3))
+    cf, cb = w.times[sim.CLEAN]
+    noise = truth.noise[0, 30]
+    assert f[0] == pytest.approx((cf[0] + w.overhead_ms) * noise)
+    f_heavy, _ = truth.stage_loads(heavy, 30, (0, 1, 2, 3))
+    assert f_heavy[0] > 1.3 * (cf[0:4].sum() + w.overhead_ms) * noise
+    # Not blind: the same light stage is slowed.
+    seen = sim._Truth(scenario(False), w, traces)
+    assert not seen.blind(0, 1)
+    assert seen.stage_loads(light, 30, (0, 1, 2, 3))[0][0] > f[0]
+    # The light rank's probe (a block) reads its device slowed, through the blind spot.
+    win = [(1.0, np.ones(4), np.ones(4))] * 5
+    got = sim._window(
+        scenario(True),
+        w,
+        truth,
+        light,
+        (0, 1, 2, 3),
+        win,
+        30,
+        np.random.default_rng(0),
+        light={0: 1},
+    )
+    i, pf, pb = got.probes[0]
+    assert i == 1 and (pf + pb) / (cf[1] + cb[1]) > 1.3

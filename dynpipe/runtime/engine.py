@@ -551,11 +551,13 @@ class PipelineEngine:
         synchronisation), so the probe's time is the device's and no kernel of the stage
         mixes with it, and the stage's own layer timings start after it. It costs one
         microbatch of the probe layer's forward and backward once a window (plus one
-        untimed run when the layer is new to the rank). A stage past the first would
-        wait that long for its first input anyway, unless its upstream gets there sooner;
-        the first stage's probe delays the pipeline's start by its whole time. Counted in
-        this rank's ``step_ms``. Training is untouched: a private copy of the layer, under
-        a forked RNG, on random input.
+        untimed run when the layer is new to the rank). Past the first stage it overlaps
+        the wait for the first input (the upstream stages' first forwards), and costs the
+        step only what it outlasts that wait by; the first stage's probe delays the
+        pipeline's start by its whole time (at the step's end it would delay the next
+        step's start the same: the other stages wait for its activations either way).
+        Counted in this rank's ``step_ms``. Training is untouched: a private copy of the
+        layer, under a forked RNG, on random input.
         """
         if self.idle:
             return self._idle_step(

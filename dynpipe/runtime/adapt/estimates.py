@@ -127,8 +127,10 @@ class CostEstimates:
         # before, size as a log ratio), its window-to-window noise (log ratios), and every
         # rank's load after the last two windows (what a rank read before it probed).
         self._light_level = np.ones(num_ranks)
+        self._light_layer = np.zeros(num_ranks, dtype=int)  # the layer each one probes
         self._light_n = np.zeros(num_ranks)
         self._light_suspect: list[tuple[float, float, float] | None] = [None] * num_ranks
+        self._light_suspect_move: list[float | None] = [None] * num_ranks
         self._light_steps: list[list[float]] = [[] for _ in range(num_ranks)]
         self._seen_loads: list[np.ndarray] = []
 
@@ -202,6 +204,8 @@ class CostEstimates:
             if len(xs) >= _NOISE_MIN:
                 x = np.asarray(xs[-_NOISE_KEEP:])
                 out[r] = max(out[r], 1.4826 * float(np.median(np.abs(x - np.median(x)))))
+        for r in np.flatnonzero(self._light_n > 0):
+            out[r] = max(out[r], self._light_noise(int(r)))  # read by its probe
         return out
 
     def _within(self, w: Window) -> None:
@@ -247,6 +251,12 @@ class CostEstimates:
             out[r] = max(one, float(self.within[r])) / np.sqrt(min(n, 2 * self.window - 1))
             if self._suspect[r] is not None:
                 out[r] = max(out[r], self._suspect[r][4])
+            if self._light_n[r] > 0:
+                # Read by its probe: its slowdown is the probe's running mean.
+                xs = self._light_steps[r][-_NOISE_KEEP:]
+                one = float(np.sqrt(np.mean(np.square(xs)))) if xs else 0.0
+                n = min(float(self._light_n[r]), 2 * self.window - 1)
+                out[r] = max(out[r], one / np.sqrt(n))
             if self._light_suspect[r] is not None:
                 out[r] = max(out[r], self._light_suspect[r][2])
         return out
@@ -456,17 +466,21 @@ class CostEstimates:
         """Ranks of ``w`` that hold layers and probed their device (``light_probes``)."""
         return {r for r in (w.probes or {}) if r in w.ranks}
 
+    def _light_noise(self, r: int) -> float:
+        """Robust relative standard deviation of a light rank's probe reading, window to
+        window (log ratios; 0 until it has enough of them). One microbatch of one layer on
+        one step is noisier than a stage's median over a window's steps: where a light
+        rank's reading is its probe's, so is its noise (``noise``, ``uncertainty``)."""
+        xs = self._light_steps[r][-_NOISE_KEEP:]
+        if len(xs) < _NOISE_MIN:
+            return 0.0
+        x = np.asarray(xs)
+        return 1.4826 * float(np.median(np.abs(x - np.median(x))))
+
     def _light_limit(self, r: int) -> float:
         """A change of a light rank's probe reading (log ratio) that counts as a change of
-        conditions: ``log(1 + jump)``, or three robust standard deviations of its own
-        window-to-window moves once it has enough of them (one microbatch of one layer is
-        noisier than a stage's median over a window)."""
-        xs = self._light_steps[r][-_NOISE_KEEP:]
-        spread = 0.0
-        if len(xs) >= _NOISE_MIN:
-            x = np.asarray(xs)
-            spread = 1.4826 * float(np.median(np.abs(x - np.median(x))))
-        return max(float(np.log1p(self.jump)), 3.0 * spread)
+        conditions: ``log(1 + jump)``, or three standard deviations of its noise."""
+        return max(float(np.log1p(self.jump)), 3.0 * self._light_noise(r))
 
     def _read_light(self, w: Window, *, changed: bool) -> bool:
         """Read the light ranks of ``w`` by their probes; True if one confirmed a change of
@@ -498,6 +512,7 @@ class CostEstimates:
             if not (np.isfinite(f) and np.isfinite(b)) or clean <= 0:
                 continue
             x = max(float(f + b) / clean, 1e-6)
+            self._light_layer[r] = int(i)
             limit = self._light_limit(r)
             n = self._light_n[r]
             pending = None
@@ -507,29 +522,38 @@ class CostEstimates:
             elif self._suspect[r] is not None and n == 0 and len(seen) >= 2:
                 before = float(seen[-2][r])
                 pending = (float(np.sign(seen[-1][r] - before)), before)
-            self._light_suspect[r] = None
+            suspected = self._light_suspect_move[r]
+            self._light_suspect[r], self._light_suspect_move[r] = None, None
             self._suspect[r] = None  # the probe decides it (its stage cannot)
             if changed or pending is not None:
                 if pending is not None and not changed:
                     change = float(np.log(x / max(pending[1], 1e-9)))
-                    confirmed |= abs(change) > limit and np.sign(change) == pending[0]
+                    if abs(change) > limit and np.sign(change) == pending[0]:
+                        confirmed = True
+                        # A confirmed change's move is not noise of a steady device (as
+                        # for a stage's: a spike's is).
+                        xs = self._light_steps[r]
+                        if suspected is not None and xs and xs[-1] == suspected:
+                            self._light_steps[r] = xs[:-1]
                 self._light_level[r], self._light_n[r] = x, 1
             elif n == 0:
                 self._light_level[r], self._light_n[r] = x, 1
             else:
                 level = float(self._light_level[r])
                 move = float(np.log(x / max(level, 1e-9)))
+                self._light_steps[r] = [*self._light_steps[r], move][-_NOISE_KEEP:]
                 if abs(move) > limit:
                     self._light_suspect[r] = (float(np.sign(move)), level, abs(move))
+                    self._light_suspect_move[r] = move
                     self._light_level[r], self._light_n[r] = x, 1
                 else:
-                    self._light_steps[r] = [*self._light_steps[r], move][-_NOISE_KEEP:]
                     self._light_level[r] = level + (x - level) / min(n + 1, self.window)
                     self._light_n[r] = n + 1
             self.slow[r] = self.load[r] = float(self._light_level[r])
         for r in range(len(self._light_n)):
             if r not in light:
                 self._light_n[r], self._light_suspect[r] = 0, None
+                self._light_suspect_move[r] = None
         if confirmed:
             self._calibrating = False
         self._seen_loads = [*seen, self.load.copy()][-2:]
@@ -657,7 +681,8 @@ class CostEstimates:
         A layer on the rank that holds it costs what it measures there. Elsewhere it costs
         its clean cost times that rank's slowdown: uniform (``predicted`` None), or the
         predicted per-layer slowdowns ``predicted = (fwd [R, L], bwd [R, L])`` scaled per
-        rank so that they reproduce what the rank's held layers measure.
+        rank so that they reproduce what the rank's held layers measure (a light rank's:
+        what its probe measures, ``_read_light``).
         """
         n_r = len(self.slow)
         fwd = np.empty((n_r, self.num_layers))
@@ -669,6 +694,11 @@ class CostEstimates:
                 pf, pb = predicted[0][r], predicted[1][r]
                 held = self.run_f[a:b].sum() + self.run_b[a:b].sum()
                 guess = (self.clean_f[a:b] * pf[a:b]).sum() + (self.clean_b[a:b] * pb[a:b]).sum()
+                if self._light_n[r] > 0:
+                    # A light rank's layers cannot show its device: its probe layer does.
+                    i = int(self._light_layer[r])
+                    held = self._light_level[r] * (self.clean_f[i] + self.clean_b[i])
+                    guess = self.clean_f[i] * pf[i] + self.clean_b[i] * pb[i]
                 kappa = held / max(guess, 1e-12)
                 fwd[r], bwd[r] = self.clean_f * pf * kappa, self.clean_b * pb * kappa
             fwd[r, a:b], bwd[r, a:b] = self.run_f[a:b], self.run_b[a:b]

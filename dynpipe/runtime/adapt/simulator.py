@@ -18,7 +18,8 @@ timers read so, while a heavy layer moved back there would run slowed (4 x H200,
 the light share of one probe layer's clean work (``CostEstimates.light_probes``, on the
 true clean costs) runs and reads clean whatever its device's condition. Light ranks probe
 their device as the runtime's do (the policy's ``light_probes``): on each window's sampled
-step one microbatch of the probe layer at its true cost there, with the per-layer jitter;
+step one microbatch of the probe layer at its true cost there, with the per-layer jitter
+and, as an action of its own, the condition's stall per action (its timed share);
 a light first stage's probe delays that step by its time (a later stage's hides in the
 pipeline's fill). ``--no-light-probes`` runs the policy without them (what it did before).
 
@@ -305,6 +306,9 @@ class _Truth:
         # a time-sliced GPU: steps +76% where the stage timers said +56%): in the step,
         # not in what the timers read.
         self.untimed = sc.untimed * stall * self.noise
+        # A probe is an action of its own (one forward, one backward): its timers see a
+        # stall each, less the share that falls between timed actions.
+        self.probe_stall = (1.0 - sc.untimed) * stall * self.noise
         z = np.zeros((sc.stages, t, 1))
         self._cf = np.concatenate([z, np.cumsum(self.fwd, axis=2)], axis=2)
         self._cb = np.concatenate([z, np.cumsum(self.bwd, axis=2)], axis=2)
@@ -501,10 +505,11 @@ def _window(sc, w, truth, bounds, ranks, win, step, rng, light=None) -> Window:
     for r, i in sorted((light or {}).items()):
         # One microbatch of a heavy layer: not blind; the per-layer jitter of one sample.
         jf, jb = rng.lognormal(0.0, 0.03, size=2)
+        stall = truth.probe_stall[r, step]
         probes[r] = (
             i,
-            float(truth.fwd[r, step, i] * jf * truth.meas[r, step]),
-            float(truth.bwd[r, step, i] * jb * truth.meas[r, step]),
+            float((truth.fwd[r, step, i] + stall) * jf * truth.meas[r, step]),
+            float((truth.bwd[r, step, i] + stall) * jb * truth.meas[r, step]),
         )
     tel = tuple(dict(w.telemetry[sc.condition(r, step)]) for r in range(sc.stages))
     return Window(
