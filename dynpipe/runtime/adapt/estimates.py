@@ -452,7 +452,10 @@ class CostEstimates:
         its timers read the same with and without an interferer (4 x H200, gpt 12 x 2048,
         three ``gemm`` processes: the head's stage read clean throughout). Identical layers
         share one clean cost, so a light rank never holds the probe layer's class. Idle
-        ranks are not listed: they probe the layer they last held (``probe``)."""
+        ranks are not listed: they probe the layer they last held (``probe``). The clean
+        costs are measured from the first trusted window on (the prior before it: an
+        analytic prior that prices a small model's layers alike by a per-kernel floor
+        names no rank light until they are measured)."""
         i = self.probe_layer()
         cost = self.clean_f + self.clean_b
         bar = _LIGHT * float(cost[i])
