@@ -110,6 +110,13 @@ def replay(
             schedule=plan.schedule,
             layers=layers.get(last),
             telemetry=tels[covering] if covering is not None and predictor else None,
+            # Light ranks' probes (the ranks that hold layers; idle ranks are not replayed).
+            probes={
+                int(r): (int(i), f, b)
+                for r, i, f, b in (layers.get(last) or {}).get("probes", [])
+                if int(r) in {s["rank"] for s in st}
+            }
+            or None,
         )
         t0, c0 = time.perf_counter(), time.thread_time()
         d = policy.observe(w)

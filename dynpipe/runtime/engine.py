@@ -33,6 +33,13 @@ norm all-reduce with zeros); on sampled steps it times one layer of the model on
 device (``probe``), so the controller can see when the device recovers. The active stages
 talk over a process group of their own ranks (torch pipelining needs a group no larger
 than its stage count), made once per set of ranks by every rank together.
+
+Light ranks (one pipeline): a rank that holds layers but too little work for its timers to
+read its device (an embedding alone: kernels short enough to run between an interferer's
+on a time-sliced GPU) is told by the adaptation loop to probe as an idle rank does
+(``probe_while_light``, the policy's ``light_probes``): on sampled steps it times one
+microbatch of a heavy layer it does not hold, on a private copy, before its stage's part
+of the step (see ``step``), and the reading comes back in ``StepResult.probe``.
 """
 
 from __future__ import annotations
@@ -105,6 +112,8 @@ class StepResult:
     """What one training step produced on this rank (loss is the global mean loss).
 
     ``end_time``: wall-clock time (``time.time()``) at which the step finished here.
+    ``probe``: ``(layer, fwd_ms, bwd_ms)`` of the probe this rank ran on the step (an idle
+    rank's, or a light rank's: see ``PipelineEngine.step``), else None.
     """
 
     step: int
@@ -114,6 +123,7 @@ class StepResult:
     step_ms: float
     timing: StepTiming
     end_time: float = 0.0
+    probe: tuple[int, float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -250,7 +260,9 @@ class PipelineEngine:
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self.plan: Plan | None = None
         self.probe_layer: int = 0  # the layer an idle rank times (see ``_probe``)
-        self._probe_module: nn.Module | None = None
+        # The layer a light rank times (``probe_while_light``); None: it does not probe.
+        self.light_probe: int | None = None
+        self._probe_copy: tuple[int, nn.Module] | None = None  # (layer, private copy)
         self.probing = True  # off for a rank handed back to its owner (``release``)
         # --freeze: layers [0, frozen) train no more (see ``freeze``); with ``track_grads``
         # each step adds every held layer's squared gradient norm to ``grad_sq``.
@@ -284,7 +296,6 @@ class PipelineEngine:
                 # The layer it last held: its clean cost is known, so its time here now
                 # reads as the device's slowdown.
                 self.probe_layer = old.stages[old.stage_of_rank(self.mesh.pp_rank)].start
-                self._probe_module = None
             self._build_idle()
             return
         replica = self.mesh.replica
@@ -464,7 +475,17 @@ class PipelineEngine:
         layer; a reclaimed one probes again while idle."""
         self.probing = not released
         if released:
-            self._probe_module = None
+            self._probe_copy = None
+            if self.topo.is_cuda:
+                torch.cuda.empty_cache()
+
+    def probe_while_light(self, layer: int | None) -> None:
+        """Probe ``layer`` on sampled steps while this rank holds layers (None: stop; the
+        policy's ``light_probes`` decides, the adaptation loop tells each rank its own). The
+        probe's copy is freed when a light rank stops probing (an idle rank keeps its own)."""
+        self.light_probe = layer
+        if layer is None and not self.idle and self._probe_copy is not None:
+            self._probe_copy = None
             if self.topo.is_cuda:
                 torch.cuda.empty_cache()
 
@@ -524,6 +545,19 @@ class PipelineEngine:
         device's work instead of leaving the device idle between two steps; it must not
         touch the device or a collective. Its time counts in the step's ``step_ms`` as far
         as it outlasts the device.
+
+        A light rank (``light_probe`` set) probes on sampled steps first, before its stage's
+        part of the step: the device is idle then (the last step ended with its
+        synchronisation), so the probe's time is the device's and no kernel of the stage
+        mixes with it, and the stage's own layer timings start after it. It costs one
+        microbatch of the probe layer's forward and backward once a window (plus one
+        untimed run when the layer is new to the rank). Past the first stage it overlaps
+        the wait for the first input (the upstream stages' first forwards), and costs the
+        step only what it outlasts that wait by; the first stage's probe delays the
+        pipeline's start by its whole time (at the step's end it would delay the next
+        step's start the same: the other stages wait for its activations either way).
+        Counted in this rank's ``step_ms``. Training is untouched: a private copy of the
+        layer, under a forked RNG, on random input.
         """
         if self.idle:
             return self._idle_step(
@@ -534,8 +568,13 @@ class PipelineEngine:
         dp = self.mesh.dp > 1
         if dp:
             x, y = self._share(x), self._share(y)
-        self.timer.sample_layers(sample_layers, microbatches=self.microbatches)
         t0 = time.perf_counter()
+        probed = None
+        if sample_layers and self.config.timing and self.probing and self.light_probe is not None:
+            got = self._probe(self.light_probe)
+            if got is not None:
+                probed = (self.light_probe, float(got.fwd_ms[0]), float(got.bwd_ms[0]))
+        self.timer.sample_layers(sample_layers, microbatches=self.microbatches)
         for p in self.named_params.values():
             p.grad = None
         losses: list[torch.Tensor] = []
@@ -616,6 +655,7 @@ class PipelineEngine:
             step_ms=(t1 - t0) * 1e3,
             timing=timing,
             end_time=time.time(),
+            probe=probed,
         )
 
     def _idle_step(
@@ -629,7 +669,8 @@ class PipelineEngine:
         all-reduce with zeros (it holds no loss and no gradient)."""
         t0 = time.perf_counter()
         self.grad_steps += int(self.track_grads)  # every rank counts the same steps
-        probe = self._probe() if sample_layers and self.config.timing and self.probing else None
+        sampled = sample_layers and self.config.timing and self.probing
+        probe = self._probe(self.probe_layer) if sampled else None
         clip = self.config.optim.clip_grad
         n = len(self.slots) if clip > 0 else 0
         vec = torch.zeros(n + 1, dtype=torch.float32, device=self.topo.device)
@@ -650,21 +691,25 @@ class PipelineEngine:
             step_ms=(t1 - t0) * 1e3,
             timing=timing,
             end_time=time.time(),
+            probe=None
+            if probe is None
+            else (self.probe_layer, float(probe.fwd_ms[0]), float(probe.bwd_ms[0])),
         )
 
-    def _probe(self) -> LayerTiming | None:
-        """Time one microbatch of ``probe_layer``'s forward and backward on this device,
+    def _probe(self, i: int) -> LayerTiming | None:
+        """Time one microbatch of layer ``i``'s forward and backward on this device,
         through the stage's layer probe (so emulated interference stretches it as it would a
         held layer). A private copy of the layer under a forked RNG: training state and
         random streams are untouched."""
-        dev, i = self.topo.device, self.probe_layer
+        dev = self.topo.device
         mb = self.config.batch_size // self.plan.total_microbatches
         # Under the stages' own autocast, so its time compares with theirs.
         bf16 = self.config.bf16 and self.topo.is_cuda
         with torch.random.fork_rng(devices=[dev] if self.topo.is_cuda else []):
-            fresh = self._probe_module is None
+            fresh = self._probe_copy is None or self._probe_copy[0] != i
             if fresh:
-                self._probe_module = self.model.build_layer(i, device=dev)
+                self._probe_copy = (i, self.model.build_layer(i, device=dev))
+            module = self._probe_copy[1]
             if i == 0:
                 x, _ = self.model.input_spec.example(mb, device=dev)
             else:
@@ -687,7 +732,7 @@ class PipelineEngine:
                     else contextlib.nullcontext()
                 )
                 with ctx:
-                    out = probe.run([self._probe_module], x)
+                    out = probe.run([module], x)
                 probe.begin_backward(0)
                 if out.requires_grad:
                     out.float().sum().backward()
@@ -701,7 +746,7 @@ class PipelineEngine:
                     torch.cuda.synchronize(dev)
             finally:
                 probe.sampling = was
-            self._probe_module.zero_grad(set_to_none=True)
+            module.zero_grad(set_to_none=True)
             got = probe.collect()
         if got is None:
             return None

@@ -270,7 +270,9 @@ class LayerTimes(Record):
     launch_fwd_ms / launch_bwd_ms hold the latter and device_fwd_ms / device_bwd_ms the
     former (absent on CPU, and in logs that predate them; ``runtime/timing.py``).
     With replicas the fields above are replica 0's, and ``replicas`` holds every replica's
-    as a dict of the same keys (absent otherwise)."""
+    as a dict of the same keys (absent otherwise). ``probes``: one ``(rank, layer, fwd_ms,
+    bwd_ms)`` per rank that probed its device on that step, idle or light (one pipeline;
+    absent when none did)."""
 
     step: int
     fwd_ms: tuple[float | None, ...] = ()
@@ -282,6 +284,7 @@ class LayerTimes(Record):
     device_fwd_ms: tuple[float | None, ...] = field(default=(), metadata={"omit_empty": True})
     device_bwd_ms: tuple[float | None, ...] = field(default=(), metadata={"omit_empty": True})
     replicas: tuple[dict[str, Any], ...] = field(default=(), metadata={"omit_empty": True})
+    probes: tuple[tuple[float, ...], ...] = field(default=(), metadata={"omit_empty": True})
 
 
 @record_type("eval")
@@ -441,6 +444,13 @@ EVENTS: dict[str, EventSpec] = {
             "`old_stages`) on ranks `active`; `idle` ranks hold no layer and take part in "
             "the run's collectives only",
             ("step", "stages", "old_stages", "active", "idle"),
+        ),
+        EventSpec(
+            "light_probes",
+            "from `step` the ranks of `ranks` (rank -> layer) hold too little work for their "
+            "timers to read their devices and time that layer on sampled steps instead "
+            "(none: empty)",
+            ("step", "ranks"),
         ),
         EventSpec(
             "first_step",

@@ -189,7 +189,8 @@ class _Gathered:
     telemetry: list[dict[str, float]]
     free_bytes: list[float]
     replica_layers: list[dict[str, Any] | None] | None = None
-    probes: dict[int, tuple[int, float, float]] | None = None  # idle rank -> (layer, f, b)
+    # Probing rank (idle, or light: ``PipelineEngine.step``) -> (layer, fwd_ms, bwd_ms).
+    probes: dict[int, tuple[int, float, float]] | None = None
 
 
 # Per step and rank: forward, backward, wait, step and reduce milliseconds.
@@ -227,7 +228,6 @@ class _StepLog:
         self.mesh = mesh or Mesh.single(rank=topo.rank, world_size=topo.world_size)
         self.pending: list[StepResult] = []
         self.t_start = time.time()
-        self.probe_layer: int | None = None  # the layer this rank probes while idle
         # Records carry every replica's timings (``replicas``) with replicas, and for one
         # pipeline whose policy is the replica policy (``--reshape``: a run of one replica).
         self.replicated = self.mesh.dp > 1
@@ -244,11 +244,6 @@ class _StepLog:
         row = [float("nan")] * (6 * n + 2)
         sampled = [r.timing.layers for r in self.pending if r.timing.layers is not None]
         stage = self.plan.stage_of_rank(self.mesh.pp_rank)
-        if sampled and stage is None and self.probe_layer is not None:
-            # An idle rank's probe: one layer's time on its device, in the layer's slot.
-            lt = sampled[-1]
-            row[self.probe_layer], row[n + self.probe_layer] = lt.fwd_ms[0], lt.bwd_ms[0]
-            return row
         if not sampled or stage is None:
             return row
         lt, st = sampled[-1], self.plan.stages[stage]
@@ -280,6 +275,9 @@ class _StepLog:
         tel = telemetry or {}
         row += [float(tel.get(c, float("nan"))) for c in TELEMETRY_COLUMNS]
         row += self._layer_row()
+        # The window's last probe (an idle or light rank's): layer, fwd ms, bwd ms.
+        probed = [r.probe for r in self.pending if r.probe is not None]
+        row += list(probed[-1]) if probed else [float("nan")] * 3
         row.append(_free_bytes(self.topo))
         mine = torch.tensor(row, dtype=torch.float64)
         if self.topo.world_size > 1:
@@ -295,7 +293,8 @@ class _StepLog:
             dict(zip(TELEMETRY_COLUMNS, p[_TIMES * k : _TIMES * k + nt].tolist(), strict=True))
             for p in by_rank
         ]
-        layer_rows = [p[_TIMES * k + nt : -1].tolist() for p in by_rank]
+        layer_rows = [p[_TIMES * k + nt : -4].tolist() for p in by_rank]
+        probe_rows = [p[-4:-1].tolist() for p in by_rank]
         free = [float(p[-1]) for p in by_rank]
         steps = []
         clock = times[self.clock_rank]
@@ -320,17 +319,19 @@ class _StepLog:
             if self.log is not None:
                 self.log.record(rec)
         probes = {}
-        for r in self.plan.idle_ranks(self.topo.world_size) if self.mesh.dp == 1 else []:
-            row = layer_rows[r]
-            hit = [i for i in range(n) if row[i] == row[i] and row[n + i] == row[n + i]]
-            if hit:
-                probes[r] = (hit[0], row[hit[0]], row[n + hit[0]])
+        for r, (i, f, b) in enumerate(probe_rows if self.mesh.dp == 1 else []):
+            if i == i and f == f and b == b:
+                probes[r] = (int(i), f, b)
         per_replica = [self._layers(layer_rows, n, r) for r in range(self.mesh.dp)]
         layers = per_replica[0]
         if self.log is not None and layers is not None:
             extra = {}
             if self.replicated:
                 extra["replicas"] = tuple(x or {} for x in per_replica)
+            if probes:
+                extra["probes"] = tuple(
+                    (r, i, round(f, 4), round(b, 4)) for r, (i, f, b) in sorted(probes.items())
+                )
             self.log.record(LayerTimes(step=self.pending[-1].step, **layers, **extra))
         if self.log is not None and telemetry is not None:
             self.log.record(
@@ -435,7 +436,8 @@ def _window(
     """The window the policy reads; ``replicated``: with every replica's part (a run of the
     replica policy in one pipeline has one), which replicated plans always have."""
     extra: dict[str, Any] = {}
-    if plan.dp == 1 and plan.num_stages < world_size:
+    if plan.dp == 1:
+        # Idle ranks' probes and light ranks' (``PipelineEngine.step``).
         extra = {"idle": tuple(plan.idle_ranks(world_size)), "probes": got.probes or None}
     if plan.dp > 1 or replicated:
         extra = {
@@ -865,7 +867,6 @@ def train(
         window's end, and before a move between windows changes the plan (collective)."""
         steplog.plan, steplog.mesh = engine.plan, engine.mesh
         steplog.replicated = adapter.replicated if adapter is not None else engine.mesh.dp > 1
-        steplog.probe_layer = engine.probe_layer
         return steplog.flush(telemetry)
 
     if adapter is not None and autodp is not None:

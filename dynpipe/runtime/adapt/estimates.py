@@ -55,6 +55,11 @@ __all__ = ["CostEstimates"]
 # Windows of readings kept per rank for its noise, and how many it takes to estimate it.
 _NOISE_KEEP = 16
 _NOISE_MIN = 6
+# A rank is light (``CostEstimates.light_probes``) below this share of one probe layer's
+# clean work: half a transformer block's, where an embedding or a final norm costs under a
+# tenth of one (gpt in the analytic model: 0.08 and 0.09); a stage of one layer nearly as
+# heavy as the probe layer reads its device as well as the probe would.
+_LIGHT = 0.5
 
 
 class CostEstimates:
@@ -117,6 +122,17 @@ class CostEstimates:
         self._regime_loads: dict[int, tuple[np.ndarray, int]] = {}  # id -> (sum, count)
         self._calibrating = True
         self._probe_n = np.zeros(num_ranks)  # probes in each idle rank's running slowdown
+        # Ranks that hold too little work to read their device (``_read_light``): the
+        # probe's running slowdown, the probes in it, a change it suspects (direction, level
+        # before, size as a log ratio), its window-to-window noise (log ratios), and every
+        # rank's load after the last two windows (what a rank read before it probed).
+        self._light_level = np.ones(num_ranks)
+        self._light_layer = np.zeros(num_ranks, dtype=int)  # the layer each one probes
+        self._light_n = np.zeros(num_ranks)
+        self._light_suspect: list[tuple[float, float, float] | None] = [None] * num_ranks
+        self._light_suspect_move: list[float | None] = [None] * num_ranks
+        self._light_steps: list[list[float]] = [[] for _ in range(num_ranks)]
+        self._seen_loads: list[np.ndarray] = []
 
     @property
     def num_layers(self) -> int:
@@ -125,8 +141,8 @@ class CostEstimates:
     @property
     def changing(self) -> bool:
         """A rank's reading moved beyond its threshold and the next window has yet to
-        confirm it (see ``update``)."""
-        return any(x is not None for x in self._suspect)
+        confirm it (see ``update``; a light rank's probe, ``_read_light``)."""
+        return any(x is not None for x in [*self._suspect, *self._light_suspect])
 
     # ---- from one window ---------------------------------------------------------------
     def _measure(
@@ -188,6 +204,8 @@ class CostEstimates:
             if len(xs) >= _NOISE_MIN:
                 x = np.asarray(xs[-_NOISE_KEEP:])
                 out[r] = max(out[r], 1.4826 * float(np.median(np.abs(x - np.median(x)))))
+        for r in np.flatnonzero(self._light_n > 0):
+            out[r] = max(out[r], self._light_noise(int(r)))  # read by its probe
         return out
 
     def _within(self, w: Window) -> None:
@@ -233,6 +251,14 @@ class CostEstimates:
             out[r] = max(one, float(self.within[r])) / np.sqrt(min(n, 2 * self.window - 1))
             if self._suspect[r] is not None:
                 out[r] = max(out[r], self._suspect[r][4])
+            if self._light_n[r] > 0:
+                # Read by its probe: its slowdown is the probe's running mean.
+                xs = self._light_steps[r][-_NOISE_KEEP:]
+                one = float(np.sqrt(np.mean(np.square(xs)))) if xs else 0.0
+                n = min(float(self._light_n[r]), 2 * self.window - 1)
+                out[r] = max(out[r], one / np.sqrt(n))
+            if self._light_suspect[r] is not None:
+                out[r] = max(out[r], self._light_suspect[r][2])
         return out
 
     def update(self, w: Window, *, changed: bool = False, steady: bool = False) -> None:
@@ -260,6 +286,7 @@ class CostEstimates:
         limit = self.threshold()
         changed_now = bool(changed)
         left = self.regime
+        light = self._light_ranks(w)
         if changed:
             self._suspect = [None] * len(self._suspect)
         for (a, b), r in zip(w.bounds, w.ranks, strict=True):
@@ -276,6 +303,8 @@ class CostEstimates:
                 self.steps[r] = [*history, float(np.log(ratio))][-_NOISE_KEEP:]
             if changed:
                 pass
+            elif r in light:
+                pass  # its timers cannot see its device: its probe reads it (``_read_light``)
             elif self._suspect[r] is not None:
                 regime = self.regime
                 stay = self._confirm(r, a, b, mf, mb, of[r] + ob[r], limit[r], stay, steady)
@@ -352,6 +381,7 @@ class CostEstimates:
             total += self.clean_of[r] + self.clean_ob[r]
             run = self.run_f[a:b].sum() + self.run_b[a:b].sum() + self.over_f[r] + self.over_b[r]
             self.load[r] = float(run / max(total, 1e-12))
+        changed_now |= self._read_light(w, changed=changed)
         self._fold_host(w)
         if changed_now:
             self.regime = self._name_regime(limit, left=left)
@@ -407,6 +437,141 @@ class CostEstimates:
                 k = 1.0 / min(n + 1, self.window)
                 self.slow[r] += k * (ratio - self.slow[r])
                 self._probe_n[r] = n + 1
+
+    # ---- ranks that hold too little work to read their device --------------------------
+    def probe_layer(self) -> int:
+        """The layer a light rank times (``light_probes``): the one in which the median unit
+        of the model's clean work runs (layers by clean cost, the first whose running sum
+        reaches half the total), as the first layer of its class, so that the choice holds
+        while clean costs are refined. A transformer's block, VGG's middle convolutions:
+        what moving layers back to a device would move, not the embedding or a norm."""
+        cost = self.clean_f + self.clean_b
+        order = np.argsort(cost, kind="stable")
+        at = int(np.searchsorted(np.cumsum(cost[order]), 0.5 * float(cost.sum())))
+        i = int(order[min(at, len(order) - 1)])
+        return int(np.flatnonzero(self.classes == self.classes[i])[0])
+
+    def light_probes(self, key: tuple[tuple[int, int], ...]) -> dict[int, int]:
+        """``{rank: layer}``: the ranks of a plan (one range per rank, an idle rank's
+        empty) that hold too little work to read their device, and the layer each times.
+
+        Too little work: the clean cost of the layers a rank holds is less than half that
+        of one ``probe_layer`` (``_LIGHT``). A rank holding more times that much work per
+        microbatch on every step, which reads its device about as well as the probe would
+        (and costs nothing extra); one holding less, an embedding or a final norm,
+        runs kernels short enough to fit between another process's on a time-sliced GPU, and
+        its timers read the same with and without an interferer (4 x H200, gpt 12 x 2048,
+        three ``gemm`` processes: the head's stage read clean throughout). Identical layers
+        share one clean cost, so a light rank never holds the probe layer's class. Idle
+        ranks are not listed: they probe the layer they last held (``probe``). The clean
+        costs are measured from the first trusted window on (the prior before it: an
+        analytic prior that prices a small model's layers alike by a per-kernel floor
+        names no rank light until they are measured)."""
+        i = self.probe_layer()
+        cost = self.clean_f + self.clean_b
+        bar = _LIGHT * float(cost[i])
+        out = {}
+        for r, (a, b) in enumerate(key):
+            if b > a and not a <= i < b and float(cost[a:b].sum()) < bar:
+                out[r] = i
+        return out
+
+    def _light_ranks(self, w: Window) -> set[int]:
+        """Ranks of ``w`` that hold layers and probed their device (``light_probes``)."""
+        return {r for r in (w.probes or {}) if r in w.ranks}
+
+    def _light_noise(self, r: int) -> float:
+        """Robust relative standard deviation of a light rank's probe reading, window to
+        window (log ratios; 0 until it has enough of them). One microbatch of one layer on
+        one step is noisier than a stage's median over a window's steps: where a light
+        rank's reading is its probe's, so is its noise (``noise``, ``uncertainty``)."""
+        xs = self._light_steps[r][-_NOISE_KEEP:]
+        if len(xs) < _NOISE_MIN:
+            return 0.0
+        x = np.asarray(xs)
+        return 1.4826 * float(np.median(np.abs(x - np.median(x))))
+
+    def _light_limit(self, r: int) -> float:
+        """A change of a light rank's probe reading (log ratio) that counts as a change of
+        conditions: ``log(1 + jump)``, or three standard deviations of its noise."""
+        return max(float(np.log1p(self.jump)), 3.0 * self._light_noise(r))
+
+    def _read_light(self, w: Window, *, changed: bool) -> bool:
+        """Read the light ranks of ``w`` by their probes; True if one confirmed a change of
+        conditions (``update`` then names the regime).
+
+        A light rank's timers see only its own short kernels: they still price the layers
+        it holds (what those cost there is what they measure), but not its device. Its probe
+        (one microbatch of ``probe_layer``, forward and backward) over that layer's clean
+        cost is the rank's reading instead: its slowdown (what a layer moved there would
+        cost more) and its load (how its conditions are compared with a regime's) are the
+        probe's running mean, and the stage's own change detector leaves the rank to it.
+        Changes are read the way a stage's are: a reading beyond ``_light_limit`` of the
+        level restarts the level at once and is a change of conditions if the next probe
+        confirms it (same direction, still beyond the limit of the level before).
+
+        A rank that just became light (the controller moved its layers away, as it does
+        when its device slows) may carry a change its stage suspected on the window before,
+        unconfirmed: its first probe confirms or refutes it against the level before (an
+        onset's confirmation is not lost to the move). Without one, its first probe starts
+        the level: a stage's reading and one layer's of the same device differ by more
+        than the noise of either, and that difference is not a change of conditions.
+        """
+        seen = self._seen_loads
+        light = self._light_ranks(w)
+        confirmed = False
+        for r in light:
+            i, f, b = w.probes[r]
+            clean = float(self.clean_f[i] + self.clean_b[i])
+            if not (np.isfinite(f) and np.isfinite(b)) or clean <= 0:
+                continue
+            x = max(float(f + b) / clean, 1e-6)
+            self._light_layer[r] = int(i)
+            limit = self._light_limit(r)
+            n = self._light_n[r]
+            pending = None
+            if self._light_suspect[r] is not None:
+                sign, before, _ = self._light_suspect[r]
+                pending = (sign, before)
+            elif self._suspect[r] is not None and n == 0 and len(seen) >= 2:
+                before = float(seen[-2][r])
+                pending = (float(np.sign(seen[-1][r] - before)), before)
+            suspected = self._light_suspect_move[r]
+            self._light_suspect[r], self._light_suspect_move[r] = None, None
+            self._suspect[r] = None  # the probe decides it (its stage cannot)
+            if changed or pending is not None:
+                if pending is not None and not changed:
+                    change = float(np.log(x / max(pending[1], 1e-9)))
+                    if abs(change) > limit and np.sign(change) == pending[0]:
+                        confirmed = True
+                        # A confirmed change's move is not noise of a steady device (as
+                        # for a stage's: a spike's is).
+                        xs = self._light_steps[r]
+                        if suspected is not None and xs and xs[-1] == suspected:
+                            self._light_steps[r] = xs[:-1]
+                self._light_level[r], self._light_n[r] = x, 1
+            elif n == 0:
+                self._light_level[r], self._light_n[r] = x, 1
+            else:
+                level = float(self._light_level[r])
+                move = float(np.log(x / max(level, 1e-9)))
+                self._light_steps[r] = [*self._light_steps[r], move][-_NOISE_KEEP:]
+                if abs(move) > limit:
+                    self._light_suspect[r] = (float(np.sign(move)), level, abs(move))
+                    self._light_suspect_move[r] = move
+                    self._light_level[r], self._light_n[r] = x, 1
+                else:
+                    self._light_level[r] = level + (x - level) / min(n + 1, self.window)
+                    self._light_n[r] = n + 1
+            self.slow[r] = self.load[r] = float(self._light_level[r])
+        for r in range(len(self._light_n)):
+            if r not in light:
+                self._light_n[r], self._light_suspect[r] = 0, None
+                self._light_suspect_move[r] = None
+        if confirmed:
+            self._calibrating = False
+        self._seen_loads = [*seen, self.load.copy()][-2:]
+        return confirmed
 
     def _name_regime(self, limit: np.ndarray, *, left: int) -> int:
         """The regime conditions changed to: an earlier one whose ranks all ran within
@@ -535,7 +700,8 @@ class CostEstimates:
         A layer on the rank that holds it costs what it measures there. Elsewhere it costs
         its clean cost times that rank's slowdown: uniform (``predicted`` None), or the
         predicted per-layer slowdowns ``predicted = (fwd [R, L], bwd [R, L])`` scaled per
-        rank so that they reproduce what the rank's held layers measure.
+        rank so that they reproduce what the rank's held layers measure (a light rank's:
+        what its probe measures, ``_read_light``).
         """
         n_r = len(self.slow)
         fwd = np.empty((n_r, self.num_layers))
@@ -547,6 +713,11 @@ class CostEstimates:
                 pf, pb = predicted[0][r], predicted[1][r]
                 held = self.run_f[a:b].sum() + self.run_b[a:b].sum()
                 guess = (self.clean_f[a:b] * pf[a:b]).sum() + (self.clean_b[a:b] * pb[a:b]).sum()
+                if self._light_n[r] > 0:
+                    # A light rank's layers cannot show its device: its probe layer does.
+                    i = int(self._light_layer[r])
+                    held = self._light_level[r] * (self.clean_f[i] + self.clean_b[i])
+                    guess = self.clean_f[i] * pf[i] + self.clean_b[i] * pb[i]
                 kappa = held / max(guess, 1e-12)
                 fwd[r], bwd[r] = self.clean_f * pf * kappa, self.clean_b * pb * kappa
             fwd[r, a:b], bwd[r, a:b] = self.run_f[a:b], self.run_b[a:b]

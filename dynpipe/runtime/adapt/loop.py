@@ -26,6 +26,13 @@ an empty range for a rank the plan leaves idle, so a decision may change the num
 stages; a change of the idle ranks is logged as ``stage_count``, and a rank that goes idle
 says so on its standard error.
 
+Light ranks (one pipeline): after every window and every move the loop asks the policy
+which ranks of the plan in force hold too little work for their timers to read their
+devices (``light_probes``) and tells this rank's engine its own entry
+(``PipelineEngine.probe_while_light``); a change of the set is logged as ``light_probes``.
+No collective: every rank's policy holds the same state and answers the same, and each
+probe comes back to every rank with the window's gather.
+
 With replicas no rank can go idle: a release request is carried out by ``unreplicate``
 (``--autodp``: back to one pipeline over the other ranks), or refused in one line.
 
@@ -124,6 +131,7 @@ class Adapter:
         self.reshape: ReshapeHook | None = None
         self._refused: frozenset[int] = frozenset()
         self._pending: _Pending | None = None
+        self._light: dict[int, int] | None = None  # the light ranks' probes told last
         warm_ms = None
         if mode != "restart":
             from dynpipe.runtime.migrate import warm_links
@@ -139,6 +147,7 @@ class Adapter:
                 description=policy.describe(),
                 links_warmed_ms=warm_ms,
             )
+        self._light_probes(step=0)
 
     def window(self, window: Window) -> None:
         """Take one window (its last step is ``window.step``). Release and reclaim requests
@@ -148,6 +157,7 @@ class Adapter:
         self._pending = None
         t0 = time.perf_counter()
         if not self.replicated and self._requests(window, t0):
+            self._light_probes(step=window.step + 1)
             return  # a release or reclaim moved layers: the next window is the policy's
         if self.replicated and self._replicated_requests(window):
             return  # the run left its replicas: the next window is the new policy's
@@ -184,6 +194,8 @@ class Adapter:
         if p is None or p.decision is None:
             if p is not None and p.error is not None:
                 raise p.error
+            if p is not None:
+                self._light_probes(step=step + 1)
             return None
         window, first = p.window, step + 1
         decision = dataclasses.replace(p.decision, step=first)
@@ -240,7 +252,29 @@ class Adapter:
             self._apply_shape(
                 new_plan, window, first=first, exposed_ms=agree_ms, reason=decision.reason
             )
+        self._light_probes(step=first)
         return decision
+
+    def _light_probes(self, *, step: int) -> None:
+        """Tell this rank's engine whether it probes as a light rank under the plan in force
+        (the policy's ``light_probes``; none with replicas or a policy without them), and log
+        the set when it changes. Runs on every rank at the same points (every window's
+        ``finish`` once its move is made, after a request's move, at the start), so that
+        every rank reads the same set."""
+        ask = getattr(self.policy, "light_probes", None)
+        plan = self.engine.plan
+        world = self.topo.world_size
+        light: dict[int, int] = {}
+        if ask is not None and not self.replicated and plan.dp == 1:
+            light = dict(ask(plan.wide_bounds(world)))
+        self.engine.probe_while_light(light.get(self.topo.rank))
+        if light != (self._light or {}) and self.log is not None:
+            self.log.event(
+                "light_probes",
+                step=step,
+                ranks={str(r): i for r, i in sorted(light.items())},
+            )
+        self._light = light
 
     @property
     def replicated(self) -> bool:

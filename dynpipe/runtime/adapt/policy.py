@@ -281,8 +281,10 @@ class Controller:
         regime = self.est.regime
         steady = prev is not None and prev[0] == window.key and not changed
         self.est.update(window, changed=changed, steady=steady)
-        if window.probes:
-            self.est.probe(window.probes)
+        idle = {r: p for r, p in (window.probes or {}).items() if r in window.idle}
+        if idle:
+            # Light ranks' probes (ranks that hold layers) are read in ``update``.
+            self.est.probe(idle)
         if changed or self.est.regime != regime:
             # Promises broken under the old conditions say little about the model's view of
             # new ones (its timers may well be sound there; an interferer's end is such a
@@ -589,6 +591,16 @@ class Controller:
         _, bounds = self._plan_on(w, ranks, **kw)
         world = len(w.ranks) + len(w.idle)
         return None if bounds is None else _wide(bounds, ranks, world)
+
+    def light_probes(self, key: Bounds) -> dict[int, int]:
+        """``{rank: layer}``: the ranks of the plan ``key`` (one range per rank) that hold
+        too little work for their timers to read their device, each with the layer it times
+        on sampled steps (``CostEstimates.light_probes`` says why and when). The adaptation
+        loop hands each engine its own entry after every window and every move; every rank's
+        policy holds the same estimates, so every rank reads the same plan of probes and none
+        needs to be told another's (its probe comes back with the window's gather). Released
+        ranks never probe."""
+        return {r: i for r, i in self.est.light_probes(key).items() if r not in self.excluded}
 
     def _rank_sets(self, w: Window) -> list[tuple[int, ...]]:
         """Sets of ranks one device away from ``w``'s: each active rank left out (two or

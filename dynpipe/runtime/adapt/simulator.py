@@ -11,6 +11,18 @@ to 2x included), plus a per-layer jitter on the sampled step. A move pauses trai
 fixed part plus its bytes over the link, drawn per scenario around what recorded
 repartitions cost.
 
+Blind stages (``--blind``): on a time-sliced GPU a stage holding very little work (an
+embedding alone) runs its short kernels between an interferer's, at clean speed, and its
+timers read so, while a heavy layer moved back there would run slowed (4 x H200, gpt 12 x
+2048, three ``gemm`` processes). A blind scenario models that: a stage holding less than
+the light share of one probe layer's clean work (``CostEstimates.light_probes``, on the
+true clean costs) runs and reads clean whatever its device's condition. Light ranks probe
+their device as the runtime's do (the policy's ``light_probes``): on each window's sampled
+step one microbatch of the probe layer at its true cost there, with the per-layer jitter
+and, as an action of its own, the condition's stall per action (its timed share);
+a light first stage's probe delays that step by its time (a later stage's hides in the
+pipeline's fill). ``--no-light-probes`` runs the policy without them (what it did before).
+
 The policy under test is the one the runtime uses (``make_policy``), fed ``Window`` objects
 built the way the training loop builds them. Per scenario the simulator reports the mean
 step time (pauses included) of the policy, of the initial plan held throughout (static),
@@ -201,6 +213,7 @@ class Scenario:
     link_bytes_per_ms: float
     stall: float = 0.0
     untimed: float = 0.0
+    blind: bool = False
 
     def condition(self, rank: int, step: int) -> str:
         for a, b, c in self.events[rank]:
@@ -217,9 +230,11 @@ def random_scenarios(
     seed: int = 0,
     steps: int = 240,
     stage_counts: Sequence[int] = (2, 4, 8),
+    blind: bool = False,
 ) -> list[Scenario]:
     """``n`` scenarios: a workload, 2/4/8 stages, one or two slowed ranks (any), onsets and
-    ends at random steps (some at the start, some never ending), random conditions."""
+    ends at random steps (some at the start, some never ending), random conditions;
+    ``blind``: light stages run and read clean (see the module docstring)."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -253,6 +268,7 @@ def random_scenarios(
                 stall=float(rng.uniform(0.0, 1.0)),
                 untimed=float(rng.uniform(0.0, 0.5)),
                 link_bytes_per_ms=float(rng.uniform(10e6, 40e6)),
+                blind=blind,
             )
         )
     return out
@@ -290,30 +306,50 @@ class _Truth:
         # a time-sliced GPU: steps +76% where the stage timers said +56%): in the step,
         # not in what the timers read.
         self.untimed = sc.untimed * stall * self.noise
+        # A probe is an action of its own (one forward, one backward): its timers see a
+        # stall each, less the share that falls between timed actions.
+        self.probe_stall = (1.0 - sc.untimed) * stall * self.noise
         z = np.zeros((sc.stages, t, 1))
         self._cf = np.concatenate([z, np.cumsum(self.fwd, axis=2)], axis=2)
         self._cb = np.concatenate([z, np.cumsum(self.bwd, axis=2)], axis=2)
         self._m, self._base = sc.microbatches, w.base
         self._cache: dict[tuple, np.ndarray] = {}
+        # Blind scenarios: what a light stage runs at (clean, with the device's noise).
+        self._blind = sc.blind
+        self._work = c0f + c0b
+        self.clean_fwd = c0f[None, None, :] * self.noise[:, :, None]
+        self.clean_bwd = c0b[None, None, :] * self.noise[:, :, None]
+        self.clean_over = w.overhead_ms * self.noise
+        self._c0f = np.concatenate([z, np.cumsum(self.clean_fwd, axis=2)], axis=2)
+        self._c0b = np.concatenate([z, np.cumsum(self.clean_bwd, axis=2)], axis=2)
+
+    def blind(self, a: int, b: int) -> bool:
+        """Whether a stage of layers ``[a, b)`` is too light for interference to reach it
+        (blind scenarios only): the runtime's light rule on the true clean costs."""
+        if not self._blind:
+            return False
+        from dynpipe.runtime.adapt.estimates import _LIGHT
+
+        cost = self._work
+        order = np.argsort(cost, kind="stable")
+        at = int(np.searchsorted(np.cumsum(cost[order]), 0.5 * float(cost.sum())))
+        probe = float(cost[order[min(at, len(order) - 1)]])
+        return float(cost[a:b].sum()) < _LIGHT * probe
+
+    def _stage(self, s: int, a: int, b: int, phase: str) -> np.ndarray:
+        """``[T]`` stage ``s``'s true time per microbatch for layers ``[a, b)``."""
+        if self.blind(a, b):
+            cum = self._c0f if phase == "fwd" else self._c0b
+            return cum[s, :, b] - cum[s, :, a] + self.clean_over[s]
+        cum = self._cf if phase == "fwd" else self._cb
+        return cum[s, :, b] - cum[s, :, a] + self.overhead[s]
 
     def step_ms(self, bounds: Sequence[tuple[int, int]]) -> np.ndarray:
         """``[T]`` true step time of ``bounds`` (stage ``s`` on rank ``s``) at every step."""
         key = tuple(bounds)
         if key not in self._cache:
-            f = np.stack(
-                [
-                    self._cf[s, :, b] - self._cf[s, :, a] + self.overhead[s]
-                    for s, (a, b) in enumerate(bounds)
-                ],
-                axis=1,
-            )
-            b_ = np.stack(
-                [
-                    self._cb[s, :, b] - self._cb[s, :, a] + self.overhead[s]
-                    for s, (a, b) in enumerate(bounds)
-                ],
-                axis=1,
-            )
+            f = np.stack([self._stage(s, a, b, "fwd") for s, (a, b) in enumerate(bounds)], axis=1)
+            b_ = np.stack([self._stage(s, a, b, "bwd") for s, (a, b) in enumerate(bounds)], axis=1)
             comm = [
                 float(self._base.out_bytes[hi - 1] / 100e9 * 1e3 + 0.02) for _, hi in bounds[:-1]
             ]
@@ -331,16 +367,25 @@ class _Truth:
     ):
         """Per-stage fwd and bwd ms per microbatch at ``step`` (``timed``: what the stage's
         timers read of it)."""
-        f = np.array(
-            [self.fwd[r, step, a:b].sum() for (a, b), r in zip(bounds, ranks, strict=True)]
-        )
-        b_ = np.array(
-            [self.bwd[r, step, a:b].sum() for (a, b), r in zip(bounds, ranks, strict=True)]
-        )
-        o = np.array([self.overhead[r, step] for r in ranks])
-        if timed:
-            o = o - np.array([self.untimed[r, step] for r in ranks])
-        return f + o, b_ + o
+        f, b_, o = [], [], []
+        for (a, b), r in zip(bounds, ranks, strict=True):
+            fwd, bwd, over = self.layers(r, step, a, b)
+            f.append(fwd.sum())
+            b_.append(bwd.sum())
+            blind = self.blind(a, b)
+            o.append(over - (self.untimed[r, step] if timed and not blind else 0.0))
+        return np.array(f) + np.array(o), np.array(b_) + np.array(o)
+
+    def layers(self, r: int, step: int, a: int, b: int) -> tuple[np.ndarray, np.ndarray, float]:
+        """True fwd and bwd ms of layers ``[a, b)`` held by rank ``r`` at ``step``, and the
+        stage's overhead (clean for a blind stage)."""
+        if self.blind(a, b):
+            return (
+                self.clean_fwd[r, step, a:b],
+                self.clean_bwd[r, step, a:b],
+                float(self.clean_over[r, step]),
+            )
+        return self.fwd[r, step, a:b], self.bwd[r, step, a:b], float(self.overhead[r, step])
 
 
 def _even(n: int, s: int) -> tuple[tuple[int, int], ...]:
@@ -398,8 +443,10 @@ def _run(
     *,
     every: int,
     rng: np.random.Generator,
+    light_probes: bool = True,
 ) -> tuple[np.ndarray, int]:
-    """Per-step times of one run of ``policy`` (None: the initial plan throughout)."""
+    """Per-step times of one run of ``policy`` (None: the initial plan throughout);
+    ``light_probes``: its light ranks probe their devices (if it names them)."""
     bounds = _even(w.num_layers, sc.stages)
     ranks = tuple(range(sc.stages))
     m = sc.microbatches
@@ -418,7 +465,13 @@ def _run(
         win.append((t, f * m * meas, b * m * meas))
         if (step + 1) % every or step + 1 == sc.steps:
             continue
-        window = _window(sc, w, truth, bounds, ranks, win, step, rng)
+        ask = getattr(policy, "light_probes", None) if light_probes else None
+        light = ask(tuple(bounds)) if ask is not None else {}
+        if 0 in light:
+            # The first stage's probe runs before its part of the sampled step.
+            i = light[0]
+            out[step] += float(truth.fwd[0, step, i] + truth.bwd[0, step, i])
+        window = _window(sc, w, truth, bounds, ranks, win, step, rng, light=light)
         win = []
         d = policy.observe(window)
         if d is None or not d.repartition or d.bounds is None:
@@ -433,7 +486,7 @@ def _run(
     return out, moves
 
 
-def _window(sc, w, truth, bounds, ranks, win, step, rng) -> Window:
+def _window(sc, w, truth, bounds, ranks, win, step, rng, light=None) -> Window:
     m = sc.microbatches
     lf = np.empty(w.num_layers)
     lb = np.empty(w.num_layers)
@@ -442,10 +495,22 @@ def _window(sc, w, truth, bounds, ranks, win, step, rng) -> Window:
         # The sampled step: each layer's median over m microbatches, a few % of jitter.
         jf = rng.lognormal(0.0, 0.03 / np.sqrt(m), size=b - a)
         jb = rng.lognormal(0.0, 0.03 / np.sqrt(m), size=b - a)
-        lf[a:b] = truth.fwd[r, step, a:b] * jf * truth.meas[r, step]
-        lb[a:b] = truth.bwd[r, step, a:b] * jb * truth.meas[r, step]
-        sf[s] = lf[a:b].sum() + truth.overhead[r, step] - truth.untimed[r, step]
-        sb[s] = lb[a:b].sum() + truth.overhead[r, step] - truth.untimed[r, step]
+        fwd, bwd, over = truth.layers(r, step, a, b)
+        untimed = 0.0 if truth.blind(a, b) else truth.untimed[r, step]
+        lf[a:b] = fwd * jf * truth.meas[r, step]
+        lb[a:b] = bwd * jb * truth.meas[r, step]
+        sf[s] = lf[a:b].sum() + over - untimed
+        sb[s] = lb[a:b].sum() + over - untimed
+    probes = {}
+    for r, i in sorted((light or {}).items()):
+        # One microbatch of a heavy layer: not blind; the per-layer jitter of one sample.
+        jf, jb = rng.lognormal(0.0, 0.03, size=2)
+        stall = truth.probe_stall[r, step]
+        probes[r] = (
+            i,
+            float((truth.fwd[r, step, i] + stall) * jf * truth.meas[r, step]),
+            float((truth.bwd[r, step, i] + stall) * jb * truth.meas[r, step]),
+        )
     tel = tuple(dict(w.telemetry[sc.condition(r, step)]) for r in range(sc.stages))
     return Window(
         step=step,
@@ -461,6 +526,7 @@ def _window(sc, w, truth, bounds, ranks, win, step, rng) -> Window:
         sampled_fwd_ms=sf,
         sampled_bwd_ms=sb,
         telemetry=tel,
+        probes=probes or None,
     )
 
 
@@ -557,8 +623,10 @@ def simulate(
     modes: Sequence[str] = ("measured",),
     factory: PolicyFactory | None = None,
     monitor_every: int = 5,
+    light_probes: bool = True,
 ) -> list[ScenarioResult]:
-    """Run every mode on every scenario; same truth and noise for every system."""
+    """Run every mode on every scenario; same truth and noise for every system
+    (``light_probes``: the policies' light ranks probe their devices)."""
     factory = factory or default_factory()
     by_name = {w.name: w for w in workloads}
     out = []
@@ -571,7 +639,13 @@ def simulate(
         for mode in modes:
             policy = _Clairvoyant(sc, w, truth) if mode == "clairvoyant" else factory(w, sc, mode)
             t, k = _run(
-                sc, w, truth, policy, every=monitor_every, rng=np.random.default_rng(sc.seed)
+                sc,
+                w,
+                truth,
+                policy,
+                every=monitor_every,
+                rng=np.random.default_rng(sc.seed),
+                light_probes=light_probes,
             )
             ms[mode], moves[mode] = float(t.mean()), k
         out.append(
@@ -643,11 +717,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profiles", nargs="+", default=list(DEFAULT_PROFILES))
     ap.add_argument("--logs", default=DEFAULT_LOGS)
     ap.add_argument("-o", "--out", default=None, help="write the summary JSON here")
+    ap.add_argument(
+        "--blind",
+        action="store_true",
+        help="light stages run and read clean whatever their device (see the docstring)",
+    )
+    ap.add_argument(
+        "--no-light-probes",
+        action="store_true",
+        help="light ranks do not probe their devices (the policy reads their stages only)",
+    )
+    ap.add_argument(
+        "--per-scenario", default=None, help="write every scenario's ms per system here (JSONL)"
+    )
     args = ap.parse_args(argv)
     workloads = load_workloads(args.profiles)
     traces = noise_from_logs(args.logs)
     scenarios = random_scenarios(
-        args.scenarios, workloads=workloads, traces=traces, seed=args.seed, steps=args.steps
+        args.scenarios,
+        workloads=workloads,
+        traces=traces,
+        seed=args.seed,
+        steps=args.steps,
+        blind=args.blind,
     )
     res = simulate(
         scenarios,
@@ -655,7 +747,13 @@ def main(argv: list[str] | None = None) -> int:
         traces=traces,
         modes=args.modes,
         factory=default_factory(args.predictor),
+        light_probes=not args.no_light_probes,
     )
+    if args.per_scenario:
+        with open(args.per_scenario, "w") as fh:
+            for r in res:
+                row = {"seed": r.scenario.seed, "oracle": r.oracle_ms, "static": r.static_ms}
+                fh.write(json.dumps({**row, **r.policy_ms, "moves": r.moves}) + "\n")
     summary = summarise(res, args.modes, traces)
     text = json.dumps(summary, indent=1)
     print(text)

@@ -46,8 +46,11 @@ class Window:
     reduce_ms: ``[k, dp]`` each replica's longest all-reduce tail per step, or None.
     idle: ranks the plan leaves idle (one pipeline whose plan holds a subset of the ranks);
         the fields above describe the active stages only.
-    probes: per idle rank, ``(layer, fwd_ms, bwd_ms)``: one microbatch of that layer timed
-        on its device on the window's sampled step, or None.
+    probes: per probing rank, ``(layer, fwd_ms, bwd_ms)``: one microbatch of that layer
+        timed on its device on the window's sampled step, or None. A probing rank is idle
+        (it holds nothing to time) or light: it holds layers, too little work for its
+        timers to read its device (``CostEstimates.light_probes``), and times a layer it
+        does not hold; ``idle`` tells the two apart.
     """
 
     step: int
