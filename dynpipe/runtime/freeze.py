@@ -185,8 +185,9 @@ def loss_plateaued(history: FreezeHistory, *, rule: FreezeRule) -> bool:
     """Whether the model's loss, fitted over the last ``patience + 1`` windows, falls by
     less than ``threshold`` times the fastest it fell over any such span, even at the fit's
     upper bound (two standard errors): the loss's noise from window to window must not pass
-    for a plateau."""
-    if len(history.losses) < rule.patience + 1 or not history.best_rate > 0:
+    for a plateau. A loss that has never fallen (fastest 0) has stopped if it does not
+    fall now either: the model is not learning."""
+    if len(history.losses) < rule.patience + 1:
         return False
     slope, se = _trend(np.asarray(history.losses))
     rate = -slope + 2 * se
