@@ -47,11 +47,21 @@ step 280 and three at step 340 of that run, on window-to-window noise. So:
 - The gradient norms then decide *which* (PipeTransformer's and AutoFreeze's signal, kept
   for the order): a layer whose gradient still trends is still being reshaped; the prefix
   walk keeps what must hold for the pipeline (frozen layers in the first stage).
+- The training loss, not a held-out one: every rank has it at no cost (a held-out pass
+  at every check would cost forwards and need held-out data), and with a fresh batch
+  every step it estimates the held-out loss. Over repeated data it can keep falling
+  after the held-out loss stopped: then the rule freezes later, never earlier.
 - Not in warm-up: a rising learning rate moves the loss and every norm with it.
 - The alpha cap: a freeze is never undone, so the prefix grows in steps.
 
 ``patience = 1`` with a huge ``threshold`` freezes as fast as alpha allows from the
 second counted window (what the exactness tests use).
+
+Measured (``bench/freeze_rule.py``, CPU; the README has the table): a gpt trained from
+scratch, or trained on, to the end of a cosine schedule froze nothing and lost nothing
+(the old rule lost 7.6 and 2.6 points of held-out accuracy); on an mlp that converges it
+skipped the backward of 43% of the layer-steps at one held-out sample's difference (the
+old rule: 4.8 points).
 
 A frozen layer holds no optimizer state and computes no backward: its parameters stop
 requiring gradients, and the frozen prefix is kept inside the first stage (whose input is
