@@ -18,7 +18,8 @@
 #   freeze-autodp  (AUTODP=1, the default; AUTODP=0 leaves it out) the freeze run with
 #                  --autodp: GPUs the frozen prefix frees host more pipeline replicas, live;
 #                  last, so the runs above are the same either way (on CPU it freezes with
-#                  threshold 1e9, as fast as --freeze-alpha allows, so the check reshapes)
+#                  threshold 1e9 and patience 1, as fast as --freeze-alpha allows, so the
+#                  check reshapes)
 # bench/elastic_table.py prints per-phase median step times (before / during / after the
 # interferer) and the freeze runs' time to accuracy from the raw logs.
 #   bench/gpu_elastic.sh OUTDIR
@@ -57,14 +58,14 @@ if [ "$DEVICE" = cuda ]; then
         --model-arg seq_len=512 --data pystdlib --batch-size 64 --microbatches 8
         --lr 3e-4 --warmup 30 --lr-schedule cosine --eval-batches 8)
   EXTRA=(--bf16)
-  FREEZE_STEPS=${FREEZE_STEPS:-900}; EVAL_EVERY=50; AUTODP_THRESHOLD=0.05
+  FREEZE_STEPS=${FREEZE_STEPS:-900}; EVAL_EVERY=50; AUTODP_THRESHOLD=0.05; AUTODP_PATIENCE=10
 else
   SCENARIO=recipes/scenarios/emulate-10x-rank$L.toml
   MODEL=(--model mlp --model-arg depth=6 --model-arg width=64 --batch-size 32 --microbatches 4)
   TEXT=(--model gpt --model-arg depth=2 --model-arg width=32 --model-arg heads=2
         --model-arg seq_len=16 --data pystdlib --batch-size 16 --microbatches 4)
   EXTRA=(--pin-cores)
-  FREEZE_STEPS=60; EVAL_EVERY=20; AUTODP_THRESHOLD=1e9
+  FREEZE_STEPS=60; EVAL_EVERY=20; AUTODP_THRESHOLD=1e9; AUTODP_PATIENCE=1
 fi
 pack() {
   python3 bench/elastic_table.py "$O" > "$O/table.out" 2>&1
@@ -139,5 +140,5 @@ run freeze "$NGPU" "${TEXT[@]}" --steps "$FREEZE_STEPS" --eval-every "$EVAL_EVER
 if [ "$AUTODP" = 1 ]; then
   run freeze-autodp "$NGPU" "${TEXT[@]}" --steps "$FREEZE_STEPS" --eval-every "$EVAL_EVERY" \
     --adapt measured --elastic --freeze --freeze-every 20 --freeze-threshold "$AUTODP_THRESHOLD" \
-    --autodp
+    --freeze-patience "$AUTODP_PATIENCE" --autodp
 fi

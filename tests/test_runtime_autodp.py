@@ -36,11 +36,13 @@ def _cfg(tmp: str, steps: int, **kw):
         log=f"{tmp}/log.jsonl",
         log_every=EVERY,
         optim=OptimConfig(name="adamw", lr=1e-3, clip_grad=1.0, total_steps=STEPS),
-        # Every layer "converged" (threshold 1e9): the rule freezes as fast as alpha allows.
+        # Every layer "converged" (threshold 1e9, trends over the last two windows): the
+        # rule freezes as fast as alpha allows from the second check on.
         freeze=True,
         freeze_every=EVERY,
         freeze_threshold=1e9,
         freeze_alpha=0.5,
+        freeze_patience=1,
         autodp=True,
         # The rule with no threshold on the gain and a horizon no loaded machine's pause can
         # fail: the frozen prefix's missing backward and the shorter pipeline's smaller

@@ -458,18 +458,30 @@ def test_release_cli_checks_the_rank_and_never_releases_every_rank(tmp_path) -> 
 def test_freeze_rule_freezes_a_converged_prefix_only() -> None:
     import numpy as np
 
-    from dynpipe.runtime.freeze import FreezeRule, frozen_prefix, keep_prefix_on_first
+    from dynpipe.runtime.freeze import (
+        FreezeHistory,
+        FreezeRule,
+        frozen_prefix,
+        keep_prefix_on_first,
+    )
 
-    rule = FreezeRule(every=5, threshold=0.05, alpha=0.5)
-    prev = np.array([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
-    now = np.array([1.01, 0.99, 1.2, 1.0, 1.0, 1.0, 1.0, 1.0])
-    assert frozen_prefix(now, prev=None, frozen=0, rule=rule) == 0  # nothing to compare yet
-    # Layers 0 and 1 changed < 5%; layer 2 did not converge, so 3.. stay too (prefix only).
-    assert frozen_prefix(now, prev=prev, frozen=0, rule=rule) == 2
+    # The rule itself on synthetic windows: tests/test_freeze_rule.py. Here, the prefix walk.
+    rule = FreezeRule(every=5, threshold=0.05, alpha=0.5, patience=1)
+    flat = np.ones(8)
+    h = FreezeHistory()
+    h.add(loss=2.0, norms=flat, rule=rule)
+    assert frozen_prefix(h, frozen=0, rule=rule) == 0  # nothing to compare yet
+    h.add(loss=1.0, norms=np.array([1.01, 0.99, 1.2, 1.0, 1.0, 1.0, 1.0, 1.0]), rule=rule)
+    assert frozen_prefix(h, frozen=0, rule=rule) == 0  # the loss just fell at its fastest
+    h.add(loss=1.0, norms=np.array([1.01, 0.99, 1.2, 1.0, 1.0, 1.0, 1.0, 1.0]), rule=rule)
+    h.add(loss=1.0, norms=np.array([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]), rule=rule)
+    # Layers 0 and 1 stayed within 5%; layer 2 did not, so 3.. stay too (prefix only).
+    assert frozen_prefix(h, frozen=0, rule=rule) == 2
+    h.add(loss=1.0, norms=flat, rule=rule)
     # At most alpha of the training layers per check, and the last layer always trains.
-    assert frozen_prefix(prev, prev=prev, frozen=0, rule=rule) == 4
-    assert frozen_prefix(prev, prev=prev, frozen=6, rule=rule) == 7
-    assert frozen_prefix(prev, prev=prev, frozen=7, rule=rule) == 7
+    assert frozen_prefix(h, frozen=0, rule=rule) == 4
+    assert frozen_prefix(h, frozen=6, rule=rule) == 7
+    assert frozen_prefix(h, frozen=7, rule=rule) == 7
     # The first active rank keeps the prefix and one layer that trains; a rank left with
     # nothing goes idle.
     wide = ((0, 4), (4, 8))
@@ -505,6 +517,7 @@ def _freeze_run(rank: int, world: int, log: str) -> dict:
         freeze_every=5,
         freeze_threshold=1e9,
         freeze_alpha=0.5,
+        freeze_patience=1,
     )
     seen: list = []
     final: dict = {}

@@ -51,7 +51,14 @@ _GROUPS = (
     ("evaluation", ("eval_every", "eval_batches")),
     (
         "freezing (changes what training computes)",
-        ("freeze", "freeze_every", "freeze_threshold", "freeze_alpha", "autodp"),
+        (
+            "freeze",
+            "freeze_every",
+            "freeze_threshold",
+            "freeze_alpha",
+            "freeze_patience",
+            "autodp",
+        ),
     ),
 )
 # Set by hand (``--model-arg``), or config dataclasses of their own.

@@ -74,17 +74,22 @@ class TrainConfig:
     eval_batches: batches (of ``batch_size``) per evaluation (unset: the held-out split
         once, at most 50; 10 for synthetic data).
     freeze: freeze converged leading layers (PipeTransformer's idea; CHANGES WHAT TRAINING
-        COMPUTES: frozen layers stop learning): every ``freeze_every`` steps, leading layers
-        whose gradient norm changed by less than ``freeze_threshold`` (relative) since the
-        last check are frozen, at most ``freeze_alpha`` of the training layers per check;
-        frozen layers skip backward and hold no optimizer state, and a stage left with no
-        layers goes idle (one pipeline; replicated, such a freeze is capped instead).
-    freeze_every: steps between freeze checks (the window a layer's gradient norm is
-        averaged over).
-    freeze_threshold: relative change of a layer's gradient norm between two checks under
-        which it has converged.
+        COMPUTES: frozen layers stop learning): every ``freeze_every`` steps, once the
+        training loss has stopped falling (its trend over the last ``freeze_patience``
+        windows under ``freeze_threshold`` of its fastest), leading layers whose gradient
+        norm is flat over those windows are frozen, at most ``freeze_alpha`` of the training
+        layers per check; windows in the learning rate's warm-up do not count; frozen layers
+        skip backward and hold no optimizer state, and a stage left with no layers goes idle
+        (one pipeline; replicated, such a freeze is capped instead).
+    freeze_every: steps between freeze checks (the window the loss and a layer's gradient
+        norm are averaged over).
+    freeze_threshold: relative rate per window under which the loss has stopped falling
+        (against the fastest fall seen) and a layer's gradient norm is flat (against its
+        mean).
     freeze_alpha: the largest fraction of the layers still training that one check may
         freeze (at least one; the last layer always trains).
+    freeze_patience: windows the trends are fitted over (a check decides on the last
+        ``freeze_patience + 1`` windows; 1: the last two).
     autodp: with ``freeze``: at every freeze check, change the run's data x pipeline shape
         live to more replicas of fewer stages when the frozen prefix makes that predicted
         faster by the adaptation rule (gain >= ``--min-gain``, paying the pause back within
@@ -129,6 +134,7 @@ class TrainConfig:
     freeze_every: int = field(default=20, metadata={"metavar": "N"})
     freeze_threshold: float = 0.05
     freeze_alpha: float = 0.5
+    freeze_patience: int = field(default=10, metadata={"metavar": "N"})
     autodp: bool = False
 
     def __post_init__(self) -> None:
@@ -197,7 +203,10 @@ class TrainConfig:
             from dynpipe.runtime.freeze import FreezeRule
 
             FreezeRule(
-                every=self.freeze_every, threshold=self.freeze_threshold, alpha=self.freeze_alpha
+                every=self.freeze_every,
+                threshold=self.freeze_threshold,
+                alpha=self.freeze_alpha,
+                patience=self.freeze_patience,
             )
             # A freeze may move layers: at a window's end, so no window mixes two plans.
             window = self.adapt.monitor_every if self.adapt.adapting else self.log_every

@@ -398,14 +398,19 @@ EVENTS: dict[str, EventSpec] = {
         EventSpec(
             "freeze_rule",
             "--freeze is on: this run CHANGES WHAT TRAINING COMPUTES (converged leading "
-            "layers stop learning); the rule's window, threshold and largest fraction",
+            "layers stop learning); the rule's window (`every` steps), `threshold`, largest "
+            "fraction (`alpha`), the windows its trends are fitted over (`patience` + 1) "
+            "and the warm-up steps it does not count (`warmup`): once the training loss's "
+            "trend falls slower than `threshold` times its fastest, leading layers whose "
+            "gradient norm is flat are frozen",
             ("changes_training", "every", "threshold", "alpha"),
         ),
         EventSpec(
             "freeze",
             "from `step` layers [0, `frozen`) are frozen (no backward, no optimizer state); "
-            "`layers` newly frozen, their gradient norms, the plan that keeps them on the "
-            "first stage and the ranks it leaves `idle`",
+            "`layers` newly frozen, their gradient norms, the window losses the plateau "
+            "was read on (`losses`, against the fastest fall `best_rate`), the plan that "
+            "keeps them on the first stage and the ranks it leaves `idle`",
             ("step", "frozen", "layers", "changes_training", "plan"),
         ),
         EventSpec(

@@ -782,13 +782,17 @@ def train(
         from dynpipe.runtime.freeze import Freezer, FreezeRule
 
         rule = FreezeRule(
-            every=cfg.freeze_every, threshold=cfg.freeze_threshold, alpha=cfg.freeze_alpha
+            every=cfg.freeze_every,
+            threshold=cfg.freeze_threshold,
+            alpha=cfg.freeze_alpha,
+            patience=cfg.freeze_patience,
+            warmup=cfg.optim.warmup_steps,
         )
         freezer = Freezer(rule=rule, log=log)
-        if meta is not None and meta.get("freeze_norms") is not None:
-            import numpy as np
+        if meta is not None and meta.get("freeze_state") is not None:
+            from dynpipe.runtime.freeze import FreezeHistory
 
-            freezer.prev = np.asarray(meta["freeze_norms"], dtype=np.float64)
+            freezer.history = FreezeHistory.from_dict(meta["freeze_state"])
         engine.track_grads = True
         if log is not None:
             log.event(
@@ -797,6 +801,8 @@ def train(
                 every=rule.every,
                 threshold=rule.threshold,
                 alpha=rule.alpha,
+                patience=rule.patience,
+                warmup=rule.warmup,
                 frozen=engine.frozen,
             )
     save = functools.partial(
@@ -937,7 +943,13 @@ def train(
                         )
                     )
             if freezer is not None and (step + 1) % cfg.freeze_every == 0 and step + 1 < cfg.steps:
-                freezer.check(engine, step=step, adapter=adapter, autodp=autodp)
+                freezer.check(
+                    engine,
+                    step=step,
+                    losses=losses[-cfg.freeze_every :],
+                    adapter=adapter,
+                    autodp=autodp,
+                )
                 if autodp is not None and last is not None:
                     stats = autodp.check(
                         engine,
@@ -1141,10 +1153,8 @@ def _save(
         "data_position": step,
         "world_size": topo.world_size,
         "frozen": engine.frozen,  # --freeze: layers [0, frozen) train no more
-        # ... and the last check's gradient norms, which the next check compares with.
-        "freeze_norms": (
-            None if freezer is None or freezer.prev is None else freezer.prev.tolist()
-        ),
+        # ... and the freeze rule's memory of the last windows, which the next check uses.
+        "freeze_state": None if freezer is None else freezer.history.to_dict(),
     }
     # Replicas hold identical copies: replica 0's are written (keys are layer names, so
     # the checkpoint loads under any dp x pp shape, or into one process).
