@@ -167,7 +167,9 @@ def test_a_probe_spike_is_not_a_change() -> None:
 
 def test_a_rank_made_light_confirms_the_onset_its_stage_suspected() -> None:
     """Onset on rank 0's full stage, layers moved off it the next window: the probe (not the
-    stage, which now reads its embedding at clean speed) confirms the change."""
+    stage, which now reads its embedding at clean speed) confirms the change. Its first
+    reading calibrates it to the stage's last (here a probe that reads 2x a layer's share,
+    as one layer alone on a CPU did); the next confirms."""
     est = _estimates()
     step = 0
     for _ in range(4):
@@ -177,9 +179,18 @@ def test_a_rank_made_light_confirms_the_onset_its_stage_suspected() -> None:
     est.update(_win(step, EVEN, (3.0, 1.0, 1.0)))
     assert est.changing and est.regime == 0
     step += 5
-    est.update(_win(step, LIGHT, (1.0, 1.0, 1.0), probes={0: 3.0}))
+    est.update(_win(step, LIGHT, (1.0, 1.0, 1.0), probes={0: 6.0}))
+    assert est.changing and est.regime == 0
+    assert est.slow[0] == pytest.approx(3.0)
+    step += 5
+    est.update(_win(step, LIGHT, (1.0, 1.0, 1.0), probes={0: 6.0}))
     assert not est.changing and est.regime != 0
     assert est.slow[0] == pytest.approx(3.0) and est.load[0] == pytest.approx(3.0)
+    # The interference ends: the biased probe reads 2x, which is clean for it.
+    for _ in range(3):
+        step += 5
+        est.update(_win(step, LIGHT, (1.0, 1.0, 1.0), probes={0: 2.0}))
+    assert est.regime == 0 and est.slow[0] == pytest.approx(1.0)
     # Without the probe, the light stage reads clean and the onset is taken for a spike.
     blind = _estimates()
     step = 0
@@ -227,10 +238,11 @@ def test_only_a_light_rank_whose_device_reads_slowed_probes() -> None:
         step += 5
         ctl.observe(_win(step, EVEN, (3.0, 1.0, 1.0)))
     assert ctl.light_probes(LIGHT) == {0: 1}
-    # Its probe reads the device clean again: probing stops.
-    for _ in range(3):
+    # Its probe reads the device slowed (its first reading calibrates it), then clean
+    # again: probing stops.
+    for x in (3.0, 3.0, 1.0, 1.0, 1.0):
         step += 5
-        ctl.observe(_win(step, LIGHT, (1.0, 1.0, 1.0), probes={0: 1.0}))
+        ctl.observe(_win(step, LIGHT, (1.0, 1.0, 1.0), probes={0: x}))
     assert ctl.est.slow[0] == pytest.approx(1.0, abs=0.05)
     assert ctl.light_probes(LIGHT) == {}
 

@@ -742,6 +742,7 @@ def train(
             dp=p.dp,
             replicas=replicas,
             link_bandwidth=link_bw,
+            light_probes=topo.device.type == "cuda",
         )
 
     if not injected:

@@ -129,6 +129,9 @@ class CostEstimates:
         self._light_level = np.ones(num_ranks)
         self._light_layer = np.zeros(num_ranks, dtype=int)  # the layer each one probes
         self._light_n = np.zeros(num_ranks)
+        # Per light rank, its probe's reading over the device's slowdown when it turned light
+        # (``_read_light``): the probe's own bias against a layer's share of a stage.
+        self._light_scale = np.ones(num_ranks)
         self._light_suspect: list[tuple[float, float, float] | None] = [None] * num_ranks
         self._light_suspect_move: list[float | None] = [None] * num_ranks
         self._light_steps: list[list[float]] = [[] for _ in range(num_ranks)]
@@ -529,13 +532,33 @@ class CostEstimates:
             self._light_layer[r] = int(i)
             limit = self._light_limit(r)
             n = self._light_n[r]
+            if n == 0 and seen:
+                # The first probe of a light period calibrates the probe to the device's
+                # reading as a whole stage just before (the window that moved its layers
+                # away): one microbatch of one layer, alone, costs more than that layer's
+                # share of a stage's time by a fixed part (its own launch and autograd
+                # work; on a 2-core CPU in the demo it read 2-2.4x the share with nothing
+                # slowing it, so the device never read clean again). From then on the probe
+                # reads the device's slowdown as changes of that level.
+                ref = float(seen[-1][r])
+                self._light_scale[r] = x / max(ref, 1e-9)
+                x = ref
+                if self._suspect[r] is not None and len(seen) >= 2:
+                    # A change the stage suspected in that window: the next probe confirms
+                    # or refutes it, as the stage's next window would have.
+                    before = float(seen[-2][r])
+                    move = float(np.log(ref / max(before, 1e-9)))
+                    self._light_suspect[r] = (float(np.sign(move)), before, abs(move))
+                    self._light_suspect_move[r] = None
+                self._suspect[r] = None
+                self._light_level[r], self._light_n[r] = x, 1
+                self.slow[r] = self.load[r] = x
+                continue
+            x /= self._light_scale[r]
             pending = None
             if self._light_suspect[r] is not None:
                 sign, before, _ = self._light_suspect[r]
                 pending = (sign, before)
-            elif self._suspect[r] is not None and n == 0 and len(seen) >= 2:
-                before = float(seen[-2][r])
-                pending = (float(np.sign(seen[-1][r] - before)), before)
             suspected = self._light_suspect_move[r]
             self._light_suspect[r], self._light_suspect_move[r] = None, None
             self._suspect[r] = None  # the probe decides it (its stage cannot)

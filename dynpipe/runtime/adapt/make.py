@@ -24,6 +24,7 @@ def make_policy(
     dp: int = 1,
     replicas: bool | None = None,
     link_bandwidth: float | None = None,
+    light_probes: bool = True,
 ) -> Policy | None:
     """The policy of ``config.mode`` (None for ``static``).
 
@@ -36,6 +37,7 @@ def make_policy(
         every rank is one of its shapes); default: ``dp > 1``.
     link_bandwidth: measured bytes/s between stages, in the cost model's (float32) bytes
         (``dynpipe.runtime.links``); the analytic default if None.
+    light_probes: light ranks may probe their devices (``Controller``: GPUs only).
     """
     if config.mode == "static":
         return None
@@ -69,7 +71,12 @@ def make_policy(
             prepared=prepared,
         )
     return Controller(
-        base=base, config=config, num_ranks=num_ranks, predictor=loaded, prepared=prepared
+        base=base,
+        config=config,
+        num_ranks=num_ranks,
+        predictor=loaded,
+        prepared=prepared,
+        light_probes=light_probes,
     )
 
 

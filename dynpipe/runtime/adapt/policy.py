@@ -204,6 +204,12 @@ class Controller:
         prior per-layer costs before the first measurement.
     predictor / prepared: a loaded slowdown predictor and its ``prepare_layers`` output
         (``adaptive`` and ``restart``); without one those modes plan as ``measured``.
+    light_probes: whether light ranks may probe their devices (``light_probes``): on GPUs,
+        where a light stage's short kernels run between a co-located job's and its timers
+        miss the job; not on CPUs, where a job sharing a core slows every instruction stream
+        alike and a light stage's own timers see it (the demo's one-layer stage read its
+        emulated 5x at once, while a probe of one layer alone read 2-2.4x a layer's share
+        of a stage with nothing slowing it, so the device never read clean again).
     """
 
     def __init__(
@@ -214,8 +220,10 @@ class Controller:
         num_ranks: int,
         predictor: Any = None,
         prepared: Any = None,
+        light_probes: bool = True,
     ) -> None:
         self.config = config
+        self.probe_light = light_probes
         self.base = base
         self.predictor, self.prepared = predictor, prepared
         use = config.mode in ("adaptive", "restart") and predictor is not None
@@ -612,6 +620,8 @@ class Controller:
         devices 0.05% (p95 1.060), while on scenarios whose light stages cannot see their
         device (``--blind``) both kept the probes' gain (mean 1.042 without probes, 1.033
         with)."""
+        if not self.probe_light:
+            return {}
         est = self.est
         return {
             r: i
