@@ -277,9 +277,9 @@ class _Recorder:
         return self.inner.observe(window)
 
     def light_probes(self, key):
-        # Every light rank probes here, not only those whose device reads slowed (as the
-        # controller asks; these read clean): the test is of the probe's path through the
-        # engine, the gather, the window and the log.
+        # Every light rank probes here (the controller asks only on GPUs, and only for
+        # devices that read slowed; these are clean CPUs): the test is of the probe's path
+        # through the engine, the gather, the window and the log.
         return self.inner.est.light_probes(key)
 
     def __getattr__(self, name):
