@@ -62,6 +62,14 @@ _NOISE_MIN = 6
 _LIGHT = 0.5
 
 
+def median_work_layer(cost: np.ndarray) -> int:
+    """The layer in which the median unit of the model's work runs: layers ordered by
+    ``cost``, the first whose running sum reaches half the total."""
+    order = np.argsort(cost, kind="stable")
+    at = int(np.searchsorted(np.cumsum(cost[order]), 0.5 * float(cost.sum())))
+    return int(order[min(at, len(order) - 1)])
+
+
 class CostEstimates:
     """Per-layer costs of ``L`` layers on ``R`` ranks, per microbatch (ms).
 
@@ -448,10 +456,7 @@ class CostEstimates:
         reaches half the total), as the first layer of its class, so that the choice holds
         while clean costs are refined. A transformer's block, VGG's middle convolutions:
         what moving layers back to a device would move, not the embedding or a norm."""
-        cost = self.clean_f + self.clean_b
-        order = np.argsort(cost, kind="stable")
-        at = int(np.searchsorted(np.cumsum(cost[order]), 0.5 * float(cost.sum())))
-        i = int(order[min(at, len(order) - 1)])
+        i = median_work_layer(self.clean_f + self.clean_b)
         return int(np.flatnonzero(self.classes == self.classes[i])[0])
 
     def light_probes(self, key: tuple[tuple[int, int], ...]) -> dict[int, int]:
@@ -514,11 +519,12 @@ class CostEstimates:
         confirms it (same direction, still beyond the limit of the level before).
 
         A rank that just became light (the controller moved its layers away, as it does
-        when its device slows) may carry a change its stage suspected on the window before,
-        unconfirmed: its first probe confirms or refutes it against the level before (an
-        onset's confirmation is not lost to the move). Without one, its first probe starts
-        the level: a stage's reading and one layer's of the same device differ by more
-        than the noise of either, and that difference is not a change of conditions.
+        when its device slows): its first probe starts the level at the rank's last reading
+        as a whole stage and calibrates the probe to it (a stage's reading and one layer's
+        of the same device differ by more than the noise of either, and that difference is
+        not a change of conditions). A change its stage suspected on that last window,
+        unconfirmed, is carried over: the next probe confirms or refutes it against the
+        level before (an onset's confirmation is not lost to the move).
         """
         seen = self._seen_loads
         light = self._light_ranks(w)

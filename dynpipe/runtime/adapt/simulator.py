@@ -50,6 +50,7 @@ from dynpipe.planner.costs import CostModel
 from dynpipe.planner.dp import plan_partition
 from dynpipe.planner.simulate import step_times
 from dynpipe.runtime.adapt.config import AdaptConfig
+from dynpipe.runtime.adapt.estimates import _LIGHT, median_work_layer
 from dynpipe.runtime.adapt.policy import Decision, Policy, moved_bytes
 from dynpipe.runtime.adapt.record import Bounds
 from dynpipe.runtime.adapt.window import Window
@@ -314,9 +315,12 @@ class _Truth:
         self._cb = np.concatenate([z, np.cumsum(self.bwd, axis=2)], axis=2)
         self._m, self._base = sc.microbatches, w.base
         self._cache: dict[tuple, np.ndarray] = {}
-        # Blind scenarios: what a light stage runs at (clean, with the device's noise).
+        # Blind scenarios: what a light stage runs at (clean, with the device's noise), and
+        # the work under which a stage is light (the runtime's rule on the true clean costs).
         self._blind = sc.blind
-        self._work = c0f + c0b
+        work = c0f + c0b
+        self._light_bar = _LIGHT * float(work[median_work_layer(work)])
+        self._work = work
         self.clean_fwd = c0f[None, None, :] * self.noise[:, :, None]
         self.clean_bwd = c0b[None, None, :] * self.noise[:, :, None]
         self.clean_over = w.overhead_ms * self.noise
@@ -326,15 +330,7 @@ class _Truth:
     def blind(self, a: int, b: int) -> bool:
         """Whether a stage of layers ``[a, b)`` is too light for interference to reach it
         (blind scenarios only): the runtime's light rule on the true clean costs."""
-        if not self._blind:
-            return False
-        from dynpipe.runtime.adapt.estimates import _LIGHT
-
-        cost = self._work
-        order = np.argsort(cost, kind="stable")
-        at = int(np.searchsorted(np.cumsum(cost[order]), 0.5 * float(cost.sum())))
-        probe = float(cost[order[min(at, len(order) - 1)]])
-        return float(cost[a:b].sum()) < _LIGHT * probe
+        return self._blind and float(self._work[a:b].sum()) < self._light_bar
 
     def _stage(self, s: int, a: int, b: int, phase: str) -> np.ndarray:
         """``[T]`` stage ``s``'s true time per microbatch for layers ``[a, b)``."""
