@@ -353,6 +353,15 @@ def test_live_reshape_two_by_two_to_dp_only_and_back_trains_what_one_process_doe
             copied.add((dst, int(layer)))
         assert copied == lacked
     assert reshapes[1]["new_plan"]["shares"] == [5, 3]
+    # The job's time between the step before each reshape and its first step holds the
+    # whole pause (every rank's gap covers its own part); the other steps' gaps do not.
+    gaps = {s.step: s.between_ms for s in log.steps}
+    assert gaps[0] == 0 and all(g is not None and g >= 0 for g in gaps.values()), gaps
+    for e in reshapes:
+        assert gaps[e.step] >= e["pause_ms"], (gaps, e.step, e["pause_ms"])
+    # The first reshape's first step opens a window: its event carries the same gap.
+    firsts = {e.step: e["between_ms"] for e in log.events("first_step")}
+    assert firsts == {3: gaps[3]}, firsts
     assert [e["shares"] for e in log.events("decision")] == [[2, 2, 2, 2], [5, 3]]
     # Step records follow the shape: 4 replicas of one stage at steps 3-4.
     assert [len(s.replicas) for s in log.steps] == [2, 2, 2, 4, 4, 2, 2]

@@ -161,3 +161,32 @@ def test_what_the_marks_cost_the_host_is_taken_back_from_host_bound_layers():
     # Marked microbatches no slower, or every microbatch marked: nothing changes.
     assert _discount_marks(cost, launch, [3.1, 3.2], [True, False]) == (cost, launch)
     assert _discount_marks(cost, launch, [3.2, 3.6], [True, True]) == (cost, launch)
+
+
+def test_the_first_layers_backward_ends_where_its_gradients_go_to_the_all_reduce():
+    """With data parallelism the last microbatch's backward ends after the gradient
+    all-reduce and its wait for the slowest replica. A first layer whose input takes no
+    gradient ends its backward with the stage's compute, so the wait is not its cost."""
+    wait_ms = 30.0
+    got = []
+    for reduce in (False, True):
+        timer = StageTimer(device=torch.device("cpu"))
+        probe = timer.layers
+        layers = [_Busy(2.0), _Busy(2.0)]
+        # DDP's comm hook fires when the last bucket (the first layer's gradient) is ready.
+        layers[0].w.register_post_accumulate_grad_hook(lambda _p, t=timer: t.handed_to_reduce())
+        timer.sample_layers(True, microbatches=1)
+        probe.chunk = 0
+        timer.start()
+        out = probe.run(layers, torch.ones(4))
+        timer.stop("fwd")
+        timer.start()
+        probe.begin_backward(0)
+        out.sum().backward()
+        if reduce:
+            _spin(wait_ms)  # the all-reduce, waiting for another replica
+        probe.end_backward(0)
+        timer.stop("bwd")
+        got.append(timer.collect(schedule_ms=1.0).layers.bwd_ms)
+    for bwd in got:
+        assert bwd[0] == pytest.approx(2.0, abs=1.5), got

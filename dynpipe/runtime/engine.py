@@ -112,6 +112,9 @@ class StepResult:
     """What one training step produced on this rank (loss is the global mean loss).
 
     ``end_time``: wall-clock time (``time.time()``) at which the step finished here.
+    ``between_ms``: this rank's time from the end of its previous step to the start of this
+    one (its batch, the adaptation loop's work between steps, a move's pause); 0 for the
+    process's first step.
     ``probe``: ``(layer, fwd_ms, bwd_ms)`` of the probe this rank ran on the step (an idle
     rank's, or a light rank's: see ``PipelineEngine.step``), else None.
     """
@@ -124,6 +127,7 @@ class StepResult:
     timing: StepTiming
     end_time: float = 0.0
     probe: tuple[int, float, float] | None = None
+    between_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -264,6 +268,8 @@ class PipelineEngine:
         self.light_probe: int | None = None
         self._probe_copy: tuple[int, nn.Module] | None = None  # (layer, private copy)
         self.probing = True  # off for a rank handed back to its owner (``release``)
+        # When this rank's last step ended (``perf_counter``; None before the first).
+        self._last_end: float | None = None
         # --freeze: layers [0, frozen) train no more (see ``freeze``); with ``track_grads``
         # each step adds every held layer's squared gradient norm to ``grad_sq``.
         self.frozen = 0
@@ -569,6 +575,7 @@ class PipelineEngine:
         if dp:
             x, y = self._share(x), self._share(y)
         t0 = time.perf_counter()
+        between = self._between(t0)
         probed = None
         if sample_layers and self.config.timing and self.probing and self.light_probe is not None:
             got = self._probe(self.light_probe)
@@ -647,6 +654,7 @@ class PipelineEngine:
             )
         grad_norm = float(total) if total is not None else None
         timing = self.timer.collect((t_sched - t0) * 1e3)
+        self._last_end = t1
         return StepResult(
             step=step,
             loss=loss,
@@ -656,7 +664,12 @@ class PipelineEngine:
             timing=timing,
             end_time=time.time(),
             probe=probed,
+            between_ms=between,
         )
+
+    def _between(self, t0: float) -> float:
+        """Milliseconds since this rank's last step ended (``StepResult.between_ms``)."""
+        return 0.0 if self._last_end is None else (t0 - self._last_end) * 1e3
 
     def _idle_step(
         self,
@@ -668,6 +681,7 @@ class PipelineEngine:
         """An idle rank's part of a step: the probe on sampled steps, then the step's one
         all-reduce with zeros (it holds no loss and no gradient)."""
         t0 = time.perf_counter()
+        between = self._between(t0)
         self.grad_steps += int(self.track_grads)  # every rank counts the same steps
         sampled = sample_layers and self.config.timing and self.probing
         probe = self._probe(self.probe_layer) if sampled else None
@@ -681,6 +695,7 @@ class PipelineEngine:
         total = clip_coefficient(vec[:n], clip)[0] if clip > 0 else None
         loss = float(vec[n])
         t1 = time.perf_counter()
+        self._last_end = t1
         timing = StepTiming(fwd_ms=[], bwd_ms=[], schedule_ms=0.0)
         timing.layers = probe
         return StepResult(
@@ -694,6 +709,7 @@ class PipelineEngine:
             probe=None
             if probe is None
             else (self.probe_layer, float(probe.fwd_ms[0]), float(probe.bwd_ms[0])),
+            between_ms=between,
         )
 
     def _probe(self, i: int) -> LayerTiming | None:

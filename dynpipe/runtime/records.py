@@ -229,15 +229,18 @@ class Step(Record):
     wall: seconds from this launch's training loop start to this step's end; t_end: the
     step's end as epoch seconds, which a relaunch shares with the launch before it (None in
     older logs); step_ms: the step's duration on the writing rank (the job's step time: every
-    rank's adaptation window carries it); stages: every stage's timing, in stage order (with
-    replicas: replica 0's). replicas: with data parallelism, every replica's timing (absent
-    otherwise).
+    rank's adaptation window carries it); between_ms: the longest time any rank spent between
+    its previous step and this one (loading its batch, the adaptation loop's work between
+    steps, a move's whole pause: what a move cost beyond its own timers shows here; None in
+    older logs); stages: every stage's timing, in stage order (with replicas: replica 0's).
+    replicas: with data parallelism, every replica's timing (absent otherwise).
     """
 
     step: int
     wall: float
     step_ms: float
     t_end: float | None = None
+    between_ms: float | None = None
     loss: float | None = None
     lr: float | None = None
     grad_norm: float | None = None
@@ -459,7 +462,8 @@ EVENTS: dict[str, EventSpec] = {
         ),
         EventSpec(
             "first_step",
-            "the first step under a new plan beside the medians before and after it",
+            "the first step under a new plan beside the medians before and after it, and the "
+            "job's time between it and the step before (the move's whole pause)",
             ("step", "first_step_ms", "before_ms", "after_ms"),
         ),
         EventSpec(

@@ -193,8 +193,8 @@ class _Gathered:
     probes: dict[int, tuple[int, float, float]] | None = None
 
 
-# Per step and rank: forward, backward, wait, step and reduce milliseconds.
-_TIMES = 5
+# Per step and rank: forward, backward, wait, step, reduce and between-steps milliseconds.
+_TIMES = 6
 
 
 class _StepLog:
@@ -270,6 +270,7 @@ class _StepLog:
                 r.timing.wait_ms,
                 r.step_ms,
                 r.timing.reduce_ms,
+                r.between_ms,
             )
         ]
         tel = telemetry or {}
@@ -301,6 +302,8 @@ class _StepLog:
         for j, res in enumerate(self.pending):
             replicas = [self._replica(times, r, j) for r in range(self.mesh.dp)]
             step_ms = float(clock[j, 3])  # the job's step time, the same on every rank
+            # The job waits for its last rank to start: the longest time between steps.
+            between = max(float(t[j, 5]) for t in times)
             rec = Step(
                 step=res.step,
                 # When this step ended here: seconds since this process started training, and
@@ -308,6 +311,7 @@ class _StepLog:
                 wall=round(res.end_time - self.t_start, 4),
                 t_end=round(res.end_time, 4),
                 step_ms=round(step_ms, 4),
+                between_ms=round(between, 4),
                 loss=res.loss,
                 lr=res.lr,
                 grad_norm=res.grad_norm,
@@ -357,7 +361,7 @@ class _StepLog:
         stages, busy, reduce = [], 0.0, 0.0
         for s, st in enumerate(self.plan.stages):
             rank = self.mesh.global_rank(st.rank, replica)
-            f, b, w, _, red = times[rank][j].tolist()
+            f, b, w, _, red, _ = times[rank][j].tolist()
             busy, reduce = max(busy, f + b), max(reduce, red)
             stages.append(
                 StageTiming(

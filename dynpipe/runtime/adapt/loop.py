@@ -598,6 +598,9 @@ class Adapter:
             first_step_ms=round(float(window.step_ms[0]), 4),
             before_ms=round(info["before_ms"], 4),
             after_ms=round(float(np.median(rest)), 4) if len(rest) else None,
+            # The job's whole stand between the last step before the move and the first
+            # after it (the move's logged pause and whatever else it left to that gap).
+            between_ms=None if window.between_ms is None else round(float(window.between_ms[0]), 4),
         )
 
     def _cost(self, stats, pause_ms: float) -> tuple[int, float]:

@@ -51,6 +51,9 @@ class Window:
         (it holds nothing to time) or light: it holds layers, too little work for its
         timers to read its device (``CostEstimates.light_probes``), and times a layer it
         does not hold; ``idle`` tells the two apart.
+    between_ms: ``[k]`` the job's time between each step and the one before it (the
+        longest of any rank's: its batch, the adaptation loop's host work, a move's whole
+        pause), or None (older logs).
     """
 
     step: int
@@ -77,6 +80,7 @@ class Window:
     reduce_ms: np.ndarray | None = None
     idle: tuple[int, ...] = ()
     probes: Mapping[int, tuple[int, float, float]] | None = None
+    between_ms: np.ndarray | None = None
 
     @property
     def key(self) -> tuple[tuple[int, int], ...]:
@@ -159,8 +163,11 @@ class Window:
         and ``memory_bytes`` are then per global rank, ``replica_layers`` one
         ``layer_times`` dict per replica.
         """
+        # The job's time between steps (None in logs that predate it).
+        gaps = [r.get("between_ms") for r in records]
+        between = np.array(gaps, float) if all(g is not None for g in gaps) else None
         if shares is not None:
-            return cls._with_replicas(
+            win = cls._with_replicas(
                 records,
                 bounds=bounds,
                 ranks=ranks,
@@ -171,6 +178,7 @@ class Window:
                 dropped=dropped,
                 replica_layers=replica_layers,
             )
+            return dataclasses.replace(win, between_ms=between)
         s = len(bounds)
         fwd = np.array([[r["stages"][i]["fwd_ms"] for i in range(s)] for r in records], float)
         bwd = np.array([[r["stages"][i]["bwd_ms"] for i in range(s)] for r in records], float)
@@ -201,6 +209,7 @@ class Window:
             memory_bytes=np.array(memory_bytes, float) if memory_bytes is not None else None,
             idle=tuple(int(r) for r in idle),
             probes=dict(probes) if probes else None,
+            between_ms=between,
         )
 
     @classmethod
