@@ -110,13 +110,12 @@ def replay(
             schedule=plan.schedule,
             layers=layers.get(last),
             telemetry=tels[covering] if covering is not None and predictor else None,
-            # Light ranks' probes (the ranks that hold layers; idle ranks are not replayed).
+            # Light ranks' probes and idle ranks' (a plan that leaves ranks idle, --elastic).
             probes={
-                int(r): (int(i), f, b)
-                for r, i, f, b in (layers.get(last) or {}).get("probes", [])
-                if int(r) in {s["rank"] for s in st}
+                int(r): (int(i), f, b) for r, i, f, b in (layers.get(last) or {}).get("probes", [])
             }
             or None,
+            idle=sorted(set(range(header.world_size)) - {s["rank"] for s in st}),
         )
         t0, c0 = time.perf_counter(), time.thread_time()
         d = policy.observe(w)

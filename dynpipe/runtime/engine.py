@@ -684,7 +684,11 @@ class PipelineEngine:
         between = self._between(t0)
         self.grad_steps += int(self.track_grads)  # every rank counts the same steps
         sampled = sample_layers and self.config.timing and self.probing
-        probe = self._probe(self.probe_layer) if sampled else None
+        # The rank has waited idle since its last step: a first microbatch after that reads
+        # its device slow (4 x H100, gpt 12x2048: a block's forward 1.4-2.2 ms against 1.07
+        # held, so a clean device read 1.25-1.6x and the run never took it back). Its warm
+        # run and the median of three take that out; an idle rank's time costs no one.
+        probe = self._probe(self.probe_layer, repeats=3, warm=True) if sampled else None
         clip = self.config.optim.clip_grad
         n = len(self.slots) if clip > 0 else 0
         vec = torch.zeros(n + 1, dtype=torch.float32, device=self.topo.device)
@@ -712,11 +716,12 @@ class PipelineEngine:
             between_ms=between,
         )
 
-    def _probe(self, i: int) -> LayerTiming | None:
-        """Time one microbatch of layer ``i``'s forward and backward on this device,
-        through the stage's layer probe (so emulated interference stretches it as it would a
-        held layer). A private copy of the layer under a forked RNG: training state and
-        random streams are untouched."""
+    def _probe(self, i: int, *, repeats: int = 1, warm: bool = False) -> LayerTiming | None:
+        """Time one microbatch of layer ``i``'s forward and backward on this device (the
+        median of ``repeats`` microbatches; ``warm``: after an untimed one, as on a layer's
+        first probe), through the stage's layer probe (so emulated interference stretches it
+        as it would a held layer). A private copy of the layer under a forked RNG: training
+        state and random streams are untouched."""
         dev = self.topo.device
         mb = self.config.batch_size // self.plan.total_microbatches
         # Under the stages' own autocast, so its time compares with theirs.
@@ -740,8 +745,8 @@ class PipelineEngine:
             probe = self.timer.layers
             was = probe.sampling
 
-            def once(timed: bool) -> None:
-                probe.sampling, probe.chunk, probe.chunks = timed, 0, None
+            def once(timed: bool, chunk: int = 0) -> None:
+                probe.sampling, probe.chunk, probe.chunks = timed, chunk, None
                 ctx = (
                     torch.autocast(device_type="cuda", dtype=torch.bfloat16)
                     if bf16
@@ -749,15 +754,16 @@ class PipelineEngine:
                 )
                 with ctx:
                     out = probe.run([module], x)
-                probe.begin_backward(0)
+                probe.begin_backward(chunk)
                 if out.requires_grad:
                     out.float().sum().backward()
-                probe.end_backward(0)
+                probe.end_backward(chunk)
 
             try:
-                if fresh:
+                if fresh or warm:
                     once(False)  # a first run's allocation and kernel choice are not speed
-                once(True)
+                for c in range(repeats):
+                    once(True, c)
                 if self.topo.is_cuda:
                     torch.cuda.synchronize(dev)
             finally:

@@ -855,11 +855,23 @@ def train(
     # can make another rank first or last: it opens a stream at that step (and one that
     # stops loading closes its own). The stream starts at its step like the data itself.
     # Every replica's first and last stage load the whole step's batch and take their share.
+    # Batches kept on the device (--device-batches) are made once per rank and kept: made
+    # again when a move made the rank load, they held up the step after it (4 x H100,
+    # 0.5 s on the two ranks a reshape to DP only made load).
+    kept: list[CyclicBatches] = []
+
     def open_stream(at: int) -> BatchStream | CyclicBatches:
         if cfg.device_batches:
-            return CyclicBatches(
-                data, batch_size=cfg.batch_size, count=cfg.device_batches, device=topo.device
-            )
+            if not kept:
+                kept.append(
+                    CyclicBatches(
+                        data,
+                        batch_size=cfg.batch_size,
+                        count=cfg.device_batches,
+                        device=topo.device,
+                    )
+                )
+            return kept[0]
         workers = cfg.data_workers if cfg.data_workers is not None else _auto_workers(topo)
         return BatchStream(
             data,
@@ -893,6 +905,8 @@ def train(
     stream: BatchStream | CyclicBatches | None = None
     if engine.is_first or engine.is_last:
         stream = open_stream(start)
+    elif cfg.device_batches and (cfg.adapt.elastic or cfg.adapt.reshape or cfg.autodp):
+        open_stream(start)  # a move may make this rank load: its batches are made now
     try:
         if runner is not None:
             runner.prepare()
@@ -911,7 +925,8 @@ def train(
             if loads and stream is None:
                 stream = open_stream(step)
             elif not loads and stream is not None:
-                stream.close()
+                if not kept:
+                    stream.close()
                 stream = None
             # Every layer is timed on the last step of each window (cfg.timing).
             sample = cfg.timing and ((step + 1) % every == 0 or step + 1 == cfg.steps)
@@ -988,6 +1003,8 @@ def train(
     finally:
         if stream is not None:
             stream.close()
+        for batches in kept:
+            batches.close()
         beat.stop()
         if sampler is not None:
             sampler.stop()
