@@ -446,3 +446,26 @@ def test_simulated_blind_stage_runs_clean_and_its_probe_reads_the_device() -> No
     )
     i, pf, pb = got.probes[0]
     assert i == 1 and (pf + pb) / (cf[1] + cb[1]) > 1.3
+
+
+def test_a_rank_that_probes_only_windows_after_it_turned_light_reads_its_probe_uncalibrated():
+    """Rank 0 turned light, and its light stage's timers read its device 30x for a window
+    before it probed (a first stage's embedding on a slowed device did in the controller
+    simulator). That reading is no whole stage's: calibrated to it, the probe never read
+    the device clean again. The probe reads against the layer's clean cost instead."""
+    est = _estimates()
+    step = 0
+    for _ in range(4):
+        step += 5
+        est.update(_win(step, EVEN, (1.0, 1.0, 1.0)))
+    step += 5
+    est.update(_win(step, LIGHT, (30.0, 1.0, 1.0)))  # light, not probing yet
+    step += 5
+    est.update(_win(step, LIGHT, (30.0, 1.0, 1.0), probes={0: 3.0}))
+    assert est.slow[0] == pytest.approx(3.0)
+    for _ in range(3):  # the interference ends
+        step += 5
+        est.update(_win(step, LIGHT, (1.0, 1.0, 1.0), probes={0: 1.0}))
+    assert est.slow[0] == pytest.approx(1.0)
+    fwd, _ = est.costs(LIGHT, (0, 1, 2))
+    assert fwd[0, 3] == pytest.approx(1.0)

@@ -144,6 +144,9 @@ class CostEstimates:
         self._light_suspect_move: list[float | None] = [None] * num_ranks
         self._light_steps: list[list[float]] = [[] for _ in range(num_ranks)]
         self._seen_loads: list[np.ndarray] = []
+        # Ranks that held too little work to read their device (``light_probes``) in the
+        # last window: their reading then was a light stage's, no reference for a probe.
+        self._light_held: frozenset[int] = frozenset()
 
     @property
     def num_layers(self) -> int:
@@ -538,7 +541,9 @@ class CostEstimates:
             self._light_layer[r] = int(i)
             limit = self._light_limit(r)
             n = self._light_n[r]
-            if n == 0 and seen:
+            if n == 0 and r in self._light_held:
+                self._light_scale[r] = 1.0  # no whole-stage reading to calibrate to (below)
+            if n == 0 and seen and r not in self._light_held:
                 # The first probe of a light period calibrates the probe to the device's
                 # reading as a whole stage just before (the window that moved its layers
                 # away): one microbatch of one layer, alone, costs more than that layer's
@@ -593,6 +598,12 @@ class CostEstimates:
                     self._light_level[r] = level + (x - level) / min(n + 1, self.window)
                     self._light_n[r] = n + 1
             self.slow[r] = self.load[r] = float(self._light_level[r])
+        # A rank that only starts probing windows after it turned light (its device read
+        # slowed later) has no whole-stage reading just before: its last one was a light
+        # stage's (in the controller simulator, an embedding on a slowed device read 30x),
+        # and a probe calibrated to that never read the device clean again. It reads the
+        # probe against the layer's clean cost instead, as idle ranks do.
+        self._light_held = frozenset(self.light_probes(w.key))
         for r in range(len(self._light_n)):
             if r not in light:
                 self._light_n[r], self._light_suspect[r] = 0, None
