@@ -318,13 +318,14 @@ def test_a_move_that_makes_steps_slower_is_undone(tmp_path) -> None:
     )
     # The premise is the emulation's: 9 layers at 6x on stage 0 run slower than 5. Beside
     # other load, sleep-based emulation has once in 10-30 runs measured the bad split
-    # faster (not explained); such a run tests nothing, so it is run again, at most twice.
+    # faster (not explained), or slower by less than the windows' noise (a fresh-clone CI
+    # run: judged "no better"); such a run tests nothing, so it is run again, at most twice.
     for _ in range(3):
         log.unlink(missing_ok=True)
         run_ranks(_misled, 2, str(log), str(scenario), timeout_s=300)
         recs = read_log(log)
         judged = recs.events("judged")
-        if judged and judged[0]["after_ms"] > judged[0]["before_ms"]:
+        if judged and judged[0]["verdict"] == "slower":
             break
     reps = recs.events("repartition")
     assert len(reps) >= 2, [(e.event, e.get("reason")) for e in recs.events()]
