@@ -686,8 +686,9 @@ class PipelineEngine:
         sampled = sample_layers and self.config.timing and self.probing
         # The rank has waited idle since its last step: a first microbatch after that reads
         # its device slow (4 x H100, gpt 12x2048: a block's forward 1.4-2.2 ms against 1.07
-        # held, so a clean device read 1.25-1.6x and the run never took it back). Its warm
-        # run and the median of three take that out; an idle rank's time costs no one.
+        # held, so a clean device read 1.25-1.6x and the run never took it back). The warm
+        # run and the median of three are there to take that out (not yet seen on a GPU);
+        # they cost the job nothing while shorter than the other ranks' step.
         probe = self._probe(self.probe_layer, repeats=3, warm=True) if sampled else None
         clip = self.config.optim.clip_grad
         n = len(self.slots) if clip > 0 else 0
