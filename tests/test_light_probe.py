@@ -87,6 +87,15 @@ def _estimates():
     )
 
 
+def _clean_windows(est, count: int) -> int:
+    """Fold ``count`` windows of the EVEN plan on clean devices; returns the last step."""
+    step = 0
+    for _ in range(count):
+        step += 5
+        est.update(_win(step, EVEN, (1.0, 1.0, 1.0)))
+    return step
+
+
 def test_light_ranks_are_those_holding_less_than_half_a_probe_layer() -> None:
     est = _estimates()
     assert est.probe_layer() == 1  # a block (the median unit of work), first of its class
@@ -171,10 +180,7 @@ def test_a_rank_made_light_confirms_the_onset_its_stage_suspected() -> None:
     reading calibrates it to the stage's last (here a probe that reads 2x a layer's share,
     as one layer alone on a CPU did); the next confirms."""
     est = _estimates()
-    step = 0
-    for _ in range(4):
-        step += 5
-        est.update(_win(step, EVEN, (1.0, 1.0, 1.0)))
+    step = _clean_windows(est, 4)
     step += 5
     est.update(_win(step, EVEN, (3.0, 1.0, 1.0)))
     assert est.changing and est.regime == 0
@@ -193,10 +199,7 @@ def test_a_rank_made_light_confirms_the_onset_its_stage_suspected() -> None:
     assert est.regime == 0 and est.slow[0] == pytest.approx(1.0)
     # Without the probe, the light stage reads clean and the onset is taken for a spike.
     blind = _estimates()
-    step = 0
-    for _ in range(4):
-        step += 5
-        blind.update(_win(step, EVEN, (1.0, 1.0, 1.0)))
+    step = _clean_windows(blind, 4)
     blind.update(_win(step + 5, EVEN, (3.0, 1.0, 1.0)))
     blind.update(_win(step + 10, LIGHT, (1.0, 1.0, 1.0)))
     assert blind.regime == 0 and blind.slow[0] == pytest.approx(1.0)
@@ -454,10 +457,7 @@ def test_a_rank_that_probes_only_windows_after_it_turned_light_reads_its_probe_u
     simulator). That reading is no whole stage's: calibrated to it, the probe never read
     the device clean again. The probe reads against the layer's clean cost instead."""
     est = _estimates()
-    step = 0
-    for _ in range(4):
-        step += 5
-        est.update(_win(step, EVEN, (1.0, 1.0, 1.0)))
+    step = _clean_windows(est, 4)
     step += 5
     est.update(_win(step, LIGHT, (30.0, 1.0, 1.0)))  # light, not probing yet
     step += 5
