@@ -599,10 +599,7 @@ class AutoDP:
                 rebuild_ms=round(stats.rebuild_s * 1e3, 3),
                 pause_ms=round(pause_ms, 3),
                 # The writing rank's parts of its own pause, as a repartition logs them.
-                **{
-                    f"{k}_ms": round(getattr(stats, f"{k}_s") * 1e3, 3)
-                    for k in ("pack", "wire", "unpack", "build", "engine")
-                },
+                **stats.parts_ms(),
                 **(predicted or {}),
             )
         if engine.topo.rank == 0:

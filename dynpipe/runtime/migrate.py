@@ -85,6 +85,14 @@ class MigrationStats:
     def rebuild_s(self) -> float:
         return self.build_s + self.engine_s
 
+    def parts_ms(self) -> dict[str, float]:
+        """The pause's parts on this rank in milliseconds, keyed as the move events log
+        them (``pack_ms`` ... ``engine_ms``)."""
+        return {
+            f"{k}_ms": round(getattr(self, f"{k}_s") * 1e3, 3)
+            for k in ("pack", "wire", "unpack", "build", "engine")
+        }
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["transfer_s"], d["rebuild_s"] = self.transfer_s, self.rebuild_s

@@ -858,20 +858,16 @@ def train(
     # Batches kept on the device (--device-batches) are made once per rank and kept: made
     # again when a move made the rank load, they held up the step after it (4 x H100,
     # 0.5 s on the two ranks a reshape to DP only made load).
-    kept: list[CyclicBatches] = []
+    kept: CyclicBatches | None = None
 
     def open_stream(at: int) -> BatchStream | CyclicBatches:
+        nonlocal kept
         if cfg.device_batches:
-            if not kept:
-                kept.append(
-                    CyclicBatches(
-                        data,
-                        batch_size=cfg.batch_size,
-                        count=cfg.device_batches,
-                        device=topo.device,
-                    )
+            if kept is None:
+                kept = CyclicBatches(
+                    data, batch_size=cfg.batch_size, count=cfg.device_batches, device=topo.device
                 )
-            return kept[0]
+            return kept
         workers = cfg.data_workers if cfg.data_workers is not None else _auto_workers(topo)
         return BatchStream(
             data,
@@ -925,7 +921,7 @@ def train(
             if loads and stream is None:
                 stream = open_stream(step)
             elif not loads and stream is not None:
-                if not kept:
+                if stream is not kept:
                     stream.close()
                 stream = None
             # Every layer is timed on the last step of each window (cfg.timing).
@@ -1001,10 +997,10 @@ def train(
         if log is not None:
             log.event("end", step=cfg.steps, plan=engine.plan.to_dict())
     finally:
-        if stream is not None:
+        if stream is not None and stream is not kept:
             stream.close()
-        for batches in kept:
-            batches.close()
+        if kept is not None:
+            kept.close()
         beat.stop()
         if sampler is not None:
             sampler.stop()

@@ -541,9 +541,9 @@ class CostEstimates:
             self._light_layer[r] = int(i)
             limit = self._light_limit(r)
             n = self._light_n[r]
-            if n == 0 and r in self._light_held:
+            if n == 0 and (not seen or r in self._light_held):
                 self._light_scale[r] = 1.0  # no whole-stage reading to calibrate to (below)
-            if n == 0 and seen and r not in self._light_held:
+            elif n == 0:
                 # The first probe of a light period calibrates the probe to the device's
                 # reading as a whole stage just before (the window that moved its layers
                 # away): one microbatch of one layer, alone, costs more than that layer's

@@ -577,10 +577,7 @@ class Adapter:
                 transfer_ms=round(stats.transfer_s * 1e3, 3),
                 rebuild_ms=round(stats.rebuild_s * 1e3, 3),
                 pause_ms=round(pause_ms, 3),
-                **{
-                    f"{k}_ms": round(getattr(stats, f"{k}_s") * 1e3, 3)
-                    for k in ("pack", "wire", "unpack", "build", "engine")
-                },
+                **stats.parts_ms(),
             )
         self._first = {"step": step, "before_ms": window.median_step_ms}
 
