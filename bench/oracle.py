@@ -49,6 +49,11 @@ CONFIGS: dict[str, list[str]] = {
     # host, and one split's stage time switched between ~45 and ~85 ms within a launch.
     "resnet50-b512": ["--model", "resnet50", "--model-arg", "image_size=224", "--model-arg",
                       "num_classes=1000", "--batch-size", "512", "--microbatches", "8"],
+    # 128 images a microbatch: at 64 (b512) on the H200s the later stage's host fell behind
+    # its GPU (torch profiler, 2|16: 236 ms of host time against 168 of device time a step;
+    # the GPU 16-78% busy), and one split measured 148 ms in one launch and 206 in another.
+    "resnet50-b1024": ["--model", "resnet50", "--model-arg", "image_size=224", "--model-arg",
+                       "num_classes=1000", "--batch-size", "1024", "--microbatches", "8"],
     "gpt-w2048": ["--model", "gpt", "--model-arg", "depth=12", "--model-arg", "width=2048",
                   "--model-arg", "heads=16", "--model-arg", "seq_len=1024",
                   "--batch-size", "32", "--microbatches", "8"],
