@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dynpipe.planner.costs import CostModel
+from dynpipe.planner.costs import CostModel, host_factor
 from dynpipe.planner.evaluate import in_flight
 from dynpipe.planner.plan import PlanError
 
@@ -196,11 +196,13 @@ class Problem:
         fwd = self.Pf[s, b] - self.Pf[s, a] + self.costs.stage_fwd_ms[None, :]
         bwd = self.Pb[s, b] - self.Pb[s, a] + self.costs.stage_bwd_ms[None, :]
         if self.Hf is not None:
-            # The host's issue time bounds a stage too (``CostModel.host_fwd_ms``); it only
-            # ever adds, so the bounds below, built from the layers' device times, stay
-            # lower bounds and the search stays exact.
-            fwd = np.maximum(fwd, self.Hf[s, b] - self.Hf[s, a])
-            bwd = np.maximum(bwd, self.Hb[s, b] - self.Hb[s, a])
+            # The host's issue time bounds a stage too (``CostModel.host_fwd_ms``: one total
+            # for a microbatch's forward and backward); it only ever adds, so the bounds
+            # below, built from the layers' device times, stay lower bounds and the search
+            # stays exact.
+            host = self.Hf[s, b] - self.Hf[s, a] + self.Hb[s, b] - self.Hb[s, a]
+            k = host_factor(fwd + bwd, host)
+            fwd, bwd = fwd * k, bwd * k
         comm = self.C[s[:-1], b[:, :-1]] if self.S > 1 else np.zeros((len(cuts), 0))
         fits = np.all(self.Q[s, b] - self.Q[s, a] <= self.lim, axis=1)
         return {
