@@ -241,6 +241,38 @@ def test_identical_layers_share_a_clean_cost_and_interference_at_start_is_seen()
     assert est.slow[0] > 2.0 and est.slow[1] == pytest.approx(1.0)
 
 
+def _gpu_window(
+    stage: np.ndarray,
+    cost: np.ndarray,
+    dev: np.ndarray,
+    host_fwd: np.ndarray,
+    host_bwd: np.ndarray,
+    *,
+    step_ms: float,
+) -> Window:
+    """A GPU window on ``EVEN``: per microbatch, each stage's forward ``stage`` (backward
+    twice it), each layer's forward cost, device time and host time (backward: twice the
+    first two, ``host_bwd``)."""
+    return Window(
+        step=4,
+        bounds=EVEN,
+        ranks=(0, 1),
+        microbatches=M,
+        schedule="1f1b",
+        step_ms=np.full(5, step_ms),
+        stage_fwd_ms=np.tile(stage * M, (5, 1)),
+        stage_bwd_ms=np.tile(2 * stage * M, (5, 1)),
+        layer_fwd_ms=cost,
+        layer_bwd_ms=2 * cost,
+        sampled_fwd_ms=stage,
+        sampled_bwd_ms=2 * stage,
+        host_fwd_ms=host_fwd,
+        host_bwd_ms=host_bwd,
+        device_fwd_ms=dev,
+        device_bwd_ms=2 * dev,
+    )
+
+
 def test_a_gpu_stage_costs_its_device_sum_or_its_host_sum_not_each_layers_longer_time() -> None:
     """Layers alternately bound by the device and by the host: the stage runs as long as the
     longer of the two sums (the host issues one layer while the device runs another), which
@@ -253,24 +285,7 @@ def test_a_gpu_stage_costs_its_device_sum_or_its_host_sum_not_each_layers_longer
     cost = np.maximum(dev, host)
     stage = np.array([max(dev[a:b].sum(), host[a:b].sum()) for a, b in EVEN])
     stage[1] = dev[5:].sum()  # stage 1 waits for its inputs: its host keeps ahead
-    w = Window(
-        step=4,
-        bounds=EVEN,
-        ranks=(0, 1),
-        microbatches=M,
-        schedule="1f1b",
-        step_ms=np.full(5, M * stage.max() * 3 + stage.sum() * 3),
-        stage_fwd_ms=np.tile(stage * M, (5, 1)),
-        stage_bwd_ms=np.tile(2 * stage * M, (5, 1)),
-        layer_fwd_ms=cost,
-        layer_bwd_ms=2 * cost,
-        sampled_fwd_ms=stage,
-        sampled_bwd_ms=2 * stage,
-        host_fwd_ms=host,
-        host_bwd_ms=2 * host,
-        device_fwd_ms=dev,
-        device_bwd_ms=2 * dev,
-    )
+    w = _gpu_window(stage, cost, dev, host, 2 * host, step_ms=M * stage.max() * 3 + stage.sum() * 3)
     est = CostEstimates(
         prior_fwd=np.ones(L), prior_bwd=2 * np.ones(L), classes=np.arange(L), num_ranks=2,
         window=8, jump=0.1,
@@ -315,24 +330,7 @@ def test_a_stall_in_one_of_a_stages_identical_layers_is_not_its_issue_time() -> 
     dev = np.full(L, 0.5)
     host_f = np.full(L, 0.4)
     host_b = np.array([0.9, 0.8, 0.85, 30.0, 0.82, 5.0, 0.6, 0.62, 0.61, 0.9])
-    w = Window(
-        step=4,
-        bounds=EVEN,
-        ranks=(0, 1),
-        microbatches=M,
-        schedule="1f1b",
-        step_ms=np.full(5, 40.0),
-        stage_fwd_ms=np.tile(np.array([2.5, 2.5]) * M, (5, 1)),
-        stage_bwd_ms=np.tile(np.array([5.0, 5.0]) * M, (5, 1)),
-        layer_fwd_ms=dev,
-        layer_bwd_ms=2 * dev,
-        sampled_fwd_ms=np.array([2.5, 2.5]),
-        sampled_bwd_ms=np.array([5.0, 5.0]),
-        host_fwd_ms=host_f,
-        host_bwd_ms=host_b,
-        device_fwd_ms=dev,
-        device_bwd_ms=2 * dev,
-    )
+    w = _gpu_window(np.array([2.5, 2.5]), dev, dev, host_f, host_b, step_ms=40.0)
     est = CostEstimates(
         prior_fwd=np.ones(L), prior_bwd=2 * np.ones(L), classes=classes, num_ranks=2,
         window=8, jump=0.1,
