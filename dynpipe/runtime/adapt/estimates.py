@@ -76,8 +76,8 @@ def _stalls(host: np.ndarray, classes: np.ndarray, a: int, b: int, bar_ms: float
     """In place: a host reading of layers ``[a, b)`` above the median of its identical
     layers there (three or more) by more than ``bar_ms`` (the stage's device time for a
     microbatch) is a wait, not the layer's issue time: it takes their median. Identical
-    layers issue alike; one that took its host longer than the whole stage takes its device
-    waited for something else."""
+    layers issue alike, and a layer whose host took longer over it than the device takes
+    over the whole stage was waiting for something else."""
     for c in np.unique(classes[a:b]):
         members = np.flatnonzero(classes[a:b] == c) + a
         vals = host[members]
