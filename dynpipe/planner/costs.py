@@ -53,7 +53,7 @@ def _arr(x: Any, shape: tuple[int, ...], name: str, *, dtype: type = np.float64)
     return a
 
 
-def host_factor(device_ms: np.ndarray, host_ms: np.ndarray) -> np.ndarray:
+def host_factor(device_ms: np.ndarray | float, host_ms: np.ndarray | float) -> np.ndarray:
     """How much longer than its device's time a stage takes because of its host: the
     host's issue time of a microbatch (forward and backward) over the device's, at least 1
     (``CostModel.host_fwd_ms``); 1 where the device's time is zero (an empty stage)."""
@@ -193,7 +193,7 @@ class CostModel:
         b_ = float(self.bwd_ms[device, a:b].sum() + self.stage_bwd_ms[device])
         if self.host_fwd_ms is not None and self.host_bwd_ms is not None:
             host = float(self.host_fwd_ms[device, a:b].sum() + self.host_bwd_ms[device, a:b].sum())
-            k = float(host_factor(np.float64(f + b_), np.float64(host)))
+            k = float(host_factor(f + b_, host))
             f, b_ = f * k, b_ * k
         return f, b_
 

@@ -448,12 +448,17 @@ class CostEstimates:
         which carry its boundary's host work (receiving, casting, sending)."""
         if w.host_fwd_ms is None or w.host_bwd_ms is None:
             return
+        # Each stage's device time for a microbatch, on the sampled step (none: no bar).
+        bars = (
+            w.sampled_fwd_ms + w.sampled_bwd_ms
+            if w.sampled_fwd_ms is not None and w.sampled_bwd_ms is not None
+            else None
+        )
         for host, run in ((w.host_fwd_ms, self.host_f), (w.host_bwd_ms, self.host_b)):
             host = host.copy()
-            for s, (a, b) in enumerate(w.bounds):
-                if w.sampled_fwd_ms is not None and w.sampled_bwd_ms is not None:
-                    bar = float(w.sampled_fwd_ms[s] + w.sampled_bwd_ms[s])
-                    _stalls(host, self.classes, a + 1, b - 1, bar)
+            if bars is not None:
+                for (a, b), bar in zip(w.bounds, bars, strict=True):
+                    _stalls(host, self.classes, a + 1, b - 1, float(bar))
             seen = np.isfinite(host)
             run[seen] = np.fmin(run[seen], host[seen])
 
