@@ -62,7 +62,7 @@ from dynpipe.planner.plan import Plan
 from dynpipe.runtime.mesh import Mesh
 from dynpipe.runtime.optim import OptimConfig, build_optimizer, export_state, import_state, lr_at
 from dynpipe.runtime.stage import StageModule, TimedPipelineStage, boundary_examples
-from dynpipe.runtime.timing import LayerTiming, StageTimer, StepTiming
+from dynpipe.runtime.timing import LayerTiming, StageTimer, StepTiming, queue_ahead
 from dynpipe.runtime.topology import Topology
 
 __all__ = [
@@ -267,6 +267,8 @@ class PipelineEngine:
         # The layer a light rank times (``probe_while_light``); None: it does not probe.
         self.light_probe: int | None = None
         self._probe_copy: tuple[int, nn.Module] | None = None  # (layer, private copy)
+        # The host's time to issue one microbatch of the probe layer (``_probe``'s lead).
+        self._probe_issue_ms = 0.0
         self.probing = True  # off for a rank handed back to its owner (``release``)
         # When this rank's last step ended (``perf_counter``; None before the first).
         self._last_end: float | None = None
@@ -578,7 +580,9 @@ class PipelineEngine:
         between = self._between(t0)
         probed = None
         if sample_layers and self.config.timing and self.probing and self.light_probe is not None:
-            got = self._probe(self.light_probe)
+            # Three microbatches on a GPU, as an idle rank's: one layer's single microbatch
+            # is short beside a time-sliced GPU's turns, and its median is less noisy.
+            got = self._probe(self.light_probe, repeats=3 if self.topo.is_cuda else 1)
             if got is not None:
                 probed = (self.light_probe, float(got.fwd_ms[0]), float(got.bwd_ms[0]))
         self.timer.sample_layers(sample_layers, microbatches=self.microbatches)
@@ -684,11 +688,13 @@ class PipelineEngine:
         between = self._between(t0)
         self.grad_steps += int(self.track_grads)  # every rank counts the same steps
         sampled = sample_layers and self.config.timing and self.probing
-        # The rank has waited idle since its last step: a first microbatch after that reads
-        # its device slow (4 x H100, gpt 12x2048: a block's forward 1.4-2.2 ms against 1.07
-        # held, so a clean device read 1.25-1.6x and the run never took it back). The warm
-        # run and the median of three are there to take that out (not yet seen on a GPU);
-        # they cost the job nothing while shorter than the other ranks' step.
+        # The rank has waited idle since its last step. On 4 x H100 (gpt 12x2048) its probe
+        # read a block's forward 1.4-2.2 ms against 1.07 held, so a clean device read
+        # 1.25-1.6x and the run never took it back. A light rank's probe read the same block
+        # 1.4-1.7 ms on another 4 x H100 while its backward read 1.1x: the forward's reading
+        # was the host's pace, which the probe's lead now takes out (``_probe``). The warm
+        # run and the median of three cost the job nothing while shorter than the other
+        # ranks' step.
         probe = self._probe(self.probe_layer, repeats=3, warm=True) if sampled else None
         clip = self.config.optim.clip_grad
         n = len(self.slots) if clip > 0 else 0
@@ -722,7 +728,13 @@ class PipelineEngine:
         median of ``repeats`` microbatches; ``warm``: after an untimed one, as on a layer's
         first probe), through the stage's layer probe (so emulated interference stretches it
         as it would a held layer). A private copy of the layer under a forked RNG: training
-        state and random streams are untouched."""
+        state and random streams are untouched.
+
+        On a GPU the reading is the device's time alone, as the estimates' clean costs
+        are: the timed microbatches are queued behind a spin as long as the host took to
+        issue them last time (``queue_ahead``), so the events see the kernels run back to
+        back rather than the host's pace, and several microbatches span more of a
+        time-sliced GPU's turns than one does."""
         dev = self.topo.device
         mb = self.config.batch_size // self.plan.total_microbatches
         # Under the stages' own autocast, so its time compares with theirs.
@@ -731,6 +743,7 @@ class PipelineEngine:
             fresh = self._probe_copy is None or self._probe_copy[0] != i
             if fresh:
                 self._probe_copy = (i, self.model.build_layer(i, device=dev))
+                self._probe_issue_ms = 0.0
             module = self._probe_copy[1]
             if i == 0:
                 x, _ = self.model.input_spec.example(mb, device=dev)
@@ -762,9 +775,16 @@ class PipelineEngine:
 
             try:
                 if fresh or warm:
+                    t = time.perf_counter()
                     once(False)  # a first run's allocation and kernel choice are not speed
+                    if not self._probe_issue_ms:
+                        self._probe_issue_ms = (time.perf_counter() - t) * 1e3
+                # Twice the host's last issue time: its pace varies from step to step.
+                queue_ahead(dev, 2.0 * repeats * self._probe_issue_ms)
+                t = time.perf_counter()
                 for c in range(repeats):
                     once(True, c)
+                self._probe_issue_ms = (time.perf_counter() - t) * 1e3 / repeats
                 if self.topo.is_cuda:
                     torch.cuda.synchronize(dev)
             finally:
@@ -774,6 +794,11 @@ class PipelineEngine:
         if got is None:
             return None
         f, b, hf, hb, df, db = got
+        if df is not None and db is not None:
+            # Queued ahead, the device's own times (the longer-of rule prices layers that
+            # a stage's host issues among others; the estimates' clean costs are device
+            # times on a GPU).
+            f, b = df, db
         return LayerTiming(
             fwd_ms=f,
             bwd_ms=b,

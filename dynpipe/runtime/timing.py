@@ -58,6 +58,7 @@ __all__ = [
     "LayerTiming",
     "StageTimer",
     "StepTiming",
+    "queue_ahead",
     "sampled_chunks",
 ]
 
@@ -144,6 +145,43 @@ def sampled_chunks(microbatches: int, k: int = SAMPLED_MICROBATCHES) -> frozense
     if microbatches <= k:
         return frozenset(range(microbatches))
     return frozenset(round((i + 1) * microbatches / (k + 1)) for i in range(k))
+
+
+# Device cycles per millisecond of ``torch.cuda._sleep``, per device index (``queue_ahead``).
+_SLEEP_CYCLES_PER_MS: dict[int, float] = {}
+# The longest lead ``queue_ahead`` gives: a probe's host issue time is a few milliseconds; a
+# first run's (allocation, kernel choice) can read far more, and the lead costs device time.
+_MAX_LEAD_MS = 100.0
+
+
+def queue_ahead(device: torch.device, ms: float) -> None:
+    """Keep a CUDA ``device`` busy for about ``ms`` so that the kernels the host issues next
+    queue up behind it and then run back to back (nothing on other devices).
+
+    Events around kernels time the device only where it runs ahead of its host's issue. A
+    probe times one layer alone on a device with nothing else queued: each kernel runs as
+    soon as it is issued and the events read the host's pace instead (4 x H100, gpt
+    12 x 2048: a block's forward probed at 1.3-1.8 ms on a clean, idle GPU against 0.94 ms
+    held in a stage, so the clean device read 1.2-1.8x slow and a dropped GPU was never
+    taken back). A spin of ``ms`` issued first lets the host queue the probe's kernels;
+    the events then see what a stage's timers see. The spin's cycles per millisecond are
+    measured once per device."""
+    if device.type != "cuda" or ms <= 0:
+        return
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    rate = _SLEEP_CYCLES_PER_MS.get(idx)
+    if rate is None:
+        with torch.cuda.device(idx):
+            torch.cuda._sleep(1000)  # the spin kernel's first launch (module load)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            cycles = 2_000_000
+            a.record()
+            torch.cuda._sleep(cycles)
+            b.record()
+            b.synchronize()
+            rate = _SLEEP_CYCLES_PER_MS[idx] = cycles / max(a.elapsed_time(b), 1e-3)
+    with torch.cuda.device(idx):
+        torch.cuda._sleep(int(rate * min(ms, _MAX_LEAD_MS)))
 
 
 def _elapsed_ms(cuda: bool, a, b) -> float:
