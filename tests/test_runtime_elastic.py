@@ -137,10 +137,11 @@ def _cost_base():
     )
 
 
-def _win(step: int, wide, slow, *, probe: float | None = None, k: int = 5):
+def _win(step: int, wide, slow, *, probe: float | None = None, k: int = 5, over=None):
     """A window of the plan ``wide`` (one range per rank, empty: idle) where rank ``r``
-    runs every layer ``slow[r]`` x its clean 1 ms forward (2 ms backward); an idle rank's
-    probe of layer 0 reads ``probe`` x clean."""
+    runs every layer ``slow[r]`` x its clean 1 ms forward (2 ms backward) and its stage
+    spends ``over[r]`` ms a microbatch's forward outside its layers (0 if None); an idle
+    rank's probe of layer 0 reads ``probe`` x clean."""
     import numpy as np
 
     from dynpipe.runtime.adapt.window import Window
@@ -151,7 +152,8 @@ def _win(step: int, wide, slow, *, probe: float | None = None, k: int = 5):
         [np.full(b - a, 1.0 * slow[r]) for r, (a, b) in zip(active, bounds, strict=True)]
     )
     sf = np.array([lf[a:b].sum() for a, b in bounds])
-    true = [3 * s for s in sf]
+    of = np.array([0.0 if over is None else float(over[r]) for r in active])
+    true = [3 * s + o for s, o in zip(sf, of, strict=True)]
     step_ms = MB * max(true) + sum(true)
     idle = tuple(r for r in range(len(wide)) if r not in active)
     return Window(
@@ -161,11 +163,11 @@ def _win(step: int, wide, slow, *, probe: float | None = None, k: int = 5):
         microbatches=MB,
         schedule="1f1b",
         step_ms=np.full(k, float(step_ms)),
-        stage_fwd_ms=np.tile(sf * MB, (k, 1)),
+        stage_fwd_ms=np.tile((sf + of) * MB, (k, 1)),
         stage_bwd_ms=np.tile(2 * sf * MB, (k, 1)),
         layer_fwd_ms=lf,
         layer_bwd_ms=2 * lf,
-        sampled_fwd_ms=sf,
+        sampled_fwd_ms=sf + of,
         sampled_bwd_ms=2 * sf,
         idle=idle,
         probes={r: (0, 1.0 * probe, 2.0 * probe) for r in idle} if probe else None,
@@ -209,6 +211,38 @@ def test_controller_drops_a_slow_device_and_takes_it_back_when_it_recovers() -> 
             break
     assert d.repartition and all(b > a for a, b in d.bounds), d
     assert "on 3 of 3 devices" in d.reason
+
+
+def test_a_dropped_device_is_priced_at_its_clean_overhead_once_its_probe_reads_clean() -> None:
+    # The slowed stage also stalled between its layers (time-sliced with another process):
+    # 12 ms a microbatch outside its layers. Once idle, that overhead was measured under what
+    # emptied the device; when the probe reads it clean, a stage moved back costs the clean
+    # overhead (none), not the stalled one, and the device is taken back.
+    from dynpipe.runtime.adapt.config import AdaptConfig
+    from dynpipe.runtime.adapt.policy import Controller
+
+    cfg = AdaptConfig(mode="measured", settle_windows=0, elastic=True)
+    ctl = Controller(base=_cost_base(), config=cfg, num_ranks=3)
+    even = ((0, 4), (4, 8), (8, 12))
+    step, d = 0, None
+    for slow, over in [((1, 1, 1), None)] * 3 + [((1, 1, 10), (0, 0, 12))] * 3:
+        step += 5
+        d = ctl.observe(_win(step, even, slow, over=over))
+        if d.repartition:
+            break
+    assert d.repartition and d.bounds[2][0] == d.bounds[2][1], d
+    ctl.applied(step=step + 1, pause_ms=1.0, moved_bytes=1)
+    dropped = d.bounds
+    for _ in range(3):
+        step += 5
+        d = ctl.observe(_win(step, dropped, (1, 1, 10), probe=10.0))
+        assert not d.repartition, d
+    for _ in range(3):
+        step += 5
+        d = ctl.observe(_win(step, dropped, (1, 1, 1), probe=1.0))
+        if d.repartition:
+            break
+    assert d.repartition and all(b > a for a, b in d.bounds), d
 
 
 def _probe_ticks(rank: int, world: int) -> dict:

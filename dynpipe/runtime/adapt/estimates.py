@@ -500,6 +500,13 @@ class CostEstimates:
                 k = 1.0 / min(n + 1, self.window)
                 self.slow[r] += k * (ratio - self.slow[r])
                 self._probe_n[r] = n + 1
+            # A stage moved back costs the device's clean overhead times its slowdown, as its
+            # layers do: the overhead last measured there is the stage's before it went idle,
+            # often under what emptied it (4 x H100, three `gemm` jobs: 4.2 ms a microbatch
+            # against 0.01 clean, kept after the probe read the device clean again, so four
+            # stages were priced at 128 ms where they ran 107 and the GPU was never taken back).
+            self.over_f[r] = self.clean_of[r] * self.slow[r]
+            self.over_b[r] = self.clean_ob[r] * self.slow[r]
 
     # ---- ranks that hold too little work to read their device --------------------------
     def probe_layer(self) -> int:
