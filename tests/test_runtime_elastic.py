@@ -243,6 +243,14 @@ def test_a_dropped_device_is_priced_at_its_clean_overhead_once_its_probe_reads_c
         if d.repartition:
             break
     assert d.repartition and all(b > a for a, b in d.bounds), d
+    ctl.applied(step=step + 1, pause_ms=1.0, moved_bytes=1)
+    # Back on three stages at the clean speed, it stays: the windows this plan ran under
+    # the interferer are of other conditions (the probe's reading of the device changed).
+    back = d.bounds
+    for _ in range(4):
+        step += 5
+        d = ctl.observe(_win(step, back, (1, 1, 1)))
+        assert not d.repartition, d
 
 
 def _probe_ticks(rank: int, world: int) -> dict:

@@ -147,6 +147,8 @@ class CostEstimates:
         self._regime_loads: dict[int, tuple[np.ndarray, int]] = {}  # id -> (sum, count)
         self._calibrating = True
         self._probe_n = np.zeros(num_ranks)  # probes in each idle rank's running slowdown
+        # Per idle rank, a change its last probe suggested: (direction, level before).
+        self._probe_pending: list[tuple[float, float] | None] = [None] * num_ranks
         # Ranks that hold too little work to read their device (``_read_light``): the
         # probe's running slowdown, the probes in it, a change it suspects (direction, level
         # before, size as a log ratio), its window-to-window noise (log ratios), and every
@@ -420,6 +422,13 @@ class CostEstimates:
             total += self.clean_of[r] + self.clean_ob[r]
             run = self.run_f[a:b].sum() + self.run_b[a:b].sum() + self.over_f[r] + self.over_b[r]
             self.load[r] = float(run / max(total, 1e-12))
+            pending, self._probe_pending[r] = self._probe_pending[r], None
+            if pending is not None and not changed_now:
+                # Idle until just now, its last probe suggested a change: its first reading
+                # as a stage confirms or refutes it, as the next probe would have (the move
+                # that gave it layers back came on that probe).
+                move = float(np.log(self.load[r] / max(pending[1], 1e-9)))
+                changed_now = abs(move) > np.log1p(self.jump) and np.sign(move) == pending[0]
         changed_now |= self._read_light(w, changed=changed)
         self._fold_host(w)
         if changed_now:
@@ -483,23 +492,41 @@ class CostEstimates:
             out["host_bwd_ms"] = np.repeat(np.nan_to_num(self.host_b)[None], len(idx), axis=0)
         return out
 
-    def probe(self, probes: dict[int, tuple[int, float, float]]) -> None:
+    def probe(self, probes: dict[int, tuple[int, float, float]]) -> bool:
         """Fold in idle ranks' probes: ``{rank: (layer, fwd_ms, bwd_ms)}``, one microbatch of
         ``layer`` timed on the rank's device. Its time over the layer's clean cost is the
-        device's slowdown (what it holds nothing to show otherwise): a running mean over up
-        to ``window`` probes, started afresh when a probe moves beyond ``jump``."""
+        device's slowdown and its load (what it holds nothing to show otherwise): a running
+        mean over up to ``window`` probes, started afresh when a probe moves beyond ``jump``.
+
+        Two probes in a row beyond ``jump`` of the level before them, on the same side, are
+        a change of conditions (an interferer's end on a device that holds nothing), and the
+        regime is named again as for a stage's confirmed change; a lone spike is not. Without
+        this the conditions an idle device was emptied under outlived it: on 4 x H100 the
+        plan that took the GPU back was priced by its windows under the interferers averaged
+        with its clean ones (221 ms against 112 measured) and left again. Returns True when
+        a change was confirmed."""
+        confirmed = False
+        bar = float(np.log1p(self.jump))
         for r, (i, f, b) in probes.items():
             clean = float(self.clean_f[i] + self.clean_b[i])
             if not (np.isfinite(f) and np.isfinite(b)) or clean <= 0:
                 continue
             ratio = max(float(f + b) / clean, 1e-6)
             n = self._probe_n[r]
-            if n == 0 or abs(np.log(ratio / max(self.slow[r], 1e-9))) > np.log1p(self.jump):
+            pending, self._probe_pending[r] = self._probe_pending[r], None
+            if pending is not None:
+                move = float(np.log(ratio / max(pending[1], 1e-9)))
+                confirmed |= abs(move) > bar and np.sign(move) == pending[0]
+            level = max(float(self.slow[r]), 1e-9)
+            if n == 0 or abs(np.log(ratio / level)) > bar:
+                if n > 0 and pending is None:
+                    self._probe_pending[r] = (float(np.sign(np.log(ratio / level))), level)
                 self.slow[r], self._probe_n[r] = ratio, 1
             else:
                 k = 1.0 / min(n + 1, self.window)
                 self.slow[r] += k * (ratio - self.slow[r])
                 self._probe_n[r] = n + 1
+            self.load[r] = self.slow[r]
             # A stage moved back costs the device's clean overhead times its slowdown, as its
             # layers do: the overhead last measured there is the stage's before it went idle,
             # often under what emptied it (4 x H100, three `gemm` jobs: 4.2 ms a microbatch
@@ -507,6 +534,9 @@ class CostEstimates:
             # stages were priced at 128 ms where they ran 107 and the GPU was never taken back).
             self.over_f[r] = self.clean_of[r] * self.slow[r]
             self.over_b[r] = self.clean_ob[r] * self.slow[r]
+        if confirmed and not self.changing:
+            self.regime = self._name_regime(self.threshold(), left=self.regime)
+        return confirmed
 
     # ---- ranks that hold too little work to read their device --------------------------
     def probe_layer(self) -> int:
