@@ -8,7 +8,8 @@
 #   drop-static    NGPU-1 stages (--nproc NGPU-1): GPU L left out for the whole run
 #   elastic        NGPU ranks, --adapt measured --elastic: the controller may leave GPU L
 #                  idle and take it back (its probe) when the interferer is gone
-#   release        NGPU ranks, --adapt measured; an operator's `dynpipe release --rank L` as
+#   release        NGPU ranks, --adapt measured; an operator's release of rank L (the request
+#                  `dynpipe release --rank L` writes) as
 #                  soon as the log reaches step 30, `dynpipe reclaim --rank L` at step 90
 #   freeze / nofreeze  gpt 12 x 768 on real text (pystdlib, a fresh batch every step: the
 #                  held-out accuracy must not be read off a model that saw four batches)
@@ -99,8 +100,11 @@ run() {  # name, nproc, extra args...
 }
 operator() {  # run dir: release rank L once the log reaches ONSET, reclaim it at END
   python3 - "$1" "$ONSET" "$END" "$L" <<'PY' &
-import json, pathlib, subprocess, sys, time
-run, onset, end, rank = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+import json, pathlib, sys, time
+# The request itself, not `dynpipe release` in a new process: that imports torch first, 4-5 s
+# on a GPU host, and a reclaim written after step 89 reached the job after its last window.
+from dynpipe.runtime.requests import request
+run, onset, end, rank = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 log, done = run / "log.jsonl", set()
 deadline = time.time() + 600
 while time.time() < deadline and len(done) < 2:
@@ -117,8 +121,9 @@ while time.time() < deadline and len(done) < 2:
             last = max(last, int(rec["step"]))
     for verb, at in (("release", onset), ("reclaim", end)):
         if verb not in done and last + 1 >= at:
-            subprocess.run([sys.executable, "-m", "dynpipe", verb, "--rank", rank, str(run)])
-            print(f"operator: {verb} rank {rank} after step {last}", flush=True)
+            now = request(run, **{verb: rank})
+            print(f"operator: {verb} rank {rank} after step {last} at {time.time():.3f}; "
+                  f"released ranks now {now}", flush=True)
             done.add(verb)
 PY
 }
