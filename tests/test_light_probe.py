@@ -213,6 +213,37 @@ def _controller(elastic: bool = False):
     return Controller(base=_base(), config=cfg, num_ranks=3)
 
 
+def _on_gpu(w):
+    """``w`` as a GPU run logs it: the device's own times beside the layers' costs."""
+    import dataclasses
+
+    return dataclasses.replace(w, device_fwd_ms=w.layer_fwd_ms, device_bwd_ms=w.layer_bwd_ms)
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_on_a_gpu_a_light_ranks_probe_reads_its_device_uncalibrated(gpu: bool) -> None:
+    # Rank 0's stage reads its device 4x slowed; its layers leave it (LIGHT) and its probe
+    # reads 2.7x under the same interferer (one layer alone on a time-sliced GPU reads less
+    # slowed than a whole stage), then 1.0 once the interferer is gone.
+    est = _estimates()
+    step = _clean_windows(est, 4)
+    wrap = _on_gpu if gpu else (lambda w: w)
+    for _ in range(2):
+        step += 5
+        est.update(wrap(_win(step, EVEN, (4.0, 1.0, 1.0))))
+    for x in [2.7] * 3 + [1.0] * 3:
+        step += 5
+        est.update(wrap(_win(step, LIGHT, (1.0, 1.0, 1.0), probes={0: x})))
+    if gpu:
+        # The probe's reading is the device's time, as a clean cost is: the clean device
+        # reads clean.
+        assert est.slow[0] == pytest.approx(1.0, rel=0.02)
+    else:
+        # On a CPU one layer alone costs a part of its own (launch, autograd): the probe is
+        # calibrated to the stage's last reading, and its changes read from there.
+        assert est.slow[0] == pytest.approx(4.0 / 2.7, rel=0.02)
+
+
 def _moves_back(probed: bool) -> list:
     """The controller on the LIGHT plan (rank 0's device slowed 3x, then clean again), its
     stages reading clean throughout: per window, the bounds it moves to (None: stays)."""

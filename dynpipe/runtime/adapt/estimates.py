@@ -637,9 +637,19 @@ class CostEstimates:
                 # work; on a 2-core CPU in the demo it read 2-2.4x the share with nothing
                 # slowing it, so the device never read clean again). From then on the probe
                 # reads the device's slowdown as changes of that level.
+                # On a GPU it is not calibrated: its reading is the device's own time,
+                # queued behind a spin (``PipelineEngine._probe``), which is what a layer's
+                # clean cost is, with no part of its own to take out; and under a
+                # time-sliced interferer one layer alone reads less slowed than a stage
+                # (an idle probe 2.7x where the stage had read 3.9x, 4 x H100), so that a
+                # probe calibrated there read the clean device 1.7x slow and the layers
+                # never went back.
                 ref = float(seen[-1][r])
-                self._light_scale[r] = x / max(ref, 1e-9)
-                x = ref
+                if w.device_fwd_ms is None:
+                    self._light_scale[r] = x / max(ref, 1e-9)
+                    x = ref
+                else:
+                    self._light_scale[r] = 1.0
                 if self._suspect[r] is not None and len(seen) >= 2:
                     # A change the stage suspected in that window: the next probe confirms
                     # or refutes it, as the stage's next window would have.
