@@ -174,41 +174,56 @@ def _win(step: int, wide, slow, *, probe: float | None = None, k: int = 5, over=
     )
 
 
-def test_controller_drops_a_slow_device_and_takes_it_back_when_it_recovers() -> None:
+def _elastic_controller(elastic: bool = True):
     from dynpipe.runtime.adapt.config import AdaptConfig
     from dynpipe.runtime.adapt.policy import Controller
 
-    def controller(elastic: bool) -> Controller:
-        cfg = AdaptConfig(mode="measured", settle_windows=0, elastic=elastic)
-        return Controller(base=_cost_base(), config=cfg, num_ranks=3)
+    cfg = AdaptConfig(mode="measured", settle_windows=0, elastic=elastic)
+    return Controller(base=_cost_base(), config=cfg, num_ranks=3)
 
+
+def _drop_then_probe_clean(ctl, *, over=None, fixed=None):
+    """Drive ``ctl`` on the even 3-stage plan: clean, then rank 2 ten times slower (its
+    stage ``over`` ms a microbatch outside its layers) until it moves; the plan it moved to
+    while rank 2's probe reads 10x (it must stay), then clean until it moves again.
+    ``fixed`` (a controller without ``--elastic``) reads the same windows up to the first
+    move. Returns the step, the first move, ``fixed``'s decision then and the last
+    decision."""
     even = ((0, 4), (4, 8), (8, 12))
-    fixed, ctl = controller(False), controller(True)
-    step, d = 0, None
+    step, d, kept = 0, None, None
     for slow in [(1, 1, 1)] * 3 + [(1, 1, 10)] * 3:
         step += 5
-        w = _win(step, even, slow)
-        d, kept = ctl.observe(w), fixed.observe(w)
+        w = _win(step, even, slow, over=None if slow[2] == 1 else over)
+        d = ctl.observe(w)
+        kept = fixed.observe(w) if fixed is not None else None
         if d.repartition:
             break
-    # Without --elastic the controller re-splits over the same three devices; with it, the
-    # device ten times slower is left idle (two stages are faster than any three-stage split).
-    assert d.repartition and "on 2 of 3 devices" in d.reason, d
-    assert d.bounds[2][0] == d.bounds[2][1] and sum(b - a for a, b in d.bounds) == N_LAYERS
-    assert kept.bounds is None or all(b > a for a, b in kept.bounds)
+    first = d
+    assert first.repartition and first.bounds[2][0] == first.bounds[2][1], first
     ctl.applied(step=step + 1, pause_ms=1.0, moved_bytes=1)
-    dropped = d.bounds
     # Idle, its probe still reads 10x: it stays out.
     for _ in range(3):
         step += 5
-        d = ctl.observe(_win(step, dropped, (1, 1, 10), probe=10.0))
+        d = ctl.observe(_win(step, first.bounds, (1, 1, 10), probe=10.0))
         assert not d.repartition, d
-    # The probe reads clean: three stages again, rank 2 holding layers.
     for _ in range(3):
         step += 5
-        d = ctl.observe(_win(step, dropped, (1, 1, 1), probe=1.0))
+        d = ctl.observe(_win(step, first.bounds, (1, 1, 1), probe=1.0))
         if d.repartition:
             break
+    return step, first, kept, d
+
+
+def test_controller_drops_a_slow_device_and_takes_it_back_when_it_recovers() -> None:
+    _, dropped, kept, d = _drop_then_probe_clean(
+        _elastic_controller(), fixed=_elastic_controller(elastic=False)
+    )
+    # Without --elastic the controller re-splits over the same three devices; with it, the
+    # device ten times slower is left idle (two stages are faster than any three-stage split).
+    assert "on 2 of 3 devices" in dropped.reason, dropped
+    assert sum(b - a for a, b in dropped.bounds) == N_LAYERS
+    assert kept.bounds is None or all(b > a for a, b in kept.bounds)
+    # The probe reads clean: three stages again, rank 2 holding layers.
     assert d.repartition and all(b > a for a, b in d.bounds), d
     assert "on 3 of 3 devices" in d.reason
 
@@ -218,30 +233,8 @@ def test_a_dropped_device_is_priced_at_its_clean_overhead_once_its_probe_reads_c
     # 12 ms a microbatch outside its layers. Once idle, that overhead was measured under what
     # emptied the device; when the probe reads it clean, a stage moved back costs the clean
     # overhead (none), not the stalled one, and the device is taken back.
-    from dynpipe.runtime.adapt.config import AdaptConfig
-    from dynpipe.runtime.adapt.policy import Controller
-
-    cfg = AdaptConfig(mode="measured", settle_windows=0, elastic=True)
-    ctl = Controller(base=_cost_base(), config=cfg, num_ranks=3)
-    even = ((0, 4), (4, 8), (8, 12))
-    step, d = 0, None
-    for slow, over in [((1, 1, 1), None)] * 3 + [((1, 1, 10), (0, 0, 12))] * 3:
-        step += 5
-        d = ctl.observe(_win(step, even, slow, over=over))
-        if d.repartition:
-            break
-    assert d.repartition and d.bounds[2][0] == d.bounds[2][1], d
-    ctl.applied(step=step + 1, pause_ms=1.0, moved_bytes=1)
-    dropped = d.bounds
-    for _ in range(3):
-        step += 5
-        d = ctl.observe(_win(step, dropped, (1, 1, 10), probe=10.0))
-        assert not d.repartition, d
-    for _ in range(3):
-        step += 5
-        d = ctl.observe(_win(step, dropped, (1, 1, 1), probe=1.0))
-        if d.repartition:
-            break
+    ctl = _elastic_controller()
+    step, _, _, d = _drop_then_probe_clean(ctl, over=(0, 0, 12))
     assert d.repartition and all(b > a for a, b in d.bounds), d
     ctl.applied(step=step + 1, pause_ms=1.0, moved_bytes=1)
     # Back on three stages at the clean speed, it stays: the windows this plan ran under
