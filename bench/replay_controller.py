@@ -141,7 +141,7 @@ def replay(
             "gain": round(1 - d.proposed_ms / max(d.current_ms, 1e-9), 4),
             # The model's price of the plan in force against what its window's steps took.
             "model_ms": round(float(d.current_ms), 2),
-            "step_ms": round(float(np.median(w.step_ms)), 2),
+            "step_ms": round(w.median_step_ms, 2),
             "reason": d.reason,
             "events": marks,
         }

@@ -87,6 +87,13 @@ def _stalls(host: np.ndarray, classes: np.ndarray, a: int, b: int, bar_ms: float
         host[members[vals > med + bar_ms]] = med
 
 
+def _confirms(pending: tuple[float, float], x: float, limit: float) -> bool:
+    """Whether reading ``x`` confirms a suspected change ``pending`` (its direction, the
+    level before it): still beyond ``limit`` (a log ratio) of that level, on the same side."""
+    move = float(np.log(x / max(pending[1], 1e-9)))
+    return abs(move) > limit and np.sign(move) == pending[0]
+
+
 class CostEstimates:
     """Per-layer costs of ``L`` layers on ``R`` ranks, per microbatch (ms).
 
@@ -427,8 +434,7 @@ class CostEstimates:
                 # Idle until just now, its last probe suggested a change: its first reading
                 # as a stage confirms or refutes it, as the next probe would have (the move
                 # that gave it layers back came on that probe).
-                move = float(np.log(self.load[r] / max(pending[1], 1e-9)))
-                changed_now = abs(move) > np.log1p(self.jump) and np.sign(move) == pending[0]
+                changed_now = _confirms(pending, float(self.load[r]), np.log1p(self.jump))
         changed_now |= self._read_light(w, changed=changed)
         self._fold_host(w)
         if changed_now:
@@ -515,8 +521,7 @@ class CostEstimates:
             n = self._probe_n[r]
             pending, self._probe_pending[r] = self._probe_pending[r], None
             if pending is not None:
-                move = float(np.log(ratio / max(pending[1], 1e-9)))
-                confirmed |= abs(move) > bar and np.sign(move) == pending[0]
+                confirmed |= _confirms(pending, ratio, bar)
             level = max(float(self.slow[r]), 1e-9)
             if n == 0 or abs(np.log(ratio / level)) > bar:
                 if n > 0 and pending is None:
@@ -670,15 +675,13 @@ class CostEstimates:
             self._light_suspect[r], self._light_suspect_move[r] = None, None
             self._suspect[r] = None  # the probe decides it (its stage cannot)
             if changed or pending is not None:
-                if pending is not None and not changed:
-                    change = float(np.log(x / max(pending[1], 1e-9)))
-                    if abs(change) > limit and np.sign(change) == pending[0]:
-                        confirmed = True
-                        # A confirmed change's move is not noise of a steady device (as
-                        # for a stage's: a spike's is).
-                        xs = self._light_steps[r]
-                        if suspected is not None and xs and xs[-1] == suspected:
-                            self._light_steps[r] = xs[:-1]
+                if pending is not None and not changed and _confirms(pending, x, limit):
+                    confirmed = True
+                    # A confirmed change's move is not noise of a steady device (as for a
+                    # stage's: a spike's is).
+                    xs = self._light_steps[r]
+                    if suspected is not None and xs and xs[-1] == suspected:
+                        self._light_steps[r] = xs[:-1]
                 self._light_level[r], self._light_n[r] = x, 1
             elif n == 0:
                 self._light_level[r], self._light_n[r] = x, 1
