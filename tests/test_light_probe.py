@@ -128,7 +128,7 @@ def test_a_light_ranks_probe_prices_its_device_and_shows_onset_and_end() -> None
     assert regimes[:4] == [0] * 4
     # The onset: seen on its first probe (unconfirmed: no regime yet), confirmed on the
     # next, as a new regime.
-    assert regimes[4] == 0 and got[4][2] is None
+    assert regimes[4] == 0 and got[4][2] == ()
     assert regimes[5] != 0 and len(set(regimes[5:8])) == 1
     slowed = regimes[5]
     # Priced slowed: a block moved to rank 0 would cost 3x its clean cost.
@@ -139,11 +139,31 @@ def test_a_light_ranks_probe_prices_its_device_and_shows_onset_and_end() -> None
     assert fwd[0, 0] == pytest.approx(COST[0])
     # The end: read as the clean regime one window early, then named so.
     got = _feed(est, [(4, 1.0)], probed=True, step=40)
-    assert got[0][2] == 0 and got[0][0] == slowed
+    assert got[0][2] == (0,) and got[0][0] == slowed
     assert [g[0] for g in got[1:]] == [0] * 3
     assert got[-1][1] == pytest.approx(1.0)
     fwd, _ = est.costs(LIGHT, (0, 1, 2))
     assert fwd[0, 3] == pytest.approx(1.0)
+
+
+def test_a_light_ranks_suspected_end_is_confirmed_by_its_first_reading_as_a_stage() -> None:
+    # The interferer's end, seen on one probe (unconfirmed), and the controller gives the
+    # rank layers on it: the rank's first reading as a stage confirms it, as its next probe
+    # would have. Dropped with the probe, the clean conditions were counted as the
+    # interferer's regime for the rest of a simulated run.
+    est = _estimates()
+    _feed(est, [(4, 1.0), (4, 3.0)], probed=True)
+    slowed = est.regime
+    _feed(est, [(1, 1.0)], probed=True, step=40)
+    assert est.changing and est.regime == slowed
+    est.update(_win(50, EVEN, (1.0, 1.0, 1.0)))
+    assert not est.changing and est.regime == 0
+    # A probe's dip that the stage does not bear out is refuted, not confirmed.
+    est = _estimates()
+    _feed(est, [(4, 1.0), (4, 3.0), (1, 1.0)], probed=True)
+    slowed = est.regime
+    est.update(_win(50, EVEN, (3.0, 1.0, 1.0)))
+    assert est.regime == slowed
 
 
 def test_predicted_slowdowns_are_calibrated_on_a_light_ranks_probe() -> None:

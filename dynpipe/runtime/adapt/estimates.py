@@ -152,6 +152,11 @@ class CostEstimates:
         self.regime = 0
         self._regimes = 1
         self._regime_loads: dict[int, tuple[np.ndarray, int]] = {}  # id -> (sum, count)
+        # The regime of the last window counted under one (the conditions last known), and
+        # the one a change confirmed in this window left, if it named new conditions
+        # (``returning``).
+        self._last_known: int | None = None
+        self._left_for_new: int | None = None
         self._calibrating = True
         self._probe_n = np.zeros(num_ranks)  # probes in each idle rank's running slowdown
         # Per idle rank, a change its last probe suggested: (direction, level before).
@@ -328,6 +333,7 @@ class CostEstimates:
         limit = self.threshold()
         changed_now = bool(changed)
         left = self.regime
+        self._left_for_new = None
         light = self._light_ranks(w)
         if changed:
             self._suspect = [None] * len(self._suspect)
@@ -444,6 +450,7 @@ class CostEstimates:
             # first window is not how the old conditions ran.
             total, count = self._regime_loads.get(self.regime, (np.zeros_like(self.load), 0))
             self._regime_loads[self.regime] = (total + self.load, count + 1)
+            self._last_known = self.regime
 
     def _fold_host(self, w: Window) -> None:
         """Fold the window's host issue times in (GPU windows only): per layer the least
@@ -705,6 +712,15 @@ class CostEstimates:
         self._light_held = frozenset(self.light_probes(w.key))
         for r in range(len(self._light_n)):
             if r not in light:
+                pending = self._light_suspect[r]
+                if pending is not None and r in w.ranks and not changed:
+                    # Light until just now, its last probe suggested a change: its first
+                    # reading as a stage confirms or refutes it, as the next probe would
+                    # have (the move that gave it layers came on that probe: in the
+                    # simulator an interferer's end, read one window early, was moved on
+                    # and then dropped with the probe, and the clean conditions were
+                    # counted as the interferer's for the rest of the run).
+                    confirmed |= _confirms(pending[:2], float(self.load[r]), self._light_limit(r))
                 self._light_n[r], self._light_suspect[r] = 0, None
                 self._light_suspect_move[r] = None
         if confirmed:
@@ -720,6 +736,7 @@ class CostEstimates:
         known = self._known_regime(limit, left=left)
         if known is not None:
             return known
+        self._left_for_new = self._last_known
         self._regimes += 1
         return self._regimes - 1
 
@@ -735,31 +752,53 @@ class CostEstimates:
         return None
 
     @property
-    def returning(self) -> int | None:
-        """While a change is unconfirmed (``changing``): the earlier regime under which
-        every rank ran as it runs now, if there is one (an interferer gone, seen one window
-        before the next confirms it), else None. The regime it would be named when confirmed."""
-        if not self.changing or self.regime not in self._regime_loads:
-            return None
+    def returning(self) -> tuple[int, ...]:
+        """While a change is unconfirmed (``changing``), or in the window that confirmed it
+        as conditions not seen before: the earlier regimes the devices read as run again (an
+        interferer gone), nearest first; else none.
+
+        Read against the conditions last known (``left``): on every rank where an earlier
+        regime and those ran apart (beyond the threshold), the reading is closer to the
+        earlier one; on the ranks where they ran alike, within the threshold of it. A
+        threshold that noisy timers have widened can hold several regimes at once (all are
+        listed: which one's plans to go back to is the measurements' call, ``Controller``),
+        and a reading still under the current conditions must not pass for an end.
+        Not "within the threshold on every rank", as a regime is named again: a stage's
+        reading depends on what it holds as well as on its device, and a stage left
+        holding one small layer when its device slowed reads the clean device above its
+        threshold once the interferer is gone (the demo's second stage, its head alone:
+        1.2-1.4x clean, where its threshold was 1.1x). Such a reading names new conditions,
+        under which no plan was measured, and the model, pricing the device 1.2x slow,
+        took a split that ran 10% slower than the one measured fastest before the
+        interferer. What an earlier regime's best plan does now is measured by going to
+        it: the move is judged on the next window, as any move is."""
+        left, fresh = self._last_known, None
+        if self._left_for_new is not None and not self.changing:
+            # The regime just named has this window's reading alone: not a candidate.
+            left, fresh = self._left_for_new, self.regime
+        elif not self.changing:
+            return ()
+        if left is None or left not in self._regime_loads:
+            return ()
         limit = self.threshold()
-        then = self._known_regime(limit, left=self.regime)
-        if then is None:
-            return None
-        # On the ranks where the two regimes ran apart (beyond the threshold), closer to the
-        # earlier one than to the one being left: a threshold that noisy timers have widened
-        # can hold several regimes at once, and a reading still under the current
-        # conditions must not pass for an end. Ranks that ran alike in both say nothing.
         now = np.log(np.maximum(self.load, 1e-9))
 
         def mean(rid: int) -> np.ndarray:
             total, count = self._regime_loads[rid]
             return np.log(np.maximum(total / max(count, 1), 1e-9))
 
-        a, b = mean(then), mean(self.regime)
-        apart = np.abs(a - b) > limit
-        if apart.any() and np.all((np.abs(now - a) < np.abs(now - b))[apart]):
-            return then
-        return None
+        b = mean(left)
+        found = []
+        for rid in self._regime_loads:
+            if rid in (left, fresh):
+                continue
+            a = mean(rid)
+            apart = np.abs(a - b) > limit
+            if not apart.any() or np.any(np.abs(now - a)[~apart] > limit[~apart]):
+                continue
+            if np.all((np.abs(now - a) < np.abs(now - b))[apart]):
+                found.append((float(np.abs(now - a).sum()), rid))
+        return tuple(rid for _, rid in sorted(found))
 
     def _confirm(
         self,
@@ -892,6 +931,7 @@ class CostEstimates:
             str(k): [_jsonable(t), c] for k, (t, c) in self._regime_loads.items()
         }
         out["calibrating"] = self._calibrating
+        out["last_known"] = self._last_known
         return out
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -904,6 +944,8 @@ class CostEstimates:
                 self._regimes = int(v)
             elif k == "calibrating":
                 self._calibrating = bool(v)
+            elif k == "last_known":
+                self._last_known = None if v is None else int(v)
             elif k == "regime_loads":
                 self._regime_loads = {
                     int(rid): (np.array(t, float), int(c)) for rid, (t, c) in v.items()

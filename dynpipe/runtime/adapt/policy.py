@@ -399,9 +399,9 @@ class Controller:
         # own steps: the regime's median of this plan is of the conditions that seem to have
         # ended. A reading that only looked like the earlier conditions has the move judged
         # on the next window.
-        then = self.est.returning
         now = w.median_step_ms
-        back = None if then is None else self._faster(w, key, now, then, pause, recent, 1)
+        backs = [self._faster(w, key, now, then, pause, recent, 1) for then in self.est.returning]
+        back = min((b for b in backs if b is not None), key=lambda b: b[1], default=None)
         if back is not None:
             return verdict(
                 f"devices read as they ran before: measured {back[1]:.2f} ms/step then "
