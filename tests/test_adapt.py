@@ -569,25 +569,34 @@ def test_conditions_seen_before_bring_back_the_plan_measured_best_under_them() -
     assert d.repartition and d.bounds == best and d.reason.startswith("measured"), d
 
 
-def test_an_end_back_to_known_conditions_is_followed_in_one_window() -> None:
+BEST = ((0, 3), (3, 10))
+
+
+def _through_an_interferer(under, slow) -> tuple[Controller, int]:
+    """Three clean windows on BEST, then four on ``under`` with the devices ``slow``: the
+    controller and the clean regime's id."""
     ctl = _controller(average_windows=2)
-    best = ((0, 3), (3, 10))
     for s in range(3):
-        ctl.observe(_window(4 + 5 * s, best, TRUE))
+        ctl.observe(_window(4 + 5 * s, BEST, TRUE))
     clean = ctl.est.regime
+    ctl.applied(step=20, pause_ms=1.0, moved_bytes=1)
+    for s in range(4):
+        ctl.observe(_window(24 + 5 * s, under, TRUE, slow=slow))
+    assert ctl.est.regime != clean and ctl.est.returning == ()
+    return ctl, clean
+
+
+def test_an_end_back_to_known_conditions_is_followed_in_one_window() -> None:
     # Stage 0 slowed 2x, holding one layer: stage 1 bounds the step, before and after the
     # interferer, so its end moves the steps by less than a change of conditions.
     under = ((0, 1), (1, 10))
-    ctl.applied(step=20, pause_ms=1.0, moved_bytes=1)
-    for s in range(4):
-        ctl.observe(_window(24 + 5 * s, under, TRUE, slow=(2.0, 1.0)))
-    assert ctl.est.regime != clean and ctl.est.returning == ()
+    ctl, clean = _through_an_interferer(under, (2.0, 1.0))
     # The interferer ends: stage 0 reads as it ran under the clean conditions. Not yet a
     # confirmed change, and the model cannot vouch for the device that sped up, but the
     # plan measured fastest under those conditions is taken now, not a window later.
     d = ctl.observe(_window(44, under, TRUE))
     assert ctl.est.changing and ctl.est.returning == (clean,)
-    assert d.repartition and d.bounds == best and "as they ran before" in d.reason, d
+    assert d.repartition and d.bounds == BEST and "as they ran before" in d.reason, d
 
 
 def test_an_end_read_through_a_stage_that_holds_less_is_still_followed() -> None:
@@ -597,17 +606,8 @@ def test_an_end_read_through_a_stage_that_holds_less_is_still_followed() -> None
     # new conditions. The devices still read as they ran under the clean ones on every
     # rank that tells the two apart, and the plan measured fastest then is taken (and
     # judged), not the model's split for a device it prices 1.3x slow.
-    ctl = _controller(average_windows=2)
-    best = ((0, 3), (3, 10))
-    for s in range(3):
-        ctl.observe(_window(4 + 5 * s, best, TRUE))
-    clean = ctl.est.regime
     under = ((0, 9), (9, 10))
-    ctl.applied(step=20, pause_ms=1.0, moved_bytes=1)
-    for s in range(4):
-        ctl.observe(_window(24 + 5 * s, under, TRUE, slow=(1.0, 3.0)))
-    left = ctl.est.regime
-    assert left != clean and ctl.est.returning == ()
+    ctl, clean = _through_an_interferer(under, (1.0, 3.0))
     moved = None
     for s in range(2):
         d = ctl.observe(_window(44 + 5 * s, under, TRUE, slow=(1.0, 1.3)))
@@ -615,7 +615,7 @@ def test_an_end_read_through_a_stage_that_holds_less_is_still_followed() -> None
             moved = d
             break
     assert ctl.est.regime != clean  # not within the clean regime's threshold
-    assert moved is not None and moved.bounds == best and "as they ran before" in moved.reason
+    assert moved is not None and moved.bounds == BEST and "as they ran before" in moved.reason
 
 
 def test_a_gain_only_a_timer_swing_shows_is_not_taken() -> None:
