@@ -398,7 +398,9 @@ class Controller:
         # unconfirmed change and the move puts layers on it). Compared with this window's
         # own steps: the regime's median of this plan is of the conditions that seem to have
         # ended. A reading that only looked like the earlier conditions has the move judged
-        # on the next window.
+        # on the next window. The same on the window that confirms the change as conditions
+        # not seen before (``CostEstimates.returning``), and where several earlier regimes
+        # read alike, the plan measured fastest under any of them.
         now = w.median_step_ms
         backs = [self._faster(w, key, now, then, pause, recent, 1) for then in self.est.returning]
         back = min((b for b in backs if b is not None), key=lambda b: b[1], default=None)
