@@ -778,7 +778,7 @@ class CostEstimates:
             left, fresh = self._left_for_new, self.regime
         elif not self.changing:
             return ()
-        if left is None or left not in self._regime_loads:
+        if left is None:  # no window counted under a regime yet
             return ()
         limit = self.threshold()
         now = np.log(np.maximum(self.load, 1e-9))
