@@ -8,7 +8,7 @@ GPUs:
    with the devices clean, then again with the interferer running (it starts when the first
    pass ends). Each split is held ``sweep_windows`` windows; the first settles (a split new
    to a device tunes its kernels), the rest are measured. The oracle of a phase is the
-   split with the lowest median step time in the matching pass; the clean pass also serves
+   split with the lowest mean step time in the matching pass; the clean pass also serves
    the phase after the interference.
 2. ``static`` (the initial plan throughout), ``measured``, ``adaptive`` and ``restart``, each
    with the interferer starting at ``onset`` and stopping at ``end``.
