@@ -203,6 +203,26 @@ def _phase_ms(steps: list[dict], a: int, b: int) -> float | None:
     return (by[b - 1]["t_end"] - by[a - 1]["t_end"]) * 1e3 / (b - a)
 
 
+def _held_ms(steps: list[dict], a: int, b: int, table: dict[str, float]) -> float | None:
+    """The sweep's time per step of the splits a run held over steps [a, b), step-weighted:
+    what the phase would have cost had every step run as fast as the sweep ran its split.
+    None where a step is missing or its split was not swept (a bounded 4-stage sweep).
+
+    It splits a system's ratio to the oracle in two exact factors: ``choice`` (held over
+    oracle: 1 when it held the oracle's split all phase) and ``execution`` (its phase time
+    over held: pauses, the policy's own time, and how its launch ran the same splits against
+    the sweep's launch). A miss with choice near 1 is not the controller's choice of split."""
+    by = {r["step"]: r for r in steps}
+    held = []
+    for s in range(a, b):
+        r = by.get(s)
+        ms = table.get(_split(r)) if r is not None else None
+        if ms is None:
+            return None
+        held.append(ms)
+    return float(np.mean(held)) if held else None
+
+
 def report(a: argparse.Namespace) -> int:
     d = Path(a.dir)
     meta = json.loads((d / "oracle.json").read_text())
@@ -235,14 +255,25 @@ def report(a: argparse.Namespace) -> int:
         }
         for s, (steps, _ev) in runs.items():
             ms = _phase_ms(steps, lo, hi)
-            if ms is not None:
-                entry["systems"][s] = {"ms": round(ms, 3), "ratio": round(ms / table[best], 4)}
+            if ms is None:
+                continue
+            got = {"ms": round(ms, 3), "ratio": round(ms / table[best], 4)}
+            held = _held_ms(steps, lo, hi, table)
+            if held is not None:
+                got |= {"held_ms": round(held, 3), "choice": round(held / table[best], 4),
+                        "execution": round(ms / held, 4)}  # fmt: skip
+            entry["systems"][s] = got
         out["phases"][ph] = entry
     text = json.dumps(out, indent=1)
     if a.output:
         Path(a.output).write_text(text + "\n")
     for ph, e in out["phases"].items():
-        sysr = "  ".join(f"{k} {v['ms']:.1f} ({v['ratio']:.3f})" for k, v in e["systems"].items())
+        sysr = "  ".join(
+            f"{k} {v['ms']:.1f} ({v['ratio']:.3f}"
+            + (f" = {v['choice']:.3f} x {v['execution']:.3f}" if "choice" in v else "")
+            + ")"
+            for k, v in e["systems"].items()
+        )
         print(f"{ph:12s} oracle {e['oracle']['split']} {e['oracle']['ms']:.1f} ms | {sysr}")
     return 0
 

@@ -11,6 +11,7 @@ exists. Nothing is typed in by hand: a row is a file.
     python bench/oracle_table.py                 # newest run of every configuration
     python bench/oracle_table.py --since 01d66a4 # ... of runs of that code or later
     python bench/oracle_table.py --all FILES...  # every file given, oldest first
+    python bench/oracle_table.py --factors ...   # measured / adaptive as choice x execution
 """
 
 from __future__ import annotations
@@ -92,12 +93,34 @@ def row(doc: dict[str, Any], goal: float) -> str:
     )
 
 
+def factors_row(doc: dict[str, Any]) -> str:
+    """measured's and adaptive's ratio per phase as ``choice x execution`` (``bench/oracle.py
+    report``'s two factors: the sweep's time of the splits held over the oracle's, and the
+    run's own time over the sweep's for those splits)."""
+    ph = doc["phases"]
+    cells = []
+    for s in ("measured", "adaptive"):
+        parts = []
+        for p in PHASES:
+            v = ph.get(p, {}).get("systems", {}).get(s)
+            parts.append("–" if not v or "choice" not in v else
+                         f"{v['choice']:.3f} x {v['execution']:.3f}")  # fmt: skip
+        cells.append("–" if all(x == "–" for x in parts) else " / ".join(parts))
+    where = f"{doc.get('device', '?')}, `{doc.get('revision', '?')}`"
+    return f"| {_label(doc)} ({where}) | " + " | ".join(cells) + " |"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="*", help="oracle-*.json (default: bench/results/)")
     ap.add_argument("--all", action="store_true", help="every file, not the newest of each")
     ap.add_argument("--since", help="only runs of this revision or a later one")
     ap.add_argument("--goal", type=float, default=1.05, help="ratio printed bold at or under")
+    ap.add_argument(
+        "--factors",
+        action="store_true",
+        help="print measured's and adaptive's ratios as choice x execution instead",
+    )
     a = ap.parse_args(argv)
     files = a.files or sorted(glob.glob(str(Path(__file__).parent / "results" / "oracle-*.json")))
     if not files:
@@ -118,6 +141,15 @@ def main(argv: list[str] | None = None) -> int:
         for d in docs:
             newest[_key(d)] = d  # sorted oldest first: the last one wins
         docs = sorted(newest.values(), key=lambda d: _label(d))
+    if a.factors:
+        print(
+            "| configuration (card, code) | measured: choice x execution, per phase | "
+            "adaptive: choice x execution, per phase |"
+        )
+        print("|---|---|---|")
+        for d in docs:
+            print(factors_row(d))
+        return 0
     print(
         "| configuration (card, code) | phases (steps) | oracle split and ms, per phase | "
         "static | measured | adaptive | restart | worst phase vs static (measured / adaptive) |"

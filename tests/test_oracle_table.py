@@ -62,3 +62,14 @@ def test_the_goal_sets_what_is_bold(tmp_path, capsys, goal) -> None:
     mod.main([str(tmp_path / "oracle-x.json"), "--goal", str(goal)])
     out = capsys.readouterr().out
     assert ("**1.200**" in out) == (goal >= 1.2)
+
+
+def test_factors_print_choice_times_execution_where_the_report_has_them(tmp_path, capsys) -> None:
+    mod = _module()
+    doc = _doc("x", [1.1, 1.0, 1.0])
+    doc["phases"]["clean"]["systems"]["adaptive"] |= {"choice": 1.0, "execution": 1.1}
+    (tmp_path / "oracle-x.json").write_text(json.dumps(doc))
+    assert mod.main([str(tmp_path / "oracle-x.json"), "--factors"]) == 0
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| vgg16"))
+    # measured ran no phase; adaptive's phases without factors print a dash.
+    assert row.endswith("| – | 1.000 x 1.100 / – / – |")

@@ -1,0 +1,55 @@
+"""``bench/oracle.py report``: a system's ratio to the oracle split into the splits it held
+(``choice``) and how its launch ran them (``execution``)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("oracle_bench", ROOT / "bench/oracle.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _steps(splits: list[tuple[int, int]], step_ms: list[float]) -> list[dict]:
+    """Step records as the report reads them: the split held and the step's end time."""
+    t, out = 0.0, []
+    for i, ((a, b), ms) in enumerate(zip(splits, step_ms, strict=True)):
+        t += ms / 1e3
+        out.append({"step": i, "t_end": t, "stages": [{"layers": [0, a]}, {"layers": [a, a + b]}]})
+    return out
+
+
+SWEEP = {"5|11": 50.0, "8|8": 60.0}  # the sweep's ms per step of each split
+
+
+def test_a_run_on_the_oracles_split_all_phase_has_choice_one_and_its_launch_is_the_rest() -> None:
+    mod = _module()
+    steps = _steps([(5, 11)] * 11, [55.0] * 11)
+    held = mod._held_ms(steps, 1, 11, SWEEP)
+    assert held == 50.0  # choice 1: only the launch's 10% is left, in execution
+    assert abs(mod._phase_ms(steps, 1, 11) / held - 1.1) < 1e-9
+
+
+def test_the_splits_held_are_weighted_by_steps() -> None:
+    mod = _module()
+    # Two steps on 8|8 before the move, eight on 5|11, run exactly as fast as the sweep.
+    splits = [(8, 8)] * 3 + [(5, 11)] * 8
+    steps = _steps(splits, [SWEEP[f"{a}|{b}"] for a, b in splits])
+    held = mod._held_ms(steps, 1, 11, SWEEP)
+    assert abs(held - (2 * 60.0 + 8 * 50.0) / 10) < 1e-9
+    assert abs(mod._phase_ms(steps, 1, 11) - held) < 1e-9  # execution 1
+
+
+def test_a_split_the_sweep_did_not_measure_or_a_missing_step_gives_no_factors() -> None:
+    mod = _module()
+    steps = _steps([(5, 11)] * 5 + [(6, 10)] * 5, [50.0] * 10)
+    assert mod._held_ms(steps, 1, 10, SWEEP) is None
+    assert mod._held_ms(steps, 1, 5, SWEEP) == 50.0
+    del steps[3]
+    assert mod._held_ms(steps, 1, 5, SWEEP) is None
