@@ -12,11 +12,15 @@ GPUs:
    the phase after the interference.
 2. ``static`` (the initial plan throughout), ``measured``, ``adaptive`` and ``restart``, each
    with the interferer starting at ``onset`` and stopping at ``end``.
+3. ``resweep`` (opt-in, where ``--systems`` lists it): the sweep launched again. The report
+   then gives, per phase, that launch's best split and its time of the oracle's split: how
+   far two launches of one split agree at this size, the floor under every ratio here.
 
 ``report`` reads the raw logs and writes, per phase (clean, interference, after), the
 oracle's split and step time and every system's phase mean step time (from wall-clock step
-ends, so adaptation, pauses and relaunches count, from the phase's first step on) and its
-ratio to the oracle:
+ends, so adaptation, pauses and relaunches count, from the phase's first step on), its
+ratio to the oracle, and that ratio's two factors (``_held_ms``: the splits it held, and how
+its launch ran them):
 
     python bench/oracle.py run --config vgg16-b128 --interferer gemm --stage 1 -o DIR
     python bench/oracle.py report DIR -o bench/results/oracle-vgg16-b128-gemm-s1.json
@@ -125,18 +129,18 @@ def run(a: argparse.Namespace) -> int:
     (out / "oracle.json").write_text(json.dumps(meta, indent=1) + "\n")
     sw_events = [(onset, "start", k, s) for k, s in zip(kinds, stages, strict=True)]
     sweep_scn = _scenario(out / "sweep.toml", sw_events)
+    sweep_args = [*common, "--adapt", "sweep", "--scenario", str(sweep_scn), "--steps",
+                  str(onset + per_pass)]  # fmt: skip
     if "sweep" in a.systems:
-        _train(
-            [*common, "--adapt", "sweep", "--scenario", str(sweep_scn), "--steps",
-             str(onset + per_pass)],
-            out / "sweep.jsonl",
-            a.timeout,
-        )  # fmt: skip
+        _train(sweep_args, out / "sweep.jsonl", a.timeout)
     ev = [(a.onset, "start", k, s) for k, s in zip(kinds, stages, strict=True)]
     ev += [(a.end, "stop", k, s) for k, s in zip(kinds, stages, strict=True)]
     scn = _scenario(out / "scenario.toml", ev)
     for system in a.systems:
         if system == "sweep":
+            continue
+        if system == "resweep":  # the same sweep again, where the list puts it
+            _train(sweep_args, out / "resweep.jsonl", a.timeout)
             continue
         extra = ["--adapt", system, "--scenario", str(scn), "--steps", str(a.steps)]
         if system in ("adaptive", "restart") and a.predictor:
@@ -232,6 +236,11 @@ def report(a: argparse.Namespace) -> int:
     # A run's folder holds plain logs, committed ones are compressed (``sweep.jsonl.gz``):
     # find_log and read_log take either.
     sweep = _sweep(d / "sweep.jsonl", meta["sweep_onset"], warm, every)
+    again = (
+        _sweep(d / "resweep.jsonl", meta["sweep_onset"], warm, every)
+        if find_log(d, "resweep") is not None
+        else None
+    )
     phases = {"clean": (warm, meta["onset"]), "interference": (meta["onset"], meta["end"]),
               "after": (meta["end"], meta["steps"])}  # fmt: skip
     device = None
@@ -253,6 +262,15 @@ def report(a: argparse.Namespace) -> int:
             "splits": {k: round(v, 3) for k, v in sorted(table.items(), key=lambda x: x[1])},
             "systems": {},
         }
+        table2 = again["interference" if ph == "interference" else "clean"] if again else None
+        if table2:
+            # The sweep launched again: does this size hold its oracle from launch to launch?
+            best2 = min(table2, key=table2.get)
+            entry["repeat"] = {
+                "split": [int(x) for x in best2.split("|")],
+                "ms": round(table2[best2], 3),
+                "oracle_split_ms": round(table2[best], 3) if best in table2 else None,
+            }
         for s, (steps, _ev) in runs.items():
             ms = _phase_ms(steps, lo, hi)
             if ms is None:
@@ -275,6 +293,13 @@ def report(a: argparse.Namespace) -> int:
             for k, v in e["systems"].items()
         )
         print(f"{ph:12s} oracle {e['oracle']['split']} {e['oracle']['ms']:.1f} ms | {sysr}")
+        if "repeat" in e:
+            rp, same = e["repeat"], e["repeat"]["oracle_split_ms"]
+            again_txt = f"{same:.1f} ms ({same / e['oracle']['ms']:.3f})" if same else "not swept"
+            print(
+                f"{'':12s} sweep again: best {rp['split']} {rp['ms']:.1f} ms; "
+                f"the oracle's split {again_txt}"
+            )
     return 0
 
 

@@ -4,7 +4,12 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,3 +58,34 @@ def test_a_split_the_sweep_did_not_measure_or_a_missing_step_gives_no_factors() 
     assert mod._held_ms(steps, 1, 5, SWEEP) == 50.0
     del steps[3]
     assert mod._held_ms(steps, 1, 5, SWEEP) is None
+
+
+@pytest.mark.slow
+def test_a_cpu_run_reports_every_phase_with_its_factors_and_the_repeated_sweep(tmp_path) -> None:
+    """The benchmark end to end on CPU (gloo, 2 ranks, a small MLP, an emulated interferer):
+    a sweep, static and the sweep again, then the report from their logs."""
+    out = tmp_path / "run"
+    run = [sys.executable, str(ROOT / "bench/oracle.py"), "run", "--config", "mlp-cpu",
+           "--device", "cpu", "--nproc", "2", "--interferer", "emulate", "--stage", "1",
+           "--steps", "30", "--onset", "12", "--end", "22", "--warmup", "2",
+           "--monitor-every", "2", "--sweep-windows", "2", "--timeout", "240",
+           "--systems", "sweep,static,resweep", "-o", str(out)]  # fmt: skip
+    subprocess.run(run, check=True, timeout=600, cwd=ROOT)
+    rep = tmp_path / "report.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench/oracle.py"), "report", str(out), "-o", str(rep)],
+        check=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    doc = json.loads(rep.read_text())
+    assert set(doc["phases"]) == {"clean", "interference", "after"}
+    for ph in doc["phases"].values():
+        splits = ph["splits"]
+        assert len(splits) == 9  # every 2-stage split of the MLP's 10 layers was swept
+        static = ph["systems"]["static"]
+        # Static holds the even split all run: its held time is the sweep's time of 5|5.
+        assert abs(static["held_ms"] - splits["5|5"]) <= 1e-3
+        assert abs(static["choice"] * static["execution"] - static["ratio"]) < 2e-3
+        again = ph["repeat"]
+        assert sum(again["split"]) == 10 and again["oracle_split_ms"] > 0
