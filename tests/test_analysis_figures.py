@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from script_loader import load_script
 
 from dynpipe.analysis.accuracy import (
     plot_predictor,
@@ -255,13 +256,7 @@ def test_cli_predictor_and_errors(predictor_files, tmp_path, capsys) -> None:
 
 
 def _script(name: str):
-    import importlib.util
-
-    path = Path(__file__).parents[1] / "analysis" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"analysis_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(f"analysis/{name}.py", f"analysis_{name}")
 
 
 SCRIPTS = {

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 from dynpipe.cli import build_parser, main
 from dynpipe.cliargs import add_config_args, config_kwargs, field_help
@@ -170,11 +170,7 @@ def test_unknown_names_and_types_without_a_flag_form_are_refused() -> None:
 
 
 def test_replay_tool_takes_its_flags_from_adapt_config() -> None:
-    spec = importlib.util.spec_from_file_location(
-        "replay_controller", ROOT / "bench" / "replay_controller.py"
-    )
-    replay = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(replay)
+    replay = load_script("bench/replay_controller.py")
     args = replay.build_parser().parse_args(["x.jsonl", "--horizon", "3", "--jump", "0.2"])
     given = {k: v for k, v in config_kwargs(args, AdaptConfig).items() if v is not None}
     assert given == {"horizon_steps": 3, "jump": 0.2}

@@ -3,22 +3,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("oracle_bench", ROOT / "bench/oracle.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/oracle.py", "oracle_bench")
 
 
 def _steps(splits: list[tuple[int, int]], step_ms: list[float]) -> list[dict]:

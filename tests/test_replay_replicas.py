@@ -4,24 +4,17 @@ and the policy makes the run's decisions on them."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 LOG = ROOT / "analysis" / "logs" / "dp-pp-h200x4-6bdb40a" / "vgg16-adaptive.jsonl"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location(
-        "replay_replicas", ROOT / "bench" / "replay_replicas.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclass looks its module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/replay_replicas.py")
 
 
 @pytest.fixture(scope="module")
