@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 from distutil import run_ranks
+from script_loader import load_script
 
 from dynpipe.analysis.convergence import plot_time_to_accuracy, time_to_accuracy_table
 from dynpipe.analysis.logs import load_runs
@@ -190,15 +191,8 @@ def test_figures_cli_draws_both_and_summary_gives_ratios(logs, tmp_path) -> None
 
 
 def test_analysis_scripts_redraw_both_from_a_logs_folder(logs, tmp_path, capsys) -> None:
-    import importlib.util
-    from pathlib import Path
-
     def script(name: str):
-        path = Path(__file__).parents[1] / "analysis" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
+        return load_script(f"analysis/{name}.py")
 
     args = ["--logs", str(logs), "--out", str(tmp_path)]
     assert script("fig_accuracy").main([*args, "--target-accuracy", "0.5"]) == 0
