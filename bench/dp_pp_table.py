@@ -23,8 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from dynpipe.analysis.metrics import sweep_split_ms
 from dynpipe.runtime.records import find_log, read_log
 
 STATIC = ("dp4", "pp4", "static")
@@ -48,19 +47,11 @@ def _split(step: Any) -> str:
 
 
 def _sweep(path: Path, onset: int, warmup: int, every: int) -> dict[str, dict[str, float]]:
-    """Mean time per step of every split the sweep held, per pass (its first window, in
-    which the split settles, left out)."""
+    """Mean time per step of every split the sweep held, per pass (``sweep_split_ms``)."""
     steps, events, _ = _steps(path)
     moved = {e.step for e in events if e.event == "repartition"}
-    out: dict[str, dict[str, list[float]]] = {"clean": {}, "interference": {}}
-    since = 0
-    for s in sorted(steps):
-        since = 0 if s in moved else since + 1
-        if s < warmup or since < every or s - 1 not in steps:
-            continue
-        dt = (steps[s].t_end - steps[s - 1].t_end) * 1e3
-        out["clean" if s < onset else "interference"].setdefault(_split(steps[s]), []).append(dt)
-    return {ph: {k: float(np.mean(v)) for k, v in d.items()} for ph, d in out.items()}
+    held = [(s, steps[s].t_end, _split(steps[s])) for s in sorted(steps)]
+    return sweep_split_ms(held, moved, onset=onset, warmup=warmup, every=every)
 
 
 def _moves(events: list[Any], a: int, b: int) -> str:

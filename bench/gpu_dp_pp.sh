@@ -136,7 +136,8 @@ json.dump({"steps": int(steps), "onset": int(onset), "end": int(end), "warmup": 
 PY
 for m in $MODELS; do
   n=$(layers_of $(args_of "$m"))
-  SWEEP_ONSET[$m]=$(( (n - 1) * SWEEP_WINDOWS * EVERY ))
+  # n - 1 splits a pass, and the first pass holds the launch's split once more before them.
+  SWEEP_ONSET[$m]=$(( n * SWEEP_WINDOWS * EVERY ))
   python3 - "$O/meta.json" "$m" "${SWEEP_ONSET[$m]}" <<'PY'
 import json, sys
 p, m, onset = sys.argv[1:]

@@ -122,9 +122,11 @@ def run(a: argparse.Namespace) -> int:
             "warmup": a.warmup, "monitor_every": a.monitor_every,
             "sweep_windows": a.sweep_windows}  # fmt: skip
     # The sweep: every split of the clean pass, then the interferer on for the second pass.
+    # The first pass holds the launch's first split before its ``plans`` visits (the last of
+    # them that split again, warmed up: ``SweepPolicy``).
     plans = n_layers - 1 if a.nproc == 2 else a.sweep_plans
     per_pass = plans * a.sweep_windows * a.monitor_every
-    onset = per_pass
+    onset = (plans + 1) * a.sweep_windows * a.monitor_every
     meta["sweep_onset"] = onset
     (out / "oracle.json").write_text(json.dumps(meta, indent=1) + "\n")
     sw_events = [(onset, "start", k, s) for k, s in zip(kinds, stages, strict=True)]
@@ -179,23 +181,14 @@ def _split(rec: dict) -> str:
 
 
 def _sweep(path: Path, onset: int, warmup: int, every: int) -> dict[str, dict[str, float]]:
-    """Mean wall-clock time per step of every split held in each pass (its settle window
-    dropped), measured as the systems are: from one step's end to the next, so the
-    per-window gather counts for the oracle as it does for them."""
+    """Mean wall-clock time per step of every split held in each pass
+    (``sweep_split_ms``)."""
+    from dynpipe.analysis.metrics import sweep_split_ms
+
     steps, events = _read(path)
     moved = {e["step"] for e in events if e["event"] == "repartition"}
-    out: dict[str, dict[str, list[float]]] = {"clean": {}, "interference": {}}
-    since, prev = 0, None
-    for r in steps:
-        s = r["step"]
-        since = 0 if s in moved else since + 1
-        dt = (r["t_end"] - prev["t_end"]) * 1e3 if prev and prev["step"] == s - 1 else None
-        prev = r
-        if s < warmup or since < every or dt is None:
-            continue
-        phase = "clean" if s < onset else "interference"
-        out[phase].setdefault(_split(r), []).append(dt)
-    return {ph: {k: float(np.mean(v)) for k, v in d.items()} for ph, d in out.items()}
+    held = [(r["step"], r["t_end"], _split(r)) for r in steps]
+    return sweep_split_ms(held, moved, onset=onset, warmup=warmup, every=every)
 
 
 def _phase_ms(steps: list[dict], a: int, b: int) -> float | None:

@@ -675,6 +675,9 @@ def test_sweep_visits_every_split_once_per_pass() -> None:
             seen.append(bounds)
     assert len(set(seen[: L - 1])) == L - 1  # the first pass: every split, the first one too
     assert set(seen) == {((0, k), (k, L)) for k in range(1, L)}
+    # Every pass ends on the split it started from: the launch's first split is measured
+    # again, warmed up, and every pass is L - 1 visits long (the first one more).
+    assert seen[L - 1] == EVEN and seen[2 * (L - 1)] == EVEN
 
 
 def test_layer_classes_group_identical_layers() -> None:

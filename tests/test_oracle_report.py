@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from script_loader import load_script
 
@@ -55,6 +56,21 @@ def test_a_split_the_sweep_did_not_measure_or_a_missing_step_gives_no_factors() 
     assert mod._held_ms(steps, 1, 5, SWEEP) == 50.0
     del steps[3]
     assert mod._held_ms(steps, 1, 5, SWEEP) is None
+
+
+def test_a_sweep_measures_its_first_split_by_its_later_visit_when_there_is_one() -> None:
+    from dynpipe.analysis.metrics import sweep_split_ms
+
+    # 8|8 from the launch (slow while it warms up), then 5|11, then 8|8 again; 2-step windows.
+    splits = ["8|8"] * 6 + ["5|11"] * 6 + ["8|8"] * 6
+    ms = [90.0] * 6 + [50.0] * 6 + [60.0] * 6
+    t = np.cumsum(ms) / 1e3
+    steps = list(zip(range(18), t, splits, strict=True))
+    got = sweep_split_ms(steps, {6, 12}, onset=100, warmup=1, every=2)["clean"]
+    assert got == pytest.approx({"8|8": 60.0, "5|11": 50.0})  # the warm-up visit left out
+    # Without the later visit (an older sweep), the launch's visit is all there is.
+    got = sweep_split_ms(steps[:12], {6}, onset=100, warmup=1, every=2)["clean"]
+    assert got == pytest.approx({"8|8": 90.0, "5|11": 50.0})
 
 
 @pytest.mark.slow

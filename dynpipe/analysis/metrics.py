@@ -9,11 +9,13 @@
 - ``eval_metric`` / ``choose_eval_target`` / ``time_to_eval_target``: the same for the
   held-out evaluations (``eval`` records): accuracy where every run has it, else eval loss.
 - ``migration_costs``: one row per live repartition or restart, with its pause broken down.
+- ``sweep_split_ms``: a sweep run's (``--adapt sweep``) mean step time of every split it
+  held, per pass: the oracle of the benchmarks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +33,7 @@ __all__ = [
     "migration_costs",
     "phase_stats",
     "smoothed_loss",
+    "sweep_split_ms",
     "throughput",
     "time_to_eval_target",
     "time_to_target",
@@ -276,3 +279,50 @@ def _step_gaps_ms(run: Run) -> dict[int, float]:
     start = s["t_end"].to_numpy() - s["step_ms"].to_numpy() / 1e3
     gap = (start[1:] - s["t_end"].to_numpy()[:-1]) * 1e3
     return {int(b): float(g) for a, b, g in zip(k[:-1], k[1:], gap, strict=True) if b == a + 1}
+
+
+def sweep_split_ms(
+    steps: Sequence[tuple[int, float, str]],
+    moved: Collection[int],
+    *,
+    onset: int,
+    warmup: int,
+    every: int,
+) -> dict[str, dict[str, float]]:
+    """A sweep's mean wall-clock time per step of every split it held, in its clean pass
+    (steps before ``onset``) and its interference pass: ``{"clean" | "interference":
+    {split: ms}}``. ``steps``: ``(step, end time in seconds, split)`` in step order;
+    ``moved``: the steps a repartition started.
+
+    Measured as the benchmarked systems are, from one step's end to the next (the
+    per-window gather counts for the oracle as for them); each visit's first window (the
+    split settles: a new kernel's tuning, the moved layers' allocations) and the launch's
+    first ``warmup`` steps left out, and so are the steps of a clean visit past ``onset``.
+    A split held again later in the same pass (the sweep
+    ends every pass on the split it started from) is measured by its later visits alone:
+    the launch's first visit runs while the launch warms up (a 4-stage gpt sweep read its
+    first split 191 ms a step after one window, where the static launch of that split ran
+    115). A sweep without such a visit (older logs) keeps the first one."""
+    out: dict[str, dict[str, dict[int, list[float]]]] = {"clean": {}, "interference": {}}
+    since, visit, start, prev = 0, 0, 0, None
+    for s, t_end, split in steps:
+        if s in moved:
+            since, visit, start = 0, visit + 1, s
+        else:
+            since += 1
+        dt = (t_end - prev[1]) * 1e3 if prev is not None and prev[0] == s - 1 else None
+        prev = (s, t_end)
+        # A visit counts in the pass it started in: the steps of a clean visit that the
+        # interferer's start reached are neither pass's.
+        if s < warmup or since < every or dt is None or (start < onset <= s):
+            continue
+        phase = "clean" if s < onset else "interference"
+        out[phase].setdefault(split, {}).setdefault(visit, []).append(dt)
+    means: dict[str, dict[str, float]] = {}
+    for phase, by_split in out.items():
+        means[phase] = {}
+        for split, visits in by_split.items():
+            if 0 in visits and len(visits) > 1:
+                del visits[0]
+            means[phase][split] = float(np.mean([x for v in visits.values() for x in v]))
+    return means

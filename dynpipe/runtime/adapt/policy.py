@@ -815,7 +815,12 @@ class SweepPolicy:
 
     Two stages visit every split; more visit the ``sweep_plans`` best under the per-layer
     costs measured so far, re-ranked at the start of every pass (so a pass made under
-    interference visits the splits that interference favours).
+    interference visits the splits that interference favours). Every pass ends on the split
+    it started from: the launch's first split is then measured again once the launch has
+    warmed up, as every other split is (a 4-stage gpt sweep left its first split after one
+    window past warm-up, and read it 191 ms a step where its static launch ran 115). So a
+    pass is ``n`` visits (every split, or ``sweep_plans``, the last one the split in force),
+    and the first pass one more: the launch's first split, before it.
     """
 
     mode_used = "sweep"
@@ -869,9 +874,11 @@ class SweepPolicy:
             return Decision(**base, repartition=False, reason="sweep: measuring this split")
         if not self.queue:
             self.passes += 1
-            self.queue = [b for b in self._candidates(window) if b != window.bounds]
-            if self.passes > 1:
-                self.queue.append(window.bounds)  # every pass measures every split
+            plans = self._candidates(window)
+            others = [b for b in plans if b != window.bounds]
+            # Every pass as long as the candidates (benchmarks start an interferer with a
+            # pass), the split in force last whether or not it ranks among them.
+            self.queue = [*others[: len(plans) - 1], window.bounds]
         nxt = self.queue.pop(0)
         self.held = 0
         return Decision(
