@@ -298,11 +298,11 @@ def sweep_split_ms(
     per-window gather counts for the oracle as for them); each visit's first window (the
     split settles: a new kernel's tuning, the moved layers' allocations) and the launch's
     first ``warmup`` steps left out, and so are the steps of a clean visit past ``onset``.
-    A split held again later in the same pass (the sweep
-    ends every pass on the split it started from) is measured by its later visits alone:
-    the launch's first visit runs while the launch warms up (a 4-stage gpt sweep read its
-    first split 191 ms a step after one window, where the static launch of that split ran
-    115). A sweep without such a visit (older logs) keeps the first one."""
+    A split held again later in the same pass (the sweep ends every pass on the split it
+    started from) is measured by its later visits alone: the launch's first visit runs while
+    the launch warms up (a 4-stage gpt sweep read its first split 191 ms a step after one
+    window, where the static launch of that split ran 115). A sweep without such a visit
+    (older logs) keeps the first one."""
     out: dict[str, dict[str, dict[int, list[float]]]] = {"clean": {}, "interference": {}}
     since, visit, start, prev = 0, 0, 0, None
     for s, t_end, split in steps:
