@@ -55,6 +55,11 @@ def _label(doc: dict[str, Any]) -> str:
     return f"{c['config']}, `{kinds}` on stage {stages}, {c.get('nproc', 2)} stages"
 
 
+def _title(doc: dict[str, Any]) -> str:
+    """A row's first cell: the configuration, then the card and the code it ran."""
+    return f"{_label(doc)} ({doc.get('device', '?')}, `{doc.get('revision', '?')}`)"
+
+
 def _fmt(x: float | None, goal: float) -> str:
     if x is None:
         return "–"
@@ -86,9 +91,8 @@ def row(doc: dict[str, Any], goal: float) -> str:
                 r = sy[s]["ms"] / sy["static"]["ms"]
                 worst = r if worst is None else max(worst, r)
         vs_static.append("–" if worst is None else f"{worst:.3f}")
-    where = f"{doc.get('device', '?')}, `{doc.get('revision', '?')}`"
     return (
-        f"| {_label(doc)} ({where}) | {steps} | {oracle} | " + " | ".join(cells) + " | "
+        f"| {_title(doc)} | {steps} | {oracle} | " + " | ".join(cells) + " | "
         f"{' / '.join(vs_static)} |"
     )
 
@@ -106,8 +110,7 @@ def factors_row(doc: dict[str, Any]) -> str:
             parts.append("–" if not v or "choice" not in v else
                          f"{v['choice']:.3f} x {v['execution']:.3f}")  # fmt: skip
         cells.append("–" if all(x == "–" for x in parts) else " / ".join(parts))
-    where = f"{doc.get('device', '?')}, `{doc.get('revision', '?')}`"
-    return f"| {_label(doc)} ({where}) | " + " | ".join(cells) + " |"
+    return f"| {_title(doc)} | " + " | ".join(cells) + " |"
 
 
 def main(argv: list[str] | None = None) -> int:
