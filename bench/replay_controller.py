@@ -15,6 +15,13 @@ current estimates (``CostEstimates``' fallback).
     python bench/replay_controller.py analysis/logs/oracle-*/*/static.jsonl.gz \
         [--mode measured|adaptive] [--predictor P] [--min-gain 0.05] ...
 
+``--explain STEP`` prints, for the window decided at ``STEP``, the model behind the
+decision: every layer's cost on every device of the plan in force (forward / backward, ms a
+microbatch; a device that does not hold a layer prices it by its clean cost and the
+device's slowdown), the host issue times kept per layer, and per plan (the one in force, the
+one the policy picked, and any ``--plan 4|3|3|4`` given) the predicted step and each stage's
+device and host sums: what to read before changing the model.
+
 ``--time`` also prints the policy's host time per window (what a training rank spends in
 ``think`` while its device runs a step), with the predictor's part in ``adaptive`` mode;
 on a GPU host ``--cuda`` first opens a CUDA context, as a training rank holds one.
@@ -23,16 +30,21 @@ on a GPU host ``--cuda`` first opens a CUDA context, as a training rank holds on
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from dynpipe.cliargs import add_config_args, config_kwargs
-from dynpipe.planner.plan import Plan
+from dynpipe.planner.plan import Plan, split_label
 from dynpipe.runtime.adapt.config import AdaptConfig
 from dynpipe.runtime.adapt.make import make_policy
+from dynpipe.runtime.adapt.policy import predicted_step_ms, stage_costs
+from dynpipe.runtime.adapt.record import Bounds
 from dynpipe.runtime.adapt.window import Window
 from dynpipe.runtime.cli import ADAPT_FLAGS
 from dynpipe.runtime.config import TrainConfig
@@ -48,6 +60,8 @@ def replay(
     through: bool = False,
     link_gbs: float | None = None,
     host_ms: list[tuple[float, float, float | None]] | None = None,
+    explain: int | None = None,
+    plans: Sequence[str] = (),
 ) -> list[dict]:
     """One dict per window: the decision, or the first move the recorded run did not make.
 
@@ -56,7 +70,9 @@ def replay(
     such windows carry ``recorded``, the plan the run moved to).
     ``host_ms``: if given, gets one ``(wall, cpu, predictor)`` per window the policy read:
     milliseconds of its ``observe`` (wall clock and this thread's CPU time) and of the
-    predictor's call within it (None where it made none)."""
+    predictor's call within it (None where it made none).
+    ``explain``: the window decided at this step carries ``explain`` (``_explain``), with
+    ``plans`` (splits as ``4|3|3|4``) priced beside the plan in force and the one picked."""
     log = read_log(path)
     header = log.headers[0]
     conf = header.config
@@ -135,6 +151,9 @@ def replay(
                     break  # the recorded run moved where this policy could not have
                 _impose(policy, rec)
             continue
+        if explain is not None and d.step == explain:
+            out.append({"step": d.step, "explain": _explain(policy, w, d, plans)})
+            return out  # what follows the window explained is another question
         entry = {
             "step": d.step,
             "slowdown": d.slowdown,
@@ -173,6 +192,65 @@ def replay(
             continue
         out.append(entry)
     return out
+
+
+def _bounds(split: str, num_layers: int) -> Bounds:
+    """``4|3|3|4`` as stage bounds; one clear line if it does not cover the model."""
+    sizes = [int(x) for x in split.split("|")]
+    if sum(sizes) != num_layers or min(sizes) < 1:
+        raise SystemExit(
+            f"--plan {split}: {sum(sizes)} layers in stages of at least 1, the model has "
+            f"{num_layers}; give sizes that sum to {num_layers}"
+        )
+    edges = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    return tuple((int(a), int(b)) for a, b in itertools.pairwise(edges))
+
+
+def _explain(policy: Any, w: Window, d: Any, plans: Sequence[str]) -> dict:
+    """The model behind the decision of window ``w``: per-layer costs per stage (rows in the
+    plan's stage order), the host times kept, and per plan its predicted step and each
+    stage's device and host sums a microbatch (the stage costs the longer, ``stage_ms``)."""
+    cm = policy.cost_model(w)
+    kw = {"schedule": w.schedule, "microbatches": w.microbatches}
+    candidates = [w.bounds]
+    if d.repartition and d.bounds is not None and len(d.bounds) == w.num_stages:
+        candidates.append(tuple(tuple(b) for b in d.bounds))
+    candidates += [_bounds(p, cm.num_layers) for p in plans]
+    priced = []
+    for bounds in dict.fromkeys(candidates):
+        if len(bounds) != w.num_stages:
+            raise SystemExit(
+                f"--plan {split_label(bounds)}: {len(bounds)} stages, the plan in force has "
+                f"{w.num_stages}; give a split of {w.num_stages} stages"
+            )
+        sc = stage_costs(cm, bounds, **kw)
+        device, host = [], []
+        for s, (a, b) in enumerate(bounds):
+            device.append(
+                float(cm.fwd_ms[s, a:b].sum() + cm.bwd_ms[s, a:b].sum())
+                + float(cm.stage_fwd_ms[s] + cm.stage_bwd_ms[s])
+            )
+            if cm.host_fwd_ms is not None and cm.host_bwd_ms is not None:
+                host.append(float(cm.host_fwd_ms[s, a:b].sum() + cm.host_bwd_ms[s, a:b].sum()))
+        priced.append(
+            {
+                "split": split_label(bounds),
+                "step_ms": round(predicted_step_ms(cm, bounds, **kw), 2),
+                "stage_ms": [round(f + b, 2) for f, b in zip(sc.fwd_ms, sc.bwd_ms, strict=True)],
+                "device_ms": [round(x, 2) for x in device],
+                "host_ms": [round(x, 2) for x in host] or None,
+                "comm_ms": [round(x, 3) for x in sc.comm_ms],
+            }
+        )
+    rows = {"fwd_ms": cm.fwd_ms, "bwd_ms": cm.bwd_ms}
+    if cm.host_fwd_ms is not None and cm.host_bwd_ms is not None:
+        rows |= {"host_fwd_ms": cm.host_fwd_ms[:1], "host_bwd_ms": cm.host_bwd_ms[:1]}
+    return {
+        "reason": d.reason,
+        "layers": list(cm.layer_names),
+        **{k: np.round(v, 3).tolist() for k, v in rows.items()},
+        "plans": priced,
+    }
 
 
 def _impose(policy: object, rec: object) -> None:
@@ -223,6 +301,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="also print the policy's host time per window (median, p90, max)",
     )
     ap.add_argument(
+        "--explain",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="print the model behind the decision at STEP (per-layer costs, host times, "
+        "each plan's stages); replays up to it",
+    )
+    ap.add_argument(
+        "--plan",
+        action="append",
+        default=[],
+        metavar="SPLIT",
+        help="with --explain: a split (e.g. 4|3|3|4) to price beside the plan in force",
+    )
+    ap.add_argument(
         "--cuda",
         action="store_true",
         help="open a CUDA context before replaying, as a training rank holds one (GPU hosts)",
@@ -249,6 +342,23 @@ def _time_line(host_ms: list[tuple[float, float, float | None]]) -> str:
     return "; ".join(out)
 
 
+def _print_explain(step: int, e: dict) -> None:
+    print(f"   step {step}: {e['reason']}")
+    names = e["layers"]
+    for key in ("fwd_ms", "bwd_ms", "host_fwd_ms", "host_bwd_ms"):
+        for s, row in enumerate(e.get(key) or []):
+            label = f"{key} stage {s}" if not key.startswith("host") else f"{key} (every host)"
+            print(
+                f"   {label:<22}", " ".join(f"{n}={x:g}" for n, x in zip(names, row, strict=True))
+            )
+    for p in e["plans"]:
+        print(
+            f"   {p['split']:<14} step {p['step_ms']} ms; per stage and microbatch: "
+            f"cost {p['stage_ms']}, device {p['device_ms']}, host {p['host_ms']}, "
+            f"links {p['comm_ms']}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     given = {k: v for k, v in config_kwargs(args, AdaptConfig).items() if v is not None}
@@ -267,8 +377,13 @@ def main(argv: list[str] | None = None) -> int:
             through=args.through,
             link_gbs=args.link_gbs,
             host_ms=host_ms,
+            explain=args.explain,
+            plans=args.plan,
         ):
-            print("  ", d)
+            if "explain" in d:
+                _print_explain(d["step"], d["explain"])
+            else:
+                print("  ", d)
         if host_ms:
             print("  ", _time_line(host_ms))
     return 0

@@ -7,6 +7,7 @@ the planner, the simulator, the migration diff — reads this type and nothing e
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,7 @@ from dynpipe.errors import UserError
 if TYPE_CHECKING:
     from dynpipe.models.base import LayeredModel
 
-__all__ = ["PLAN_VERSION", "SCHEDULES", "Plan", "PlanError", "StagePlan"]
+__all__ = ["PLAN_VERSION", "SCHEDULES", "Plan", "PlanError", "StagePlan", "split_label"]
 
 PLAN_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b")
@@ -24,6 +25,11 @@ SCHEDULES = ("gpipe", "1f1b")
 
 class PlanError(UserError):
     """A plan that does not fit the model, the world size or itself."""
+
+
+def split_label(bounds: Sequence[tuple[int, int]]) -> str:
+    """A split as logs, tables and decisions write it: layers per stage, ``4|3|3|4``."""
+    return "|".join(str(b - a) for a, b in bounds)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from dynpipe.planner.plan import Plan
+from dynpipe.planner.plan import Plan, split_label
 
 __all__ = ["format_comparison", "format_plan", "format_shapes", "replace_section"]
 
@@ -146,7 +146,7 @@ def format_shapes(shapes: Sequence) -> str:
     """One row per dp x pp shape (``planner.shape.ShapeChoice``): split and step time."""
     rows = []
     for c in shapes:
-        split = "|".join(str(b - a) for a, b in c.bounds) or "-"
+        split = split_label(c.bounds) or "-"
         done = bool(c.bounds)
         rows.append(
             [

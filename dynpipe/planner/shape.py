@@ -37,7 +37,7 @@ import numpy as np
 from dynpipe.planner.costs import CostModel
 from dynpipe.planner.dp import plan_partition
 from dynpipe.planner.evaluate import in_flight
-from dynpipe.planner.plan import PlanError
+from dynpipe.planner.plan import PlanError, split_label
 from dynpipe.planner.simulate import step_times
 
 __all__ = [
@@ -115,7 +115,7 @@ class ShapeChoice:
     note: str = ""
 
     def __repr__(self) -> str:
-        split = "|".join(str(b - a) for a, b in self.bounds) or "-"
+        split = split_label(self.bounds) or "-"
         return (
             f"ShapeChoice({self.dp}x{self.pp} {split} step={self.step_ms:.4g}ms "
             f"(pipe {self.pipeline_ms:.4g} + reduce {self.reduce_ms:.4g}))"

@@ -52,7 +52,7 @@ import numpy as np
 from dynpipe.errors import UserError
 from dynpipe.planner.costs import CostModel
 from dynpipe.planner.diff import Transfer
-from dynpipe.planner.plan import Plan
+from dynpipe.planner.plan import Plan, split_label
 from dynpipe.planner.shape import evaluate_shape, reduce_tail_ms
 from dynpipe.runtime.adapt.policy import predicted_step_ms
 
@@ -355,7 +355,7 @@ def decide_shape(
             {
                 "dp": d,
                 "pp": p,
-                "split": "|".join(str(b - a) for a, b in bounds),
+                "split": split_label(bounds),
                 "step_ms": round(ch.step_ms, 4) if math.isfinite(ch.step_ms) else None,
                 "reduce_ms": round(ch.reduce_ms, 4) if math.isfinite(ch.reduce_ms) else None,
                 "fits": ch.fits,

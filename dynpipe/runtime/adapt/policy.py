@@ -41,7 +41,7 @@ import numpy as np
 from dynpipe.planner.costs import CostModel
 from dynpipe.planner.dp import plan_partition
 from dynpipe.planner.evaluate import stage_costs
-from dynpipe.planner.plan import PlanError
+from dynpipe.planner.plan import PlanError, split_label
 from dynpipe.planner.simulate import step_times
 from dynpipe.runtime.adapt.config import AdaptConfig
 from dynpipe.runtime.adapt.estimates import CostEstimates
@@ -388,7 +388,7 @@ class Controller:
             and self.memory.measured(last.src, regime, last=recent) is None
         ):
             return verdict(
-                f"{_split(last.src)} measured again: the move from it measured slower "
+                f"{split_label(last.src)} measured again: the move from it measured slower "
                 "across a change of conditions",
                 bounds=last.src,
             )
@@ -465,7 +465,7 @@ class Controller:
         known = self.memory.measured(bounds, regime, last=recent) if on == w.ranks else None
         if known is not None and known >= here:
             return verdict(
-                f"{_split(bounds)} measured {known:.2f} ms/step under these conditions against "
+                f"{split_label(bounds)} measured {known:.2f} ms/step under these conditions against "
                 f"{here:.2f} now: the model's {gain / cur:.1%} not taken",
                 res.step_ms,
             )
@@ -804,10 +804,6 @@ def _wide(bounds: Bounds, ranks: tuple[int, ...], world: int) -> Bounds:
         out.append((a, b))
         at = b
     return tuple(out)
-
-
-def _split(bounds: Bounds) -> str:
-    return "|".join(str(b - a) for a, b in bounds)
 
 
 class SweepPolicy:

@@ -68,6 +68,7 @@ import numpy as np
 from dynpipe.planner.costs import CostModel
 from dynpipe.planner.evaluate import in_flight, stage_costs
 from dynpipe.planner.listed import best_bounds
+from dynpipe.planner.plan import split_label
 from dynpipe.planner.shape import reduce_tail_ms
 from dynpipe.planner.simulate import step_times
 from dynpipe.runtime.adapt.config import AdaptConfig
@@ -101,7 +102,7 @@ class ReplicaConfig:
     dropped: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
-        split = "|".join(str(b - a) for a, b in self.bounds)
+        split = split_label(self.bounds)
         drop = f" drop {list(self.dropped)}" if self.dropped else ""
         return f"{split} shares {'/'.join(map(str, self.shares))}{drop}"
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from dynpipe.planner.plan import split_label
+
 __all__ = ["Window"]
 
 
@@ -97,7 +99,7 @@ class Window:
         return tuple(out)
 
     def __repr__(self) -> str:
-        split = "|".join(str(b - a) for a, b in self.bounds)
+        split = split_label(self.bounds)
         has = "layers" if self.has_layers else "stages only"
         dp = "" if self.replicas is None else f", dp={self.dp} shares={list(self.shares or ())}"
         return f"Window(step={self.step}, {split}{dp}, {len(self.step_ms)} steps, {has})"
