@@ -325,7 +325,13 @@ def main(argv: list[str] | None = None) -> int:
         a.systems = a.systems.split(",")
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
         return run(a)
-    return report(a)
+    from dynpipe.errors import UserError
+
+    try:
+        return report(a)
+    except UserError as e:  # a folder without a sweep log: one line, not a traceback
+        print(f"oracle.py report: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

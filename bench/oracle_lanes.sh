@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs bench/oracle.py experiments in lanes of GPUs of one host, lanes in parallel, the
-# experiments of a lane one after another; then reports each and packs every log.
+# experiments of a lane one after another; then reports each (one that LANE_TIMEOUT cut, from
+# the logs it has) and packs every log.
 #   bash bench/oracle_lanes.sh OUTDIR LANE [LANE ...]
 # LANE: GPUS=EXP+EXP+...   EXP: CONFIG:INTERFERERS:STAGES[:SYSTEMS]   e.g.
 #   0,1=vgg16-b128:gemm:1+resnet50-b256:copy:0  2,3=gpt-w2048:gemm:0:sweep,static,adaptive
@@ -33,4 +34,12 @@ for spec in "$@"; do
 done
 for p in "${pids[@]}"; do wait "$p"; done
 cat "$O"/lane-*.txt
+# A lane cut by LANE_TIMEOUT loses the report of the experiment it was in: report every
+# experiment that has none from the logs it has (a run cut short shows the phases it ran).
+for d in "$O"/*/; do
+  if [ -f "$d/oracle.json" ] && [ ! -f "$d/report.json" ]; then
+    echo "$(basename "$d") (cut by the lane's time; reported from its logs):"
+    python3 bench/oracle.py report "$d" -o "$d/report.json" 2>&1 | tail -n 4
+  fi
+done
 tar czf /tmp/oracle-logs.tgz -C "$O" --exclude='*.tgz' --exclude='ckpt-*' . && mv /tmp/oracle-logs.tgz "$O/"
