@@ -196,7 +196,10 @@ def replay(
 
 def _bounds(split: str, num_layers: int) -> Bounds:
     """``4|3|3|4`` as stage bounds; one clear line if it does not cover the model."""
-    sizes = [int(x) for x in split.split("|")]
+    try:
+        sizes = [int(x) for x in split.split("|")]
+    except ValueError:
+        sizes = [0]
     if sum(sizes) != num_layers or min(sizes) < 1:
         raise SystemExit(
             f"--plan {split}: {sum(sizes)} layers in stages of at least 1, the model has "
@@ -370,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.logs:
         print(f"## {path}")
         host_ms: list[tuple[float, float, float | None]] | None = [] if args.time else None
+        explained = False
         for d in replay(
             path,
             overrides,
@@ -382,8 +386,14 @@ def main(argv: list[str] | None = None) -> int:
         ):
             if "explain" in d:
                 _print_explain(d["step"], d["explain"])
+                explained = True
             else:
                 print("  ", d)
+        if args.explain is not None and not explained:
+            print(
+                f"   no decision at step {args.explain} before the replay stopped; explain one "
+                "of the steps printed above"
+            )
         if host_ms:
             print("  ", _time_line(host_ms))
     return 0

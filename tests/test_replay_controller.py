@@ -36,3 +36,8 @@ def test_a_plan_that_does_not_cover_the_model_is_one_clear_line() -> None:
     with pytest.raises(SystemExit, match=r"--plan 4\|13: 17 layers.*sum to 18"):
         _tool()._bounds("4|13", 18)
     assert _tool()._bounds("4|14", 18) == ((0, 4), (4, 18))
+
+
+def test_a_split_that_is_not_numbers_is_one_clear_line() -> None:
+    with pytest.raises(SystemExit, match=r"--plan 4\|x: .*sum to 18"):
+        _tool()._bounds("4|x", 18)
