@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dynpipe.analysis.metrics import sweep_split_ms
+from dynpipe.planner.plan import split_label
 from dynpipe.runtime.records import find_log, read_log
 
 STATIC = ("dp4", "pp4", "static")
@@ -43,7 +44,7 @@ def _phase_ms(steps: dict[int, Any], a: int, b: int) -> float | None:
 
 
 def _split(step: Any) -> str:
-    return "|".join(str(st.layers[1] - st.layers[0]) for st in step.stages)
+    return split_label([st.layers for st in step.stages])
 
 
 def _sweep(path: Path, onset: int, warmup: int, every: int) -> dict[str, dict[str, float]]:

@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from dynpipe.planner.plan import split_label  # plain data: no torch for the orchestrator
+
 # Sizes at which the GPUs, not kernel launches or the host, bound the step (see README).
 CONFIGS: dict[str, list[str]] = {
     "vgg16-b128": ["--model", "vgg16", "--model-arg", "image_size=224", "--model-arg",
@@ -177,7 +179,7 @@ def _read(path: Path) -> tuple[list[dict], list[dict]]:
 
 
 def _split(rec: dict) -> str:
-    return "|".join(str(s["layers"][1] - s["layers"][0]) for s in rec["stages"])
+    return split_label([s["layers"] for s in rec["stages"]])
 
 
 def _sweep(path: Path, onset: int, warmup: int, every: int) -> dict[str, dict[str, float]]:
