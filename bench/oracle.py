@@ -140,6 +140,12 @@ def run(a: argparse.Namespace) -> int:
     ev = [(a.onset, "start", k, s) for k, s in zip(kinds, stages, strict=True)]
     ev += [(a.end, "stop", k, s) for k, s in zip(kinds, stages, strict=True)]
     scn = _scenario(out / "scenario.toml", ev)
+    if a.plan_profile:
+        # Every system starts from the split ``dynpipe plan`` picks from the profile, as a
+        # user who profiled first would start (``static`` then holds that split throughout).
+        meta["initial_split"] = _plan_from_profile(cfg, a, out / "initial-plan.json")
+        (out / "oracle.json").write_text(json.dumps(meta, indent=1) + "\n")
+        common += ["--plan", str(out / "initial-plan.json")]
     for system in a.systems:
         if system == "sweep":
             continue
@@ -153,6 +159,26 @@ def run(a: argparse.Namespace) -> int:
             extra += ["--save-dir", str(Path(a.ckpt or out) / f"ckpt-{a.config}")]
         _train([*common, *extra], out / f"{system}.jsonl", a.timeout)
     return 0
+
+
+def _plan_from_profile(cfg: list[str], a: argparse.Namespace, path: Path) -> list[int]:
+    """``dynpipe plan`` of the configuration on ``a.plan_profile``'s measured layer times
+    (clean), written to ``path``; the split it picked, in layers per stage."""
+    opts = dict(zip(cfg[::2], cfg[1::2], strict=True))  # every config is flag-value pairs
+    sets = [x for k, v in zip(cfg[::2], cfg[1::2], strict=True) if k == "--model-arg"
+            for x in ("--set", v)]  # fmt: skip
+    cmd = [sys.executable, "-m", "dynpipe", "plan", "--model", opts["--model"], *sets,
+           "--stages", str(a.nproc), "--batch-size", opts["--batch-size"],
+           "--microbatches", opts["--microbatches"], "--profile", a.plan_profile,
+           "-o", str(path)]  # fmt: skip
+    if a.device == "cuda":
+        cmd += ["--bf16"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=300)
+    stages = json.loads(path.read_text())["stages"]
+    split = [s["stop"] - s["start"] for s in stages]
+    label = split_label([(s["start"], s["stop"]) for s in stages])
+    print(f"  initial plan from {a.plan_profile}: {label}", flush=True)
+    return split
 
 
 def _num_layers(cfg: list[str]) -> int:
@@ -317,6 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--systems", default="sweep,static,measured,adaptive,restart")
     r.add_argument("--predictor", default=None)
     r.add_argument("--ckpt", default=None, help="where the restart baseline checkpoints")
+    r.add_argument(
+        "--plan-profile",
+        default=None,
+        help="profile dataset: every system starts from the split `dynpipe plan` picks from "
+        "its measured layer times (default: the even split)",
+    )
     r.add_argument("--timeout", type=float, default=900)
     r.add_argument("-o", "--out", required=True)
     p = sub.add_parser("report")

@@ -3,8 +3,10 @@
 # experiments of a lane one after another; then reports each (one that LANE_TIMEOUT cut, from
 # the logs it has) and packs every log.
 #   bash bench/oracle_lanes.sh OUTDIR LANE [LANE ...]
-# LANE: GPUS=EXP+EXP+...   EXP: CONFIG:INTERFERERS:STAGES[:SYSTEMS]   e.g.
+# LANE: GPUS=EXP+EXP+...   EXP: CONFIG:INTERFERERS:STAGES[:SYSTEMS[:PROFILE]]   e.g.
 #   0,1=vgg16-b128:gemm:1+resnet50-b256:copy:0  2,3=gpt-w2048:gemm:0:sweep,static,adaptive
+# PROFILE: every system starts from the split `dynpipe plan` picks from that profile dataset
+# (oracle.py --plan-profile; default: the even split).
 # A lane of 4 GPUs runs 4 stages. PREDICTOR (default predictor/h200.json.gz), STEPS, ONSET,
 # END, SWEEP_WINDOWS, SWEEP_PLANS, LANE_TIMEOUT (seconds) and DEVICE (cuda; cpu checks the script on a CPU machine,
 # a lane's "GPUS" then only counting its stages) are read from the environment. Logs and reports land in
@@ -17,13 +19,14 @@ lane() {  # gpus, experiments
   local gpus=$1 exps=$2 n
   n=$(echo "$gpus" | tr ',' '\n' | wc -l)
   for exp in ${exps//+/ }; do
-    IFS=: read -r cfg kinds stages systems <<< "$exp"
-    local d="$O/$cfg-${kinds//,/+}-s${stages//,/+}"
+    IFS=: read -r cfg kinds stages systems profile <<< "$exp"
+    local d="$O/$cfg-${kinds//,/+}-s${stages//,/+}${profile:+-planned}"
     CUDA_VISIBLE_DEVICES=$gpus python3 bench/oracle.py run --config "$cfg" --interferer "$kinds" \
       --stage "$stages" --nproc "$n" --device "${DEVICE:-cuda}" --steps "${STEPS:-150}" --onset "${ONSET:-40}" \
       --end "${END:-100}" --predictor "$P" --ckpt "/tmp/ckpt-$cfg-$gpus" \
       --sweep-windows "${SWEEP_WINDOWS:-3}" --sweep-plans "${SWEEP_PLANS:-12}" \
-      --systems "${systems:-sweep,static,measured,adaptive,restart}" -o "$d"
+      --systems "${systems:-sweep,static,measured,adaptive,restart}" \
+      ${profile:+--plan-profile "$profile"} -o "$d"
     python3 bench/oracle.py report "$d" -o "$d/report.json"
   done
 }

@@ -45,14 +45,18 @@ def _commit_time(rev: str) -> int:
 
 def _key(doc: dict[str, Any]) -> tuple:
     c = doc["config"]
-    return (c["config"], tuple(c["interferer"]), tuple(c["stages"]), c.get("nproc", 2))
+    first = tuple(c.get("initial_split") or ())  # a planned start is its own configuration
+    return (c["config"], tuple(c["interferer"]), tuple(c["stages"]), c.get("nproc", 2), first)
 
 
 def _label(doc: dict[str, Any]) -> str:
     c = doc["config"]
     kinds = "+".join(c["interferer"])
     stages = "+".join(str(s) for s in c["stages"])
-    return f"{c['config']}, `{kinds}` on stage {stages}, {c.get('nproc', 2)} stages"
+    label = f"{c['config']}, `{kinds}` on stage {stages}, {c.get('nproc', 2)} stages"
+    if c.get("initial_split"):
+        label += f", from the planned {'|'.join(map(str, c['initial_split']))}"
+    return label
 
 
 def _title(doc: dict[str, Any]) -> str:

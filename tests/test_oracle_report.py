@@ -102,3 +102,36 @@ def test_a_cpu_run_reports_every_phase_with_its_factors_and_the_repeated_sweep(t
         assert abs(static["choice"] * static["execution"] - static["ratio"]) < 2e-3
         again = ph["repeat"]
         assert sum(again["split"]) == 10 and again["oracle_split_ms"] > 0
+
+
+@pytest.mark.slow
+def test_plan_profile_starts_every_system_from_the_planned_split(tmp_path) -> None:
+    """``--plan-profile``: ``dynpipe plan`` on the profile picks the first split, and the
+    systems run from it (static holds it), not from the even split."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_planner_costs import profile_frame
+
+    from dynpipe.models import get_model
+    from dynpipe.profiler.schema import write_profiles
+
+    oracle = _module()
+    pairs = list(zip(oracle.CONFIGS["mlp-cpu"][::2], oracle.CONFIGS["mlp-cpu"][1::2], strict=True))
+    sets = dict(a.split("=") for f, a in pairs if f == "--model-arg")
+    model = get_model(dict(pairs)["--model"], **{k: int(v) for k, v in sets.items()})
+    # Layer i measured (i + 1) times the first: the planner gives the first stage more layers.
+    df = profile_frame(model="mlp", layers=len(model))
+    df["layer"] = df["layer_index"].map(dict(enumerate(model.layer_names)))
+    prof = tmp_path / "mlp.parquet"
+    meta = {k: "test" for k in ("device_name", "driver", "torch_version", "date", "command")}
+    write_profiles(df, prof, meta={**meta, "device_type": "cpu"})
+    out = tmp_path / "run"
+    run = [sys.executable, str(ROOT / "bench/oracle.py"), "run", "--config", "mlp-cpu",
+           "--device", "cpu", "--nproc", "2", "--interferer", "emulate", "--stage", "1",
+           "--steps", "6", "--onset", "2", "--end", "4", "--warmup", "1",
+           "--monitor-every", "2", "--timeout", "240", "--systems", "static",
+           "--plan-profile", str(prof), "-o", str(out)]  # fmt: skip
+    subprocess.run(run, check=True, timeout=600, cwd=ROOT)
+    first = json.loads((out / "oracle.json").read_text())["initial_split"]
+    assert sum(first) == len(model) and first[0] > first[1], first
+    steps, _ = oracle._read(out / "static.jsonl")
+    assert steps and {oracle._split(r) for r in steps} == {f"{first[0]}|{first[1]}"}

@@ -104,7 +104,7 @@ def test_profile_and_predictor_inputs(tmp_path, capsys) -> None:
 
     # A measured profile: device 1 under a condition measured 2x slower.
     prof = tmp_path / "toy.parquet"
-    from dynpipe.profiler.schema import write_profiles
+    from dynpipe.profiler.schema import read_metadata, write_profiles
 
     model = get_model("mlp", depth=1)  # inp, fc00, head: 3 layers like the toy frame
     df = profile_frame(model="mlp")
@@ -146,6 +146,19 @@ def test_profile_and_predictor_inputs(tmp_path, capsys) -> None:
     assert plan.meta["costs"]["source"] == "profile"
     assert plan.meta["costs"]["conditions"] == ["none", "gemm@0.5x2"]
     assert plan.stages[1].fwd_ms == pytest.approx(2.0 * 3)  # head alone, measured 2x slower
+
+    # A profile of another configuration of the model is refused, naming what differs.
+    args = ["plan", "--model", "mlp", "--stages", "2", "--batch-size", "32", "--profile"]
+    assert main([*args, str(prof), "--set", "depth=3"]) == 2
+    assert "profile's mlp has 3 layers (inp..head), the model 5" in capsys.readouterr().err
+    counts = [sum(p.numel() for p in model.build_layer(i).parameters()) for i in range(3)]
+    df["param_count"] = df["layer_index"].map(dict(enumerate(counts)))
+    df.loc[df["layer_index"] == 1, "param_count"] += 1
+    other = tmp_path / "other.parquet"
+    write_profiles(df, other, meta=dict(read_metadata(prof)))
+    assert main([*args, str(other), "--set", "depth=1"]) == 2
+    err = capsys.readouterr().err
+    assert f"layer fc00 has {counts[1] + 1} parameters, the model's {counts[1]}" in err
 
     # A learned predictor: a busy device 1 must get less work than a quiet one.
     data = synthetic_profiles(models=("mlp_a",), seed=0)

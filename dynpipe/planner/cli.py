@@ -213,6 +213,17 @@ def _costs(args: argparse.Namespace, model: Any, mb: int) -> Any:
         conds = args.conditions.split(",") if args.conditions else ["none"]
         if len(conds) not in (1, s):
             raise UserError(f"--conditions has {len(conds)} entries for {s} stages; give 1 or {s}")
+        from dynpipe.planner.profile_costs import check_profile_model
+
+        check_profile_model(
+            args.profile,
+            model=model.name,
+            layer_names=model.layer_names,
+            param_counts=[
+                sum(p.numel() for p in model.build_layer(i, device="meta").parameters())
+                for i in range(len(model))
+            ],
+        )
         cm = CostModel.from_profile(
             args.profile,
             model=model.name,

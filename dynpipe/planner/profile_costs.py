@@ -17,7 +17,7 @@ from dynpipe.errors import UserError
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["ProfileTimes", "profile_times"]
+__all__ = ["ProfileTimes", "check_profile_model", "profile_times"]
 
 _NEEDED = (
     "model",
@@ -147,3 +147,36 @@ def profile_times(
         out_bytes=static["out_bytes"].to_numpy(dtype=float) * scale,
         meta=meta,
     )
+
+
+def check_profile_model(
+    profile: pd.DataFrame | str | os.PathLike[str] | Sequence[str],
+    *,
+    model: str,
+    layer_names: Sequence[str],
+    param_counts: Sequence[int],
+) -> None:
+    """Refuse a profile of another configuration of ``model`` (depth, width, classes): its
+    layers must carry the model's names and parameter counts, else the planner would price
+    the model's layers by another model's times. One line saying what differs."""
+    df = _load(profile)
+    rows = df[df["model"] == model]
+    if rows.empty:
+        return  # ``profile_times`` names the missing model
+    names = [str(x) for x in rows.groupby("layer_index")["layer"].first().sort_index()]
+    fix = f"profile this configuration (`dynpipe profile --model {model} --set ...`)"
+    if names != list(layer_names):
+        raise UserError(
+            f"profile's {model} has {len(names)} layers ({names[0]}..{names[-1]}), the model "
+            f"{len(layer_names)} ({layer_names[0]}..{layer_names[-1]}): another configuration; "
+            f"{fix}"
+        )
+    if "param_count" not in rows.columns:  # profiles of an older schema carry no counts
+        return
+    counts = rows.groupby("layer_index")["param_count"].first().sort_index()
+    for i, (want, got) in enumerate(zip(param_counts, counts, strict=True)):
+        if not np.isnan(float(got)) and int(got) != int(want):
+            raise UserError(
+                f"profile's {model} layer {names[i]} has {int(got)} parameters, the model's "
+                f"{int(want)}: another configuration (width, classes, vocabulary); {fix}"
+            )
