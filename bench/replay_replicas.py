@@ -52,6 +52,9 @@ class Replayed:
     decision: Decision | None
     ms: float  # host time of ``observe`` here
     logged: dict[str, Any] | None  # the run's ``decision`` event for this window
+    # With ``shapes``: the options the decision weighed, each with its predicted time per
+    # batch (``ReplicaPolicy.priced``).
+    priced: list[tuple[float, Any]] | None = None
 
 
 def windows(path: Path, *, device_mib: float | None = None) -> Iterator[tuple[Window, int]]:
@@ -122,9 +125,14 @@ def _window(
 
 
 def replay(
-    path: Path, *, device_mib: float | None = None, profile: cProfile.Profile | None = None
+    path: Path,
+    *,
+    device_mib: float | None = None,
+    profile: cProfile.Profile | None = None,
+    shapes: bool = False,
 ) -> list[Replayed]:
-    """Every window of ``path`` through a fresh policy built as the run built its own."""
+    """Every window of ``path`` through a fresh policy built as the run built its own
+    (``shapes``: with the options each decision weighed, priced)."""
     log = read_log(path)
     header = log.headers[0]
     conf = header.config
@@ -165,13 +173,29 @@ def replay(
             profile.disable()
         ms = (time.perf_counter() - t0) * 1e3
         rec = logged.get(last)
-        out.append(Replayed(window=w, decision=d, ms=ms, logged=rec))
+        priced = policy.priced(w) if shapes and d is not None else None
+        out.append(Replayed(window=w, decision=d, ms=ms, logged=rec, priced=priced))
         # The run's move, if it made one from this window, takes effect as it did.
         move = moves.get(rec["step"]) if rec is not None and rec.get("repartition") else None
         if move is not None:
             nbytes = move.get("bytes") or 0
             policy.applied(step=move.step, pause_ms=move["pause_ms"], moved_bytes=nbytes)
     return out
+
+
+def _shapes(priced: list[tuple[float, Any]]) -> str:
+    """Per shape, its best option's predicted ms per batch (the configuration in force,
+    listed first, marked ``now``)."""
+    now = priced[0][1]
+    best: dict[tuple[int, int], tuple[float, Any]] = {}
+    for ms, c in priced:
+        if c.shape not in best or ms < best[c.shape][0]:
+            best[c.shape] = (ms, c)
+    parts = [f"now {priced[0][0]:.1f}"]
+    for (d, p), (ms, c) in sorted(best.items(), key=lambda x: x[1][0]):
+        mark = "=" if c == now else ""
+        parts.append(f"{d}x{p} {ms:.1f}{mark} ({c!r})")
+    return "; ".join(parts)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,6 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile", type=int, default=0, help="print the top N functions by cumulative time"
     )
     ap.add_argument("--quiet", action="store_true", help="no per-window lines")
+    ap.add_argument(
+        "--shapes",
+        action="store_true",
+        help="under each decision, every shape's best option and its predicted ms per batch",
+    )
     return ap
 
 
@@ -195,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     for path in args.logs:
         prof = cProfile.Profile() if args.profile else None
-        runs = [replay(path, device_mib=args.device_mib) for _ in range(args.repeat)]
+        runs = [
+            replay(path, device_mib=args.device_mib, shapes=args.shapes) for _ in range(args.repeat)
+        ]
         if prof is not None:
             replay(path, device_mib=args.device_mib, profile=prof)
         ms = np.median([[r.ms for r in run] for run in runs], axis=0)
@@ -207,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             got = "settle" if d is None else ("MOVE " if d.repartition else "") + d.reason
             was = r.logged["decide_ms"] if r.logged else None
             print(f"  step {r.window.step:4d} {r.window!r}: {t:7.2f} ms (run {was}) {got}")
+            if r.priced:
+                print(f"    measured {r.window.median_step_ms:.2f} ms; {_shapes(r.priced)}")
         busy = [t for r, t in zip(runs[0], ms, strict=True) if r.decision is not None]
         if busy:
             print(

@@ -260,3 +260,25 @@ def test_a_one_stage_replica_prices_no_layer_from_predicted_slowdowns() -> None:
             pred = (rng.uniform(0.5, 4, (1, L)), rng.uniform(0.5, 4, (1, L)))
             got = est.costs(((0, L),), (0,), predicted=pred)
             assert np.array_equal(got[0], plain[0]) and np.array_equal(got[1], plain[1])
+
+
+def test_priced_lists_what_the_decision_weighed_the_current_configuration_first() -> None:
+    policy = ReplicaPolicy(
+        base=BASE,
+        config=AdaptConfig(mode="measured", settle_windows=0, reshape=True),
+        num_stages=2,
+        dp=2,
+    )
+    cfg = ReplicaConfig(bounds=((0, L // 2), (L // 2, L)), shares=(4, 4))
+    for w in range(4):  # up to the first move (the configuration held throughout)
+        win = _window(4 + 5 * w, cfg, [[1, 1], [1, 3.0]], schedule="gpipe")
+        d = policy.observe(win)
+        if d.repartition:
+            break
+    priced = policy.priced(win)
+    assert priced[0][1] == cfg and priced[0][0] == pytest.approx(d.current_ms)
+    assert {c.shape for _, c in priced} == {(2, 2), (1, 4), (4, 1)}
+    assert d.repartition and min(priced, key=lambda x: x[0])[0] == pytest.approx(d.proposed_ms)
+    # Pricing changes nothing: the same window decides the same again.
+    again = policy.priced(win)
+    assert [(round(t, 9), c) for t, c in again] == [(round(t, 9), c) for t, c in priced]

@@ -332,15 +332,18 @@ class ReplicaPolicy:
         for est, sub in zip(self.est, window.replicas, strict=True):
             if sub.microbatches > 0:  # a left-out replica measured nothing
                 est.update(sub)
-        cur = ReplicaConfig(
-            bounds=window.bounds,
-            shares=tuple(window.shares or (window.microbatches,) * self.dp),
-            dropped=tuple(window.dropped),
-        )
+        cur = self._config_of(window)
         here = window.median_step_ms / cur.counted_fraction
         self.memory.add(cur, self.regime, here)
         self._judge(here)
         return self._decide(window, cur, here)
+
+    def _config_of(self, window: Window) -> ReplicaConfig:
+        return ReplicaConfig(
+            bounds=window.bounds,
+            shares=tuple(window.shares or (window.microbatches,) * self.dp),
+            dropped=tuple(window.dropped),
+        )
 
     def _reshaped(self, dp: int, num_stages: int) -> None:
         """The run now has ``dp`` replicas of ``num_stages`` stages (a reshape this policy
@@ -482,10 +485,7 @@ class ReplicaPolicy:
             return verdict(
                 f"estimates moved {model - 1:+.0%} but steps {steps - 1:+.0%}: not acted on"
             )
-        options = self._candidates(costs, pipes, cur, w.schedule, memory=self._memory(w))
-        scored = [(self._predict(pipes, c) / c.counted_fraction, c) for c in options]
-        if cfg.reshape:
-            scored += self._other_shapes(costs, w, cur)
+        scored = self._scored(w, costs, pipes, cur)
         now = model_now / cur.counted_fraction
         ms, pick = min(scored, key=lambda x: (x[0], x[1] != cur, repr(x[1])))
         if pick == cur:
@@ -519,6 +519,25 @@ class ReplicaPolicy:
             pick,
             promise=ms / max(now, 1e-9),
         )
+
+    def _scored(
+        self, w: Window, costs: list[CostModel], pipes: _Steps, cur: ReplicaConfig
+    ) -> list[tuple[float, ReplicaConfig]]:
+        """Every option weighed with its predicted time per counted batch."""
+        options = self._candidates(costs, pipes, cur, w.schedule, memory=self._memory(w))
+        scored = [(self._predict(pipes, c) / c.counted_fraction, c) for c in options]
+        if self.config.reshape:
+            scored += self._other_shapes(costs, w, cur)
+        return scored
+
+    def priced(self, window: Window) -> list[tuple[float, ReplicaConfig]]:
+        """The options a decision on ``window`` weighs (the configuration in force first),
+        each with its predicted time per counted batch, from the estimates as they stand:
+        called after ``observe(window)``, what that decision compared. Changes nothing."""
+        cur = self._config_of(window)
+        costs = self._costs(window)
+        pipes = _Steps(costs, window.schedule)
+        return self._scored(window, costs, pipes, cur)
 
     def tracking_error(self) -> float:
         """As ``Controller.tracking_error``: the robust spread of how far the model's
