@@ -173,7 +173,10 @@ def replay(
             profile.disable()
         ms = (time.perf_counter() - t0) * 1e3
         rec = logged.get(last)
-        priced = policy.priced(w) if shapes and d is not None else None
+        # A sweep's policy weighs no options: nothing to price.
+        priced = (
+            policy.priced(w) if shapes and d is not None and hasattr(policy, "priced") else None
+        )
         out.append(Replayed(window=w, decision=d, ms=ms, logged=rec, priced=priced))
         # The run's move, if it made one from this window, takes effect as it did.
         move = moves.get(rec["step"]) if rec is not None and rec.get("repartition") else None
