@@ -55,7 +55,7 @@ def _label(doc: dict[str, Any]) -> str:
     stages = "+".join(str(s) for s in c["stages"])
     label = f"{c['config']}, `{kinds}` on stage {stages}, {c.get('nproc', 2)} stages"
     if c.get("initial_split"):
-        label += f", from the planned {'|'.join(map(str, c['initial_split']))}"
+        label += ", from the planned " + "\\|".join(map(str, c["initial_split"]))
     return label
 
 
