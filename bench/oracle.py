@@ -164,9 +164,9 @@ def run(a: argparse.Namespace) -> int:
 def _plan_from_profile(cfg: list[str], a: argparse.Namespace, path: Path) -> list[int]:
     """``dynpipe plan`` of the configuration on ``a.plan_profile``'s measured layer times
     (clean), written to ``path``; the split it picked, in layers per stage."""
-    opts = dict(zip(cfg[::2], cfg[1::2], strict=True))  # every config is flag-value pairs
-    sets = [x for k, v in zip(cfg[::2], cfg[1::2], strict=True) if k == "--model-arg"
-            for x in ("--set", v)]  # fmt: skip
+    pairs = list(zip(cfg[::2], cfg[1::2], strict=True))  # every config is flag-value pairs
+    opts = dict(pairs)
+    sets = [x for k, v in pairs if k == "--model-arg" for x in ("--set", v)]
     cmd = [sys.executable, "-m", "dynpipe", "plan", "--model", opts["--model"], *sets,
            "--stages", str(a.nproc), "--batch-size", opts["--batch-size"],
            "--microbatches", opts["--microbatches"], "--profile", a.plan_profile,

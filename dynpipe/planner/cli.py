@@ -214,9 +214,11 @@ def _costs(args: argparse.Namespace, model: Any, mb: int) -> Any:
         if len(conds) not in (1, s):
             raise UserError(f"--conditions has {len(conds)} entries for {s} stages; give 1 or {s}")
         from dynpipe.planner.profile_costs import check_profile_model
+        from dynpipe.profiler.schema import load_profiles
 
+        profile = load_profiles(args.profile)  # read once: the check and the costs share it
         check_profile_model(
-            args.profile,
+            profile,
             model=model.name,
             layer_names=model.layer_names,
             param_counts=[
@@ -225,7 +227,7 @@ def _costs(args: argparse.Namespace, model: Any, mb: int) -> Any:
             ],
         )
         cm = CostModel.from_profile(
-            args.profile,
+            profile,
             model=model.name,
             microbatch_size=mb,
             conditions=conds,
