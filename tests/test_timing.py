@@ -127,6 +127,19 @@ def test_sampled_chunks_spread_over_the_step():
         assert len(got) == min(m, SAMPLED_MICROBATCHES) and got <= set(range(m))
 
 
+def test_sampled_chunks_spare_the_reduced_last_microbatch():
+    """With replicas the last backward carries the gradient all-reduce: it is left out
+    wherever another microbatch is left to time."""
+    assert sampled_chunks(4, spare_last=True) == {0, 1, 2}
+    assert sampled_chunks(2, spare_last=True) == {0}
+    assert sampled_chunks(1, spare_last=True) == {0}  # nothing else to time
+    assert sampled_chunks(8, spare_last=True) == sampled_chunks(8) == {2, 4, 6}
+    for m in range(2, 40):
+        got = sampled_chunks(m, spare_last=True)
+        assert m - 1 not in got and got and got <= set(range(m - 1))
+        assert len(got) == min(m - 1, SAMPLED_MICROBATCHES)
+
+
 def test_a_sampled_step_times_only_its_sampled_microbatches():
     """Layers are marked on the sampled microbatches alone; the others run unmarked (no
     forward marks, no backward hooks), and the stage timer still sees every one."""

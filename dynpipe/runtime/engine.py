@@ -585,7 +585,10 @@ class PipelineEngine:
             got = self._probe(self.light_probe, repeats=3 if self.topo.is_cuda else 1)
             if got is not None:
                 probed = (self.light_probe, float(got.fwd_ms[0]), float(got.bwd_ms[0]))
-        self.timer.sample_layers(sample_layers, microbatches=self.microbatches)
+        # The gradient all-reduce runs in the last microbatch's backward: not a layer's cost.
+        self.timer.sample_layers(
+            sample_layers, microbatches=self.microbatches, spare_last=self.reducer is not None
+        )
         for p in self.named_params.values():
             p.grad = None
         losses: list[torch.Tensor] = []
