@@ -397,7 +397,7 @@ def test_a_plan_measured_no_faster_is_not_taken_for_the_models_promise() -> None
 
 def test_controller_reacts_to_an_onset_and_not_to_a_timer_spike() -> None:
     ctl = _controller()
-    best = ((0, 3), (3, 10))
+    best = ((0, 2), (2, 10))  # 8 | 8 of TRUE's forward work
     for s in range(3):
         d = ctl.observe(_window(4 + 5 * s, best, TRUE))
         assert not d.repartition, d
@@ -408,7 +408,7 @@ def test_controller_reacts_to_an_onset_and_not_to_a_timer_spike() -> None:
     d = ctl.observe(_window(24, best, TRUE))
     # A real onset: timers and steps both: layers leave stage 1 in that window.
     d = ctl.observe(_window(29, best, TRUE, slow=(1.0, 3.0)))
-    assert d.repartition and d.bounds[0][1] > 3, d
+    assert d.repartition and d.bounds[0][1] > 2, d
 
 
 def test_a_move_measured_slower_is_undone_and_not_retried_in_the_same_regime() -> None:
@@ -472,7 +472,7 @@ def test_a_broken_promise_raises_the_gain_the_next_move_needs() -> None:
     best = ((0, 3), (3, 10))
     for s in range(3):
         ctl.observe(_window(4 + 5 * s, best, TRUE))
-    assert ctl.required_gain() == pytest.approx(0.05)
+    assert ctl.required_gain() == pytest.approx(ctl.config.min_gain)
     worse = ((0, 6), (6, 10))
     before = _window(4, best, TRUE).median_step_ms
     # The model promised 30% and the steps got 10% slower.
@@ -487,7 +487,7 @@ def test_a_broken_promise_raises_the_gain_the_next_move_needs() -> None:
     # window asked for not carried out) are new conditions: the old broken promise no
     # longer holds the model back.
     ctl.observe(_window(29, worse, TRUE, step_ms=3 * before))
-    assert ctl.required_gain() == pytest.approx(0.05)
+    assert ctl.required_gain() == pytest.approx(ctl.config.min_gain)
 
 
 def test_a_move_that_slows_the_steps_is_judged_not_taken_for_new_conditions() -> None:
@@ -545,7 +545,7 @@ def test_the_end_of_interference_clears_the_shortfalls_earned_under_it() -> None
     # promise of a move made under the interference no longer counts.
     ctl.observe(_window(44, worse, TRUE, step_ms=before))
     ctl.observe(_window(49, worse, TRUE, step_ms=before))
-    assert ctl.est.regime != under and ctl.required_gain() == pytest.approx(0.05)
+    assert ctl.est.regime != under and ctl.required_gain() == pytest.approx(ctl.config.min_gain)
 
 
 def test_conditions_seen_before_bring_back_the_plan_measured_best_under_them() -> None:
@@ -619,7 +619,8 @@ def test_an_end_read_through_a_stage_that_holds_less_is_still_followed() -> None
 
 
 def test_a_gain_only_a_timer_swing_shows_is_not_taken() -> None:
-    ctl = _controller()
+    # 3 | 7 is 2.4% off the best split: a min_gain above that holds it while clean.
+    ctl = _controller(min_gain=0.05)
     best = ((0, 3), (3, 10))
     steady = _window(4, best, TRUE).median_step_ms
     for s in range(2):

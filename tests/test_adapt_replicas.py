@@ -204,7 +204,7 @@ def test_a_move_that_falls_short_of_its_promise_raises_the_gain_the_next_needs()
     before = _window(9, cfg, clean, schedule="gpipe")
     d = policy.observe(before)
     assert not first.repartition and d.repartition and d.shares == (4, 4)
-    assert policy.required_gain() == pytest.approx(0.05)
+    assert policy.required_gain() == pytest.approx(policy.config.min_gain)
     policy.applied(step=10, pause_ms=1.0, moved_bytes=0)
     moved = ReplicaConfig(bounds=d.bounds, shares=d.shares, dropped=d.dropped)
     # The steps did not get faster at all: the promised gain was not there.
