@@ -3,6 +3,7 @@ what is wrong and how to fix it, exit status 2, no traceback, before any worker 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -116,7 +117,7 @@ def test_predictor_schema_checked_before_step_0(tmp_path, capsys) -> None:
 # ----------------------------------------------------------------- checkpoints
 
 
-def _checkpoint(root: Path, *, width: int = 16) -> Path:
+def _checkpoint(root: Path, *, width: int = 16, meta: dict | None = None) -> Path:
     """A real checkpoint of mlp(depth=4, width) at step 3, written in this process."""
     from dynpipe.models import get_model
     from dynpipe.runtime.checkpointer import save_checkpoint
@@ -124,7 +125,7 @@ def _checkpoint(root: Path, *, width: int = 16) -> Path:
     model = get_model("mlp", depth=4, width=width)
     layers = model.build_range(0, len(model))
     state = {f"{n}.{k}": v for n, layer in layers.items() for k, v in layer.state_dict().items()}
-    meta = {"step": 3, "model": "mlp", "model_fingerprint": model.fingerprint()}
+    meta = {"step": 3, "model": "mlp", "model_fingerprint": model.fingerprint(), **(meta or {})}
     return save_checkpoint(root, model_state=state, optim_state={}, meta=meta)
 
 
@@ -176,6 +177,30 @@ def test_resume_with_other_layer_shapes(tmp_path, capsys) -> None:
     ckpt = _checkpoint(tmp_path / "ck", width=32)
     argv = ["train", "--nproc", "2", *MLP, "--resume", str(ckpt)]
     _one_line(capsys, argv, "holds inp.0.weight with shape [32, 32] but this model's is [16, 32]")
+
+
+def test_resume_with_another_optimizer(tmp_path, capsys) -> None:
+    """An AdamW checkpoint resumed with the default SGD would drop its moments silently."""
+    saved = {"name": "adamw", "lr": 3e-4, "clip_grad": 1.0}
+    ckpt = _checkpoint(tmp_path / "ck", meta={"config": {"optim": saved}})
+    argv = ["train", "--nproc", "2", *MLP, "--resume", str(ckpt)]
+    _one_line(
+        capsys, argv, "trained with --optimizer adamw (lr 0.0003)", "asks for --optimizer sgd"
+    )
+
+
+def test_resumed_optimizer_settings_that_differ_are_listed() -> None:
+    from dynpipe.runtime.optim import OptimConfig, check_resumed_optim
+
+    saved = dataclasses.asdict(OptimConfig(name="adamw", lr=3e-4))
+    saved["betas"] = list(saved["betas"])  # as a JSON round trip leaves it
+    assert check_resumed_optim(saved, OptimConfig(name="adamw", lr=3e-4), where="x") == []
+    now = OptimConfig(name="adamw", lr=1e-4, clip_grad=1.0, total_steps=500)
+    assert check_resumed_optim(saved, now, where="x") == [
+        "lr 0.0003 -> 0.0001",
+        "clip_grad 0.0 -> 1.0",
+    ]
+    assert check_resumed_optim(None, now, where="x") == []  # a checkpoint that does not say
 
 
 def test_resume_from_a_folder_without_checkpoints(tmp_path, capsys) -> None:

@@ -186,6 +186,16 @@ def preflight(cfg, model, plan, *, check_resume: bool = True) -> None:
                 f"{info.meta.get('model')} (fingerprint mismatch); resume with the model config "
                 "it was written with"
             )
+        from dynpipe.runtime.optim import check_resumed_optim
+
+        saved = (info.meta.get("config") or {}).get("optim")
+        changed = check_resumed_optim(saved, cfg.optim, where=f"checkpoint {info.path}")
+        if changed:  # allowed (a new learning rate is a choice), but said
+            print(
+                f"dynpipe train: resuming {info.path} with other optimizer settings: "
+                + ", ".join(changed),
+                file=sys.stderr,
+            )
 
 
 def _launcher(cfg, args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ the whole model computes. Their state is exported and imported per parameter nam
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ from dynpipe.errors import UserError
 __all__ = [
     "OptimConfig",
     "build_optimizer",
+    "check_resumed_optim",
     "export_state",
     "import_state",
     "lr_at",
@@ -138,3 +140,38 @@ def import_state(
             else:
                 st[skey] = value.detach().to(p.device).clone()
         optimizer.state[p] = st
+
+
+# Settings a resumed run may change on purpose (a new learning rate, a longer run) without
+# losing state; ``total_steps`` follows ``--steps``.
+_RESUME_NOTED = ("lr", "momentum", "weight_decay", "betas", "eps", "warmup_steps", "schedule",
+                 "min_lr_ratio", "clip_grad")  # fmt: skip
+
+
+def check_resumed_optim(saved: dict | None, optim: OptimConfig, *, where: str) -> list[str]:
+    """Compare the optimizer a checkpoint was trained with (``saved``: its run's
+    ``config.optim``; None for a checkpoint that does not say) with this run's.
+
+    Another optimizer is refused: its state (AdamW's moments, SGD's momentum) would not be
+    this one's, and resuming would drop it without a word (an AdamW checkpoint resumed with
+    the default SGD at lr 0.05 diverged within five steps). Returns the hyperparameters
+    that differ, as ``name saved -> now``, for the caller to say."""
+    if not saved or "name" not in saved:
+        return []
+    if saved["name"] != optim.name:
+        raise UserError(
+            f"{where} was trained with --optimizer {saved['name']} (lr {saved.get('lr')}), "
+            f"this run asks for --optimizer {optim.name}: its optimizer state would be "
+            f"dropped; resume with --optimizer {saved['name']} and its settings, or start "
+            "afresh without --resume"
+        )
+    now = dataclasses.asdict(optim)
+
+    def plain(v):  # a JSON round trip makes tuples lists
+        return list(v) if isinstance(v, (list, tuple)) else v
+
+    return [
+        f"{k} {saved[k]} -> {now[k]}"
+        for k in _RESUME_NOTED
+        if k in saved and plain(saved[k]) != plain(now[k])
+    ]

@@ -1252,6 +1252,12 @@ def _resume(engine: PipelineEngine, path: str | Path, *, topo: Topology) -> int:
             f"checkpoint {path} is for a different layer list of {meta.get('model')} "
             "(fingerprint mismatch); resume with the model config it was written with"
         )
+    from dynpipe.runtime.optim import check_resumed_optim
+
+    # The launcher said which settings changed; a torchrun worker checks the kind again.
+    check_resumed_optim(
+        (meta.get("config") or {}).get("optim"), engine.config.optim, where=f"checkpoint {path}"
+    )
     opt, meta = load_checkpoint(
         path,
         model_state=engine.model_state(),
