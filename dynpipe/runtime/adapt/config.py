@@ -40,7 +40,7 @@ class AdaptConfig:
         is undone). 2%: the model's errors are guarded by measurements too (a gain must
         hold with every device one standard error against it; the last moves' shortfall
         raises the bar; a move measured slower is undone), and 5% kept runs a whole phase
-        on splits 4-7% off the best (vgg16 256 under ``gemm`` on 2 x H200: 6|10 at 106.5
+        on splits 4-6% off the best (vgg16 256 under ``gemm`` on 2 x H200: 6|10 at 106.5
         ms against 7|9 at 102.2, the model promising 4.0-4.7% every window). In the
         controller simulator 2% was the best of 0-5% on every seed tried (README).
     horizon_steps: steps over which a gain must pay back the measured migration pause.
