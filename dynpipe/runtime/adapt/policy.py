@@ -249,6 +249,12 @@ class Controller:
         self._held: tuple[Bounds, float] | None = None
         self._misses: list[float] = []
         self._shortfalls: list[float] = []  # of the last moves (see ``required_gain``)
+        # Returns the steps refuted: (plan returned from, earlier regime returned to). Not
+        # taken again from that plan until its steps change (see ``_decide``). The return
+        # decided and not yet judged: (its move's source plan, the regime), pending / made.
+        self._refuted: set[tuple[Bounds, int]] = set()
+        self._return: tuple[Bounds, int] | None = None
+        self._returned: tuple[Bounds, int] | None = None
         self._prediction: tuple[Window, Any] | None = None  # (window, ``_predicted``'s answer)
         # Host ms the last window's prediction took (None: it made none). The adaptive
         # mode's one cost over the measured mode's, logged beside the window's decide_ms.
@@ -293,6 +299,9 @@ class Controller:
         if idle:
             # Light ranks' probes (ranks that hold layers) are read in ``update``.
             self.est.probe(idle)
+        if changed:
+            # Steps that moved under an unchanged plan: what a return would find is news.
+            self._refuted = set()
         if changed or self.est.regime != regime:
             # Promises broken under the old conditions say little about the model's view of
             # new ones (its timers may well be sound there; an interferer's end is such a
@@ -327,6 +336,7 @@ class Controller:
     ) -> Decision:
         """``judged``: the move this window just judged, if any."""
         cfg = self.config
+        self._return = None  # set below if this window decides a return
         costs = self.cost_model(w)
         kw = {"schedule": w.schedule, "microbatches": w.microbatches}
         cur = predicted_step_ms(costs, w.bounds, **kw)
@@ -343,6 +353,15 @@ class Controller:
             reason: str, proposed: float = cur, bounds: Bounds | None = None, model: bool = False
         ) -> Decision:
             nbytes = 0 if bounds is None else self._moved(w, bounds)
+            ret = self._returned
+            if ret is not None and judged is not None and bounds == judged.src == ret[0]:
+                # The window that judges a return to an earlier regime's plan goes back to
+                # the plan it left: the steps refuted it, the devices only read as they ran
+                # then. A light stage reads its device less slowed than a stage holding work
+                # (the demo's head alone read its emulated 5x as 2.5-3.1x, nearer clean than
+                # the 11x its five layers read), and the same reading sent the run back
+                # again every other window.
+                self._refuted.add(ret)
             if bounds is not None:
                 # The next trusted window checks the model's promise against the steps: how
                 # its step time under the new plan compares with the old plan's now.
@@ -402,9 +421,15 @@ class Controller:
         # not seen before (``CostEstimates.returning``), and where several earlier regimes
         # read alike, the plan measured fastest under any of them.
         now = w.median_step_ms
-        backs = [self._faster(w, key, now, then, pause, recent, 1) for then in self.est.returning]
-        back = min((b for b in backs if b is not None), key=lambda b: b[1], default=None)
-        if back is not None:
+        backs = [
+            (b, then)
+            for then in self.est.returning
+            if (key, then) not in self._refuted
+            and (b := self._faster(w, key, now, then, pause, recent, 1)) is not None
+        ]
+        if backs:
+            back, then = min(backs, key=lambda x: x[0][1])
+            self._return = (key, then)
             return verdict(
                 f"devices read as they ran before: measured {back[1]:.2f} ms/step then "
                 f"against {now:.2f} now",
@@ -753,6 +778,7 @@ class Controller:
         p = float(pause_ms)
         self.pause_ms = p if self.pause_ms is None else 0.5 * (self.pause_ms + p)
         move, self.pending = self.pending, None
+        self._returned, self._return = self._return, None
         if move is not None:
             move.step, move.pause_ms, move.moved_bytes = step, p, int(moved_bytes)
             self.last = move
@@ -765,6 +791,7 @@ class Controller:
             "pause_ms": self.pause_ms,
             "misses": self._misses,
             "shortfalls": self._shortfalls,
+            "refuted": [[[list(r) for r in b], int(t)] for b, t in sorted(self._refuted)],
             "pending": None if self.pending is None else self.pending.to_dict(),
             "last": None if self.last is None else self.last.to_dict(),
         }
@@ -777,6 +804,10 @@ class Controller:
         self.pause_ms = state.get("pause_ms")
         self._misses = [float(x) for x in state.get("misses", [])]
         self._shortfalls = [float(x) for x in state.get("shortfalls", [])]
+        self._refuted = {
+            (tuple((int(a), int(b)) for a, b in plan), int(t))
+            for plan, t in state.get("refuted", [])
+        }
         self.pending = MoveRecord.from_dict(state["pending"]) if state.get("pending") else None
         self.last = MoveRecord.from_dict(state["last"]) if state.get("last") else None
 
