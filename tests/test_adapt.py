@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -586,6 +587,15 @@ def _through_an_interferer(under, slow) -> tuple[Controller, int]:
     return ctl, clean
 
 
+def _first_move(ctl: Controller, windows: list[Window]):
+    """The first decision over ``windows`` that moves layers (None if none does)."""
+    for w in windows:
+        d = ctl.observe(w)
+        if d.repartition:
+            return d
+    return None
+
+
 def test_an_end_back_to_known_conditions_is_followed_in_one_window() -> None:
     # Stage 0 slowed 2x, holding one layer: stage 1 bounds the step, before and after the
     # interferer, so its end moves the steps by less than a change of conditions.
@@ -608,12 +618,7 @@ def test_an_end_read_through_a_stage_that_holds_less_is_still_followed() -> None
     # judged), not the model's split for a device it prices 1.3x slow.
     under = ((0, 9), (9, 10))
     ctl, clean = _through_an_interferer(under, (1.0, 3.0))
-    moved = None
-    for s in range(2):
-        d = ctl.observe(_window(44 + 5 * s, under, TRUE, slow=(1.0, 1.3)))
-        if d.repartition:
-            moved = d
-            break
+    moved = _first_move(ctl, [_window(44 + 5 * s, under, TRUE, slow=(1.0, 1.3)) for s in range(2)])
     assert ctl.est.regime != clean  # not within the clean regime's threshold
     assert moved is not None and moved.bounds == BEST and "as they ran before" in moved.reason
 
@@ -625,13 +630,8 @@ def test_a_return_the_steps_refuted_is_not_taken_again_from_that_plan() -> None:
     # steps refute that (the plan it left is measured again), and the same reading must
     # not send the run back every other window.
     under = ((0, 9), (9, 10))
-    ctl, _ = _through_an_interferer(under, (1.0, 3.0))
-    back = None
-    for s in range(2):
-        d = ctl.observe(_window(44 + 5 * s, under, TRUE, slow=(1.0, 1.3)))
-        if d.repartition:
-            back = d
-            break
+    ctl, clean = _through_an_interferer(under, (1.0, 3.0))
+    back = _first_move(ctl, [_window(44 + 5 * s, under, TRUE, slow=(1.0, 1.3)) for s in range(2)])
     assert back is not None and back.bounds == BEST and "as they ran before" in back.reason
     ctl.applied(step=back.step, pause_ms=1.0, moved_bytes=1)
     d = ctl.observe(_window(back.step + 4, BEST, TRUE, slow=(1.0, 3.0)))
@@ -644,6 +644,10 @@ def test_a_return_the_steps_refuted_is_not_taken_again_from_that_plan() -> None:
         assert "as they ran before" not in d.reason, d
         if d.repartition:
             break
+    # What was refuted survives the restart baseline's relaunch (its state goes as JSON).
+    other = _controller(average_windows=2)
+    other.load_state(json.loads(json.dumps(ctl.state())))
+    assert other._refuted == ctl._refuted == {(under, clean)}
 
 
 def test_a_gain_only_a_timer_swing_shows_is_not_taken() -> None:

@@ -249,9 +249,10 @@ class Controller:
         self._held: tuple[Bounds, float] | None = None
         self._misses: list[float] = []
         self._shortfalls: list[float] = []  # of the last moves (see ``required_gain``)
-        # Returns the steps refuted: (plan returned from, earlier regime returned to). Not
-        # taken again from that plan until its steps change (see ``_decide``). The return
-        # decided and not yet judged: (its move's source plan, the regime), pending / made.
+        # Returns the steps refuted, as (plan returned from, earlier regime returned to): not
+        # taken again from that plan until its steps change (see ``_decide``). ``_return``:
+        # the return this window decided; ``_returned``: the last return made, until the
+        # next move (the window that judges it may refute it).
         self._refuted: set[tuple[Bounds, int]] = set()
         self._return: tuple[Bounds, int] | None = None
         self._returned: tuple[Bounds, int] | None = None
@@ -792,6 +793,10 @@ class Controller:
             "misses": self._misses,
             "shortfalls": self._shortfalls,
             "refuted": [[[list(r) for r in b], int(t)] for b, t in sorted(self._refuted)],
+            # The restart baseline judges a move after its relaunch, from this state.
+            "returned": None
+            if self._returned is None
+            else [[list(r) for r in self._returned[0]], int(self._returned[1])],
             "pending": None if self.pending is None else self.pending.to_dict(),
             "last": None if self.last is None else self.last.to_dict(),
         }
@@ -804,10 +809,13 @@ class Controller:
         self.pause_ms = state.get("pause_ms")
         self._misses = [float(x) for x in state.get("misses", [])]
         self._shortfalls = [float(x) for x in state.get("shortfalls", [])]
-        self._refuted = {
-            (tuple((int(a), int(b)) for a, b in plan), int(t))
-            for plan, t in state.get("refuted", [])
-        }
+
+        def plan(b: list) -> Bounds:
+            return tuple((int(x), int(y)) for x, y in b)
+
+        self._refuted = {(plan(b), int(t)) for b, t in state.get("refuted", [])}
+        ret = state.get("returned")
+        self._returned = None if ret is None else (plan(ret[0]), int(ret[1]))
         self.pending = MoveRecord.from_dict(state["pending"]) if state.get("pending") else None
         self.last = MoveRecord.from_dict(state["last"]) if state.get("last") else None
 
