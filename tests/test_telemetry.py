@@ -196,6 +196,23 @@ def test_nvml_foreign_pid_namespace_warns_once(monkeypatch):
     s.close()
 
 
+def test_nvml_not_yet_listing_this_process_is_no_foreign_namespace(monkeypatch):
+    """NVML lists a new context a moment late: beside a visible process (an interferer this
+    process started) that is no pid namespace, and the other process's use is read."""
+    other = os.getppid()
+    nv = _fake_nvml([other], {other: (40, 10)})
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    s = TelemetrySampler("cuda:0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            s._tick()
+        w = s.window()
+    assert not [c for c in caught if "pid namespace" in str(c.message)]
+    assert w["tel_other_procs"] == 1 and w["tel_other_util"] == 40.0
+    s.close()
+
+
 def test_cuda_visible_devices_maps_to_nvml_index(monkeypatch):
     nv = _fake_nvml([], {})
     seen = []

@@ -257,9 +257,13 @@ class _NvmlProbe:
 
     def _others(self, pids: set[int]) -> dict[str, float]:
         others = pids - self.own_pids
-        if pids and self.self_on_device and not pids & self.own_pids:
+        foreign = any(not os.path.exists(f"/proc/{p}") for p in pids)
+        if pids and self.self_on_device and not pids & self.own_pids and foreign:
             # NVML reports pids of another pid namespace (containers): we cannot tell which
             # process is us, so we count ourselves out but cannot split the utilisation.
+            # Only where a listed pid is not one this process can see: where every listed
+            # process is visible here, this one is just not listed (yet: NVML may list a
+            # new context late), and the others' use is theirs.
             if not self._warned_ns:
                 warnings.warn(
                     "NVML lists GPU processes by pids this process cannot see (pid namespace); "
