@@ -250,12 +250,8 @@ class Controller:
         self._misses: list[float] = []
         self._shortfalls: list[float] = []  # of the last moves (see ``required_gain``)
         # Returns the steps refuted, as (plan returned from, earlier regime returned to): not
-        # taken again from that plan until its steps change (see ``_decide``). ``_return``:
-        # the return this window decided; ``_returned``: the last return made, until the
-        # next move (the window that judges it may refute it).
+        # taken again from that plan until its steps change (see ``_decide``).
         self._refuted: set[tuple[Bounds, int]] = set()
-        self._return: tuple[Bounds, int] | None = None
-        self._returned: tuple[Bounds, int] | None = None
         self._prediction: tuple[Window, Any] | None = None  # (window, ``_predicted``'s answer)
         # Host ms the last window's prediction took (None: it made none). The adaptive
         # mode's one cost over the measured mode's, logged beside the window's decide_ms.
@@ -337,7 +333,6 @@ class Controller:
     ) -> Decision:
         """``judged``: the move this window just judged, if any."""
         cfg = self.config
-        self._return = None  # set below if this window decides a return
         costs = self.cost_model(w)
         kw = {"schedule": w.schedule, "microbatches": w.microbatches}
         cur = predicted_step_ms(costs, w.bounds, **kw)
@@ -351,18 +346,21 @@ class Controller:
         prev, self._seen = self._seen, (key, cur, w.median_step_ms)
 
         def verdict(
-            reason: str, proposed: float = cur, bounds: Bounds | None = None, model: bool = False
+            reason: str,
+            proposed: float = cur,
+            bounds: Bounds | None = None,
+            model: bool = False,
+            returns_to: int | None = None,
         ) -> Decision:
             nbytes = 0 if bounds is None else self._moved(w, bounds)
-            ret = self._returned
-            if ret is not None and judged is not None and bounds == judged.src == ret[0]:
+            if judged is not None and judged.returns_to is not None and bounds == judged.src:
                 # The window that judges a return to an earlier regime's plan goes back to
                 # the plan it left: the steps refuted it, the devices only read as they ran
                 # then. A light stage reads its device less slowed than a stage holding work
                 # (the demo's head alone read its emulated 5x as 2.5-3.1x, nearer clean than
                 # the 11x its five layers read), and the same reading sent the run back
                 # again every other window.
-                self._refuted.add(ret)
+                self._refuted.add((judged.src, judged.returns_to))
             if bounds is not None:
                 # The next trusted window checks the model's promise against the steps: how
                 # its step time under the new plan compares with the old plan's now.
@@ -379,6 +377,7 @@ class Controller:
                     slowdown=slow,
                     regime=regime,
                     model=model,
+                    returns_to=returns_to,
                 )
             return Decision(
                 step=w.step + 1,
@@ -430,12 +429,12 @@ class Controller:
         ]
         if backs:
             back, then = min(backs, key=lambda x: x[0][1])
-            self._return = (key, then)
             return verdict(
                 f"devices read as they ran before: measured {back[1]:.2f} ms/step then "
                 f"against {now:.2f} now",
                 proposed=cur * back[1] / now,
                 bounds=back[0],
+                returns_to=then,
             )
         best = self._faster(w, key, here, regime, pause, recent)
         if best is not None:
@@ -779,7 +778,6 @@ class Controller:
         p = float(pause_ms)
         self.pause_ms = p if self.pause_ms is None else 0.5 * (self.pause_ms + p)
         move, self.pending = self.pending, None
-        self._returned, self._return = self._return, None
         if move is not None:
             move.step, move.pause_ms, move.moved_bytes = step, p, int(moved_bytes)
             self.last = move
@@ -793,10 +791,6 @@ class Controller:
             "misses": self._misses,
             "shortfalls": self._shortfalls,
             "refuted": [[[list(r) for r in b], int(t)] for b, t in sorted(self._refuted)],
-            # The restart baseline judges a move after its relaunch, from this state.
-            "returned": None
-            if self._returned is None
-            else [[list(r) for r in self._returned[0]], int(self._returned[1])],
             "pending": None if self.pending is None else self.pending.to_dict(),
             "last": None if self.last is None else self.last.to_dict(),
         }
@@ -810,12 +804,9 @@ class Controller:
         self._misses = [float(x) for x in state.get("misses", [])]
         self._shortfalls = [float(x) for x in state.get("shortfalls", [])]
 
-        def plan(b: list) -> Bounds:
-            return tuple((int(x), int(y)) for x, y in b)
-
-        self._refuted = {(plan(b), int(t)) for b, t in state.get("refuted", [])}
-        ret = state.get("returned")
-        self._returned = None if ret is None else (plan(ret[0]), int(ret[1]))
+        self._refuted = {
+            (tuple((int(x), int(y)) for x, y in b), int(t)) for b, t in state.get("refuted", [])
+        }
         self.pending = MoveRecord.from_dict(state["pending"]) if state.get("pending") else None
         self.last = MoveRecord.from_dict(state["last"]) if state.get("last") else None
 

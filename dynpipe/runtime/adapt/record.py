@@ -100,7 +100,9 @@ class MoveRecord:
     decided it; predicted_ms: the speed model's step time under the new plan (on the same
     scale as its prediction for the old one, ``model_before_ms``). slowdown: per-device
     slowdowns when decided; regime: the conditions' regime then; model: proposed by the speed
-    model (False: chosen by measured step times alone); before_noise: the relative standard
+    model (False: chosen by measured step times alone); returns_to: the earlier regime whose
+    plan the move returns to, its devices reading as they ran then (None: not a return);
+    before_noise: the relative standard
     error of ``before_ms`` (``Window.step_noise``). verdict: ``faster`` /
     ``no better`` / ``slower`` when the window after it ran in the same regime, else
     ``conditions changed`` (an onset or an end between the two windows says nothing about
@@ -117,6 +119,7 @@ class MoveRecord:
     slowdown: tuple[float, ...]
     regime: int = 0
     model: bool = True
+    returns_to: int | None = None
     before_noise: float = 0.0
     pause_ms: float | None = None
     moved_bytes: int | None = None
