@@ -257,8 +257,12 @@ class _NvmlProbe:
 
     def _others(self, pids: set[int]) -> dict[str, float]:
         others = pids - self.own_pids
-        foreign = any(not os.path.exists(f"/proc/{p}") for p in pids)
-        if pids and self.self_on_device and not pids & self.own_pids and foreign:
+        if (
+            pids
+            and self.self_on_device
+            and not pids & self.own_pids
+            and any(not os.path.exists(f"/proc/{p}") for p in pids)
+        ):
             # NVML reports pids of another pid namespace (containers): we cannot tell which
             # process is us, so we count ourselves out but cannot split the utilisation.
             # Only where a listed pid is not one this process can see: where every listed
