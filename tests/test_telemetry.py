@@ -181,8 +181,10 @@ def test_nvml_idle_only_is_not_throttle_and_no_others_is_zero(monkeypatch):
     s.close()
 
 
-def test_nvml_foreign_pid_namespace_warns_once(monkeypatch):
-    nv = _fake_nvml([999_991, 999_992], {999_991: (40, 10), 999_992: (40, 10)})
+def _namespace_warnings(monkeypatch, pids: list[int]) -> tuple[dict, int]:
+    """Four ticks of a sampler whose NVML lists ``pids`` (40% each): its window, and how
+    many pid-namespace warnings it gave."""
+    nv = _fake_nvml(pids, {p: (40, 10) for p in pids})
     monkeypatch.setitem(sys.modules, "pynvml", nv)
     s = TelemetrySampler("cuda:0")
     with warnings.catch_warnings(record=True) as caught:
@@ -190,27 +192,23 @@ def test_nvml_foreign_pid_namespace_warns_once(monkeypatch):
         for _ in range(4):
             s._tick()
         w = s.window()
-    assert len([c for c in caught if "pid namespace" in str(c.message)]) == 1
+    s.close()
+    return w, len([c for c in caught if "pid namespace" in str(c.message)])
+
+
+def test_nvml_foreign_pid_namespace_warns_once(monkeypatch):
+    w, warned = _namespace_warnings(monkeypatch, [999_991, 999_992])
+    assert warned == 1
     assert w["tel_other_procs"] == 1  # one of the two is us
     assert math.isnan(w["tel_other_util"])  # cannot split the utilisation honestly
-    s.close()
 
 
 def test_nvml_not_yet_listing_this_process_is_no_foreign_namespace(monkeypatch):
     """NVML lists a new context a moment late: beside a visible process (an interferer this
     process started) that is no pid namespace, and the other process's use is read."""
-    other = os.getppid()
-    nv = _fake_nvml([other], {other: (40, 10)})
-    monkeypatch.setitem(sys.modules, "pynvml", nv)
-    s = TelemetrySampler("cuda:0")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(4):
-            s._tick()
-        w = s.window()
-    assert not [c for c in caught if "pid namespace" in str(c.message)]
+    w, warned = _namespace_warnings(monkeypatch, [os.getppid()])
+    assert warned == 0
     assert w["tel_other_procs"] == 1 and w["tel_other_util"] == 40.0
-    s.close()
 
 
 def test_cuda_visible_devices_maps_to_nvml_index(monkeypatch):
