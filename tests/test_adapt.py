@@ -242,6 +242,27 @@ def test_identical_layers_share_a_clean_cost_and_interference_at_start_is_seen()
     assert est.slow[0] > 2.0 and est.slow[1] == pytest.approx(1.0)
 
 
+def test_a_device_slowed_from_the_start_is_seen_once_a_layer_runs_elsewhere() -> None:
+    # Layers of different shapes share no clean cost: a device slowed from the run's start
+    # gives its layers their slowed times as clean costs and reads 1.0x. A layer moved to
+    # the other device measures both: the device held by a job all along reads that job.
+    est = _estimates()
+    for s in range(2):
+        est.update(_window(4 + 5 * s, EVEN, TRUE, slow=(1.0, 3.0)))
+    assert est.slow[1] == pytest.approx(1.0)
+    moved = ((0, 7), (7, 10))
+    for s in range(2):
+        est.update(_window(14 + 5 * s, moved, TRUE, slow=(1.0, 3.0)))
+    assert est.slow[1] == pytest.approx(3.0, rel=0.05), est.slow
+    assert est.clean_f[7:] == pytest.approx(TRUE[7:], rel=0.05)
+    assert est.slow[0] == pytest.approx(1.0, rel=0.05) and est.regime == 0
+    # Priced so, the layers the slowed device holds now cost what they measure, and a layer
+    # moved onto it three times its clean cost.
+    fwd, _ = est.costs(moved, (0, 1))
+    assert fwd[1, 7:] == pytest.approx(3.0 * TRUE[7:], rel=0.05)
+    assert fwd[1, 2] == pytest.approx(3.0 * TRUE[2], rel=0.05)
+
+
 def _gpu_window(
     stage: np.ndarray,
     cost: np.ndarray,

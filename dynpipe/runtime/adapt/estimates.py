@@ -22,6 +22,10 @@ a device that does not hold it. That is its *clean* cost times the device's slow
   5-20% down in every window the interferer ran (its sampled step ran slower than the
   window's median), and the clean costs lowered on those shares left the device reading
   1.11x clean after the interferer stopped, where its timers read their clean costs.
+  A device slowed from the run's start would give its layers their slowed times as clean
+  costs and read 1.0x; a layer moved off it while the clean costs are still being taken
+  runs on both devices under the same conditions, and its own timers there say how much
+  slower that device ran all along (``_calibrate``).
 - the device's slowdown: how much slower than clean it runs the layers it holds. In
   ``measured`` mode every layer is taken to slow alike; with a predictor, the predicted
   per-layer slowdowns from the device's telemetry are calibrated to what its held layers
@@ -127,6 +131,10 @@ class CostEstimates:
         self.raw_b = np.full(n, np.nan)
         self.n = np.zeros(n)  # windows in each layer's running average
         self.owner = np.full(n, -1)
+        # Per rank, how much slower than another its layers ran while the clean costs were
+        # being taken (1: as fast): a layer that moved between two ranks then measures both
+        # (``_calibrate``).
+        self.src_scale = np.ones(num_ranks)
         self.over_f = np.zeros(num_ranks)
         self.over_b = np.zeros(num_ranks)
         self.clean_of = np.zeros(num_ranks)
@@ -331,6 +339,7 @@ class CostEstimates:
         mf, mb, of, ob, rf, rb = self._measure(w)
         self._within(w)
         limit = self.threshold()
+        was_owner, was_run = self.owner.copy(), self.raw_f + self.raw_b
         changed_now = bool(changed)
         left = self.regime
         self._left_for_new = None
@@ -401,9 +410,15 @@ class CostEstimates:
         if changed_now:
             self._calibrating = False
         if self._calibrating and not any(x is not None for x in self._suspect):
-            # Until conditions first change, the running averages are the clean costs.
-            self.clean_f, self.clean_b = self.run_f.copy(), self.run_b.copy()
-            self.clean_of, self.clean_ob = self.over_f.copy(), self.over_b.copy()
+            # Until conditions first change, the running averages are the clean costs, less
+            # the slowdown of a device slowed from the start (``_calibrate``).
+            self._calibrate(w, was_owner, was_run, limit)
+            scale = self.src_scale[np.maximum(self.owner, 0)]
+            self.clean_f, self.clean_b = self.run_f / scale, self.run_b / scale
+            self.clean_of, self.clean_ob = (
+                self.over_f / self.src_scale,
+                self.over_b / self.src_scale,
+            )
             self.calibrated = True
         else:
             # A layer running clearly faster than its clean cost (beyond its device's noise)
@@ -849,6 +864,38 @@ class CostEstimates:
         self.over_f[r], self.over_b[r] = sf, sb
         return (self.owner[a:b] == r) & np.isfinite(self.run_f[a:b])
 
+    def _calibrate(
+        self, w: Window, was_owner: np.ndarray, was_run: np.ndarray, limit: np.ndarray
+    ) -> None:
+        """While the clean costs are being taken: a layer that moved from rank ``s`` to rank
+        ``r`` has run on both under the same conditions, and how much faster it runs on one
+        (beyond both ranks' noise) is how much slower the other ran all along: a job that
+        shared that device from the run's start. Without this, every layer that device held
+        took its slowed time as its clean cost, the device read 1.0x, and the model priced
+        any layer moved onto it at its clean cost (a 2-stage resnet50 under a 3-job
+        ``train`` from step 0 stopped at 14|4, 72.5 ms a step, against 17|1 at 64.0). Read
+        on the layers' own timers (a share of a stage's time carries the stage's overhead:
+        on 2 x H200 vgg16's layers read 30% more as shares of the first stage than of the
+        second, with nothing slowing either)."""
+        now = self.raw_f + self.raw_b
+        pairs: dict[tuple[int, int], list[float]] = {}
+        for (a, b), r in zip(w.bounds, w.ranks, strict=True):
+            for i in range(a + 1 if a > 0 else a, b):
+                s = int(was_owner[i])
+                if s < 0 or s == r or (i > 0 and was_owner[i - 1] != s):
+                    # Not moved, or the first layer of a stage there or here: on a GPU its
+                    # timer also holds the wait for the stage's input (on 2 x H200 vgg16's
+                    # conv3_1 read 0.57 ms as stage 1's first layer and 0.40 inside stage 0).
+                    continue
+                if np.isfinite(was_run[i]) and np.isfinite(now[i]):
+                    pairs.setdefault((s, r), []).append(float(np.log(was_run[i] / now[i])))
+        for (s, r), logs in pairs.items():
+            q = float(np.median(logs))
+            if abs(q) <= limit[s] + limit[r]:
+                continue
+            slow, fast = (s, r) if q > 0 else (r, s)
+            self.src_scale[slow] = self.src_scale[fast] * float(np.exp(abs(q)))
+
     def _slowdown(self, a: int, b: int) -> float:
         run = self.run_f[a:b].sum() + self.run_b[a:b].sum()
         clean = self.clean_f[a:b].sum() + self.clean_b[a:b].sum()
@@ -920,7 +967,7 @@ class CostEstimates:
         keys = (
             "clean_f", "clean_b", "run_f", "run_b", "n", "owner",
             "over_f", "over_b", "clean_of", "clean_ob", "slow", "load",
-            "host_f", "host_b", "raw_f", "raw_b",
+            "host_f", "host_b", "raw_f", "raw_b", "src_scale",
         )  # fmt: skip
         out: dict[str, Any] = {k: _jsonable(getattr(self, k)) for k in keys}
         out["calibrated"] = self.calibrated
