@@ -261,6 +261,15 @@ def test_a_device_slowed_from_the_start_is_seen_once_a_layer_runs_elsewhere() ->
     fwd, _ = est.costs(moved, (0, 1))
     assert fwd[1, 7:] == pytest.approx(3.0 * TRUE[7:], rel=0.05)
     assert fwd[1, 2] == pytest.approx(3.0 * TRUE[2], rel=0.05)
+    # The job eases off, then leaves: new conditions, not the run's first ones coming back
+    # (those read the device 3x too, once the layer that moved showed it).
+    for s in range(2):
+        est.update(_window(24 + 5 * s, moved, TRUE, slow=(1.0, 2.5)))
+    assert est.regime == 1
+    for s in range(2):
+        est.update(_window(34 + 5 * s, moved, TRUE))
+        assert not est.returning
+    assert est.slow[1] == pytest.approx(1.0, rel=0.05) and est.regime == 2
 
 
 def _gpu_window(

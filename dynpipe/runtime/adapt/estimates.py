@@ -894,7 +894,18 @@ class CostEstimates:
             if abs(q) <= limit[s] + limit[r]:
                 continue
             slow, fast = (s, r) if q > 0 else (r, s)
+            was = float(self.src_scale[slow])
             self.src_scale[slow] = self.src_scale[fast] * float(np.exp(abs(q)))
+            # What the device read so far was read against the slowed clean costs: the
+            # conditions it ran under read as they do now. Left at 1.0, they made the
+            # interferer's end read as the run's first conditions come back (2 x H200, vgg16
+            # 256 under ``gemm`` from step 1: the split measured in the first steps, 4|12 at
+            # 130.8 ms under the interferer, barred the move back to it after the end).
+            f = float(self.src_scale[slow]) / was
+            for total, _ in self._regime_loads.values():
+                total[slow] *= f
+            for seen in self._seen_loads:
+                seen[slow] *= f
 
     def _slowdown(self, a: int, b: int) -> float:
         run = self.run_f[a:b].sum() + self.run_b[a:b].sum()
