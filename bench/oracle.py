@@ -262,7 +262,10 @@ def report(a: argparse.Namespace) -> int:
         if find_log(d, "resweep") is not None
         else None
     )
-    phases = {"clean": (warm, meta["onset"]), "interference": (meta["onset"], meta["end"]),
+    # An interferer from the run's start has no clean phase, and its phase starts after the
+    # warm-up steps, as the sweep's timings do.
+    phases = {"clean": (warm, meta["onset"]),
+              "interference": (max(meta["onset"], warm), meta["end"]),
               "after": (meta["end"], meta["steps"])}  # fmt: skip
     device = None
     out: dict[str, Any] = {"config": meta, "phases": {}}
@@ -275,7 +278,7 @@ def report(a: argparse.Namespace) -> int:
     out["device"] = device
     for ph, (lo, hi) in phases.items():
         table = sweep["interference" if ph == "interference" else "clean"]
-        if not table:
+        if not table or hi <= lo:
             continue
         best = min(table, key=table.get)
         entry: dict[str, Any] = {

@@ -102,6 +102,18 @@ def test_a_cpu_run_reports_every_phase_with_its_factors_and_the_repeated_sweep(t
         assert abs(static["choice"] * static["execution"] - static["ratio"]) < 2e-3
         again = ph["repeat"]
         assert sum(again["split"]) == 10 and again["oracle_split_ms"] > 0
+    # An interferer from the run's start (onset within the warm-up) has no clean phase.
+    meta = json.loads((out / "oracle.json").read_text())
+    (out / "oracle.json").write_text(json.dumps({**meta, "onset": 1}))
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench/oracle.py"), "report", str(out), "-o", str(rep)],
+        check=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    doc = json.loads(rep.read_text())
+    assert set(doc["phases"]) == {"interference", "after"}
+    assert doc["phases"]["interference"]["systems"]["static"]["ms"] > 0
 
 
 @pytest.mark.slow
