@@ -402,13 +402,22 @@ def test_a_change_confirmed_after_a_swing_is_read_at_its_new_level() -> None:
 
 def test_controller_moves_to_the_measured_best_split_once_its_model_is_checked() -> None:
     ctl = _controller()
-    d = ctl.observe(_window(4, EVEN, TRUE))
+    # The run's first window: steps 25% off what its timers make of the plan (more than
+    # ``jump``): the model has nothing to be checked against yet, so no move.
+    w = _window(4, EVEN, TRUE)
+    d = ctl.observe(w)
+    assert abs(np.log(d.current_ms / w.median_step_ms)) > np.log1p(ctl.config.jump), d
     assert not d.repartition and "not yet predicted" in d.reason, d
     d = ctl.observe(_window(9, EVEN, TRUE))
     # FLOP shares say the even split is balanced; measured layers say stage 0 is 2.2x
     # stage 1: as soon as the model has predicted one window, layers move to stage 1.
     assert d.repartition and d.bounds[0][1] < 5, d
     assert d.moved_bytes == moved_bytes(ctl.base.state_bytes, EVEN, d.bounds, (0, 1))
+    # Where the first window's steps are what the model makes of its timers, the model is
+    # acted on at once (a run starting from a poor split gains the window).
+    first = _controller()
+    d = first.observe(_window(4, EVEN, TRUE, step_ms=d.current_ms))
+    assert d.repartition and d.bounds[0][1] < 5, d
 
 
 def test_a_plan_measured_no_faster_is_not_taken_for_the_models_promise() -> None:

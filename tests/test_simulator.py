@@ -7,9 +7,9 @@ and measurement noise from the recorded GPU runs: runs whose stage timers were s
 (GPU-bound sizes: ``quiet``) and runs whose timers swung 2x while their steps did not
 (launch- and loader-bound sizes). Runs with sound timers are held to the targets of the
 adaptation issue (mean ratio to the oracle <= 1.03, p95 <= 1.10, none worse than static by
-more than 2%); every scenario together to the same p95 and to what the policy reaches there
-on 300 other scenarios (``bench/results/simulator.json``), short of the issue's mean and
-its 2% against static: see the README.
+more than 2%); every scenario together to the same mean and p95, and to what the policy
+reaches against static there on 300 other scenarios (``bench/results/simulator.json``),
+short of the issue's 2%: see the README.
 """
 
 from __future__ import annotations
@@ -62,6 +62,6 @@ def test_policy_against_the_oracle(mode: str) -> None:
     assert np.percentile(to_oracle[quiet], 95) <= 1.10, summary
     assert to_static[quiet].max() <= 1.02, summary
     # Every scenario, misleading timers included.
-    assert to_oracle.mean() <= 1.035, summary
+    assert to_oracle.mean() <= 1.03, summary
     assert np.percentile(to_oracle, 95) <= 1.10, summary
     assert to_static.max() <= 1.13, summary
