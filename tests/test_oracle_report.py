@@ -74,6 +74,17 @@ def test_a_sweep_measures_its_first_split_by_its_later_visit_when_there_is_one()
 
 
 @pytest.mark.slow
+def _report(run: Path, out: Path) -> dict:
+    """``bench/oracle.py report`` of the run folder ``run``, as written to ``out``."""
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench/oracle.py"), "report", str(run), "-o", str(out)],
+        check=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    return json.loads(out.read_text())
+
+
 def test_a_cpu_run_reports_every_phase_with_its_factors_and_the_repeated_sweep(tmp_path) -> None:
     """The benchmark end to end on CPU (gloo, 2 ranks, a small MLP, an emulated interferer):
     a sweep, static and the sweep again, then the report from their logs."""
@@ -84,14 +95,7 @@ def test_a_cpu_run_reports_every_phase_with_its_factors_and_the_repeated_sweep(t
            "--monitor-every", "2", "--sweep-windows", "2", "--timeout", "240",
            "--systems", "sweep,static,resweep", "-o", str(out)]  # fmt: skip
     subprocess.run(run, check=True, timeout=600, cwd=ROOT)
-    rep = tmp_path / "report.json"
-    subprocess.run(
-        [sys.executable, str(ROOT / "bench/oracle.py"), "report", str(out), "-o", str(rep)],
-        check=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-    doc = json.loads(rep.read_text())
+    doc = _report(out, tmp_path / "report.json")
     assert set(doc["phases"]) == {"clean", "interference", "after"}
     for ph in doc["phases"].values():
         splits = ph["splits"]
@@ -105,13 +109,7 @@ def test_a_cpu_run_reports_every_phase_with_its_factors_and_the_repeated_sweep(t
     # An interferer from the run's start (onset within the warm-up) has no clean phase.
     meta = json.loads((out / "oracle.json").read_text())
     (out / "oracle.json").write_text(json.dumps({**meta, "onset": 1}))
-    subprocess.run(
-        [sys.executable, str(ROOT / "bench/oracle.py"), "report", str(out), "-o", str(rep)],
-        check=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-    doc = json.loads(rep.read_text())
+    doc = _report(out, tmp_path / "report.json")
     assert set(doc["phases"]) == {"interference", "after"}
     assert doc["phases"]["interference"]["systems"]["static"]["ms"] > 0
 

@@ -19,7 +19,7 @@ def _tool():
 @pytest.mark.slow
 def test_explain_prices_the_plans_behind_a_decision() -> None:
     tool = _tool()
-    out = tool.replay(LOG, {"mode": "measured"}, None, explain=15, plans=["4|14"])
+    out = tool.replay(LOG, {"mode": "measured"}, None, explain=10, plans=["4|14"])
     assert "explain" in out[-1], out[-1]
     e = out[-1]["explain"]
     splits = [p["split"] for p in e["plans"]]

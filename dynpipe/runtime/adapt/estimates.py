@@ -340,6 +340,7 @@ class CostEstimates:
         self._within(w)
         limit = self.threshold()
         was_owner, was_run = self.owner.copy(), self.raw_f + self.raw_b
+        was_suspect = [x is not None for x in self._suspect]
         changed_now = bool(changed)
         left = self.regime
         self._left_for_new = None
@@ -412,7 +413,7 @@ class CostEstimates:
         if self._calibrating and not any(x is not None for x in self._suspect):
             # Until conditions first change, the running averages are the clean costs, less
             # the slowdown of a device slowed from the start (``_calibrate``).
-            self._calibrate(w, was_owner, was_run, limit)
+            self._calibrate(w, was_owner, was_run, was_suspect, limit)
             scale = self.src_scale[np.maximum(self.owner, 0)]
             self.clean_f, self.clean_b = self.run_f / scale, self.run_b / scale
             self.clean_of, self.clean_ob = (
@@ -865,7 +866,12 @@ class CostEstimates:
         return (self.owner[a:b] == r) & np.isfinite(self.run_f[a:b])
 
     def _calibrate(
-        self, w: Window, was_owner: np.ndarray, was_run: np.ndarray, limit: np.ndarray
+        self,
+        w: Window,
+        was_owner: np.ndarray,
+        was_run: np.ndarray,
+        was_suspect: list[bool],
+        limit: np.ndarray,
     ) -> None:
         """While the clean costs are being taken: a layer that moved from rank ``s`` to rank
         ``r`` has run on both under the same conditions, and how much faster it runs on one
@@ -876,13 +882,15 @@ class CostEstimates:
         ``train`` from step 0 stopped at 14|4, 72.5 ms a step, against 17|1 at 64.0). Read
         on the layers' own timers (a share of a stage's time carries the stage's overhead:
         on 2 x H200 vgg16's layers read 30% more as shares of the first stage than of the
-        second, with nothing slowing either)."""
+        second, with nothing slowing either). Not from a rank whose last reading raised a
+        change not yet confirmed: a layer moved off a stage in a spike's window would take
+        the spike for the device's lasting slowdown."""
         now = self.raw_f + self.raw_b
         pairs: dict[tuple[int, int], list[float]] = {}
         for (a, b), r in zip(w.bounds, w.ranks, strict=True):
             for i in range(a + 1 if a > 0 else a, b):
                 s = int(was_owner[i])
-                if s < 0 or s == r or (i > 0 and was_owner[i - 1] != s):
+                if s < 0 or s == r or was_suspect[s] or (i > 0 and was_owner[i - 1] != s):
                     # Not moved, or the first layer of a stage there or here: on a GPU its
                     # timer also holds the wait for the stage's input (on 2 x H200 vgg16's
                     # conv3_1 read 0.57 ms as stage 1's first layer and 0.40 inside stage 0).
