@@ -669,7 +669,7 @@ def test_a_return_the_steps_refuted_is_not_taken_again_from_that_plan() -> None:
     # steps refute that (the plan it left is measured again), and the same reading must
     # not send the run back every other window.
     under = ((0, 9), (9, 10))
-    ctl, clean = _through_an_interferer(under, (1.0, 3.0))
+    ctl, _ = _through_an_interferer(under, (1.0, 3.0))
     back = _first_move(ctl, [_window(44 + 5 * s, under, TRUE, slow=(1.0, 1.3)) for s in range(2)])
     assert back is not None and back.bounds == BEST and "as they ran before" in back.reason
     ctl.applied(step=back.step, pause_ms=1.0, moved_bytes=1)
@@ -686,7 +686,11 @@ def test_a_return_the_steps_refuted_is_not_taken_again_from_that_plan() -> None:
     # What was refuted survives the restart baseline's relaunch (its state goes as JSON).
     other = _controller(average_windows=2)
     other.load_state(json.loads(json.dumps(ctl.state())))
-    assert other._refuted == ctl._refuted == {(under, clean)}
+    assert other._refuted == ctl._refuted and [b for b, _ in ctl._refuted] == [under]
+    # The interferer really ends: the devices read as the clean regime did, nearer it than
+    # the refuted reading, and the run goes back.
+    d = _first_move(other, [_window(d.step + 24 + 5 * s, under, TRUE) for s in range(3)])
+    assert d is not None and d.bounds == BEST, d
 
 
 def test_a_gain_only_a_timer_swing_shows_is_not_taken() -> None:

@@ -767,6 +767,14 @@ class CostEstimates:
                 return rid
         return None
 
+    def regime_load(self, rid: int) -> np.ndarray | None:
+        """``[R]`` the mean reading of every rank over regime ``rid``'s windows (None if
+        none was counted under it)."""
+        if rid not in self._regime_loads:
+            return None
+        total, count = self._regime_loads[rid]
+        return total / max(count, 1)
+
     @property
     def returning(self) -> tuple[int, ...]:
         """While a change is unconfirmed (``changing``), or in the window that confirmed it

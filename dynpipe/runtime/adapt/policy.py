@@ -249,9 +249,10 @@ class Controller:
         self._held: tuple[Bounds, float] | None = None
         self._misses: list[float] = []
         self._shortfalls: list[float] = []  # of the last moves (see ``required_gain``)
-        # Returns the steps refuted, as (plan returned from, earlier regime returned to): not
-        # taken again from that plan until its steps change (see ``_decide``).
-        self._refuted: set[tuple[Bounds, int]] = set()
+        # Returns the steps refuted, as (plan returned from, the devices' readings that
+        # suggested it): from that plan, readings nearer those than an earlier regime's own
+        # do not send the run back to it, until the plan's steps change (see ``_decide``).
+        self._refuted: list[tuple[Bounds, tuple[float, ...]]] = []
         self._prediction: tuple[Window, Any] | None = None  # (window, ``_predicted``'s answer)
         # Host ms the last window's prediction took (None: it made none). The adaptive
         # mode's one cost over the measured mode's, logged beside the window's decide_ms.
@@ -298,7 +299,7 @@ class Controller:
             self.est.probe(idle)
         if changed:
             # Steps that moved under an unchanged plan: what a return would find is news.
-            self._refuted = set()
+            self._refuted = []
         if changed or self.est.regime != regime:
             # Promises broken under the old conditions say little about the model's view of
             # new ones (its timers may well be sound there; an interferer's end is such a
@@ -359,8 +360,12 @@ class Controller:
                 # then. A light stage reads its device less slowed than a stage holding work
                 # (the demo's head alone read its emulated 5x as 2.5-3.1x, nearer clean than
                 # the 11x its five layers read), and the same reading sent the run back
-                # again every other window.
-                self._refuted.add((judged.src, judged.returns_to))
+                # again every other window. What is refuted is the reading, not a regime:
+                # two earlier regimes of the same clean conditions read alike, and a demo run
+                # refuted the return to one and took the same move to the other 40 steps on;
+                # an interferer's real end reads nearer the earlier regime than the refuted
+                # reading, and is followed.
+                self._refuted.append((judged.src, judged.slowdown))
             if bounds is not None:
                 # The next trusted window checks the model's promise against the steps: how
                 # its step time under the new plan compares with the old plan's now.
@@ -424,7 +429,7 @@ class Controller:
         backs = [
             (b, then)
             for then in self.est.returning
-            if (key, then) not in self._refuted
+            if not self._refutes(key, then)
             and (b := self._faster(w, key, now, then, pause, recent, 1)) is not None
         ]
         if backs:
@@ -533,6 +538,20 @@ class Controller:
             res.step_ms,
             bounds,
             model=True,
+        )
+
+    def _refutes(self, key: Bounds, then: int) -> bool:
+        """Whether a refuted return from ``key`` bars going back to regime ``then`` now: the
+        devices read nearer the readings that suggested it (on the rank furthest from them)
+        than regime ``then``'s own."""
+        now = np.log(np.maximum(self.est.load, 1e-9))
+        earlier = self.est.regime_load(then)
+        if earlier is None:
+            return False
+        far = float(np.max(np.abs(now - np.log(np.maximum(earlier, 1e-9)))))
+        return any(
+            b == key and float(np.max(np.abs(now - np.log(np.maximum(s, 1e-9))))) < far
+            for b, s in self._refuted
         )
 
     def _faster(
@@ -802,7 +821,7 @@ class Controller:
             "pause_ms": self.pause_ms,
             "misses": self._misses,
             "shortfalls": self._shortfalls,
-            "refuted": [[[list(r) for r in b], int(t)] for b, t in sorted(self._refuted)],
+            "refuted": [[[list(r) for r in b], list(s)] for b, s in self._refuted],
             "pending": None if self.pending is None else self.pending.to_dict(),
             "last": None if self.last is None else self.last.to_dict(),
         }
@@ -816,9 +835,11 @@ class Controller:
         self._misses = [float(x) for x in state.get("misses", [])]
         self._shortfalls = [float(x) for x in state.get("shortfalls", [])]
 
-        self._refuted = {
-            (tuple((int(x), int(y)) for x, y in b), int(t)) for b, t in state.get("refuted", [])
-        }
+        self._refuted = [
+            (tuple((int(x), int(y)) for x, y in b), tuple(float(x) for x in s))
+            for b, s in state.get("refuted", [])
+            if isinstance(s, list)  # a state from before refutations kept their readings
+        ]
         self.pending = MoveRecord.from_dict(state["pending"]) if state.get("pending") else None
         self.last = MoveRecord.from_dict(state["last"]) if state.get("last") else None
 
