@@ -252,6 +252,7 @@ def report(a: argparse.Namespace) -> int:
     d = Path(a.dir)
     meta = json.loads((d / "oracle.json").read_text())
     every, warm = meta["monitor_every"], meta["warmup"]
+    from dynpipe.analysis.metrics import oracle_phases
     from dynpipe.runtime.records import find_log, read_dicts
 
     # A run's folder holds plain logs, committed ones are compressed (``sweep.jsonl.gz``):
@@ -262,11 +263,7 @@ def report(a: argparse.Namespace) -> int:
         if find_log(d, "resweep") is not None
         else None
     )
-    # An interferer from the run's start has no clean phase, and its phase starts after the
-    # warm-up steps, as the sweep's timings do.
-    phases = {"clean": (warm, meta["onset"]),
-              "interference": (max(meta["onset"], warm), meta["end"]),
-              "after": (meta["end"], meta["steps"])}  # fmt: skip
+    phases = oracle_phases(meta)
     device = None
     out: dict[str, Any] = {"config": meta, "phases": {}}
     logs = {s: p for s in SYSTEMS if (p := find_log(d, s)) is not None}
@@ -278,7 +275,7 @@ def report(a: argparse.Namespace) -> int:
     out["device"] = device
     for ph, (lo, hi) in phases.items():
         table = sweep["interference" if ph == "interference" else "clean"]
-        if not table or hi <= lo:
+        if not table:
             continue
         best = min(table, key=table.get)
         entry: dict[str, Any] = {

@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dynpipe.analysis.metrics import oracle_phases
+
 PHASES = ("clean", "interference", "after")
 SYSTEMS = ("static", "measured", "adaptive", "restart")
 
@@ -46,7 +48,7 @@ def _commit_time(rev: str) -> int:
 def _key(doc: dict[str, Any]) -> tuple:
     c = doc["config"]
     first = tuple(c.get("initial_split") or ())  # a planned start is its own configuration
-    start = c["onset"] <= c["warmup"]  # an interferer from the start is its own scenario
+    start = "clean" not in oracle_phases(c)  # an interferer from the start: its own scenario
     return (
         c["config"],
         tuple(c["interferer"]),
@@ -61,7 +63,7 @@ def _label(doc: dict[str, Any]) -> str:
     c = doc["config"]
     kinds = "+".join(c["interferer"])
     stages = "+".join(str(s) for s in c["stages"])
-    since = f" from step {c['onset']}" if c["onset"] <= c["warmup"] else ""
+    since = "" if "clean" in oracle_phases(c) else f" from step {c['onset']}"
     label = f"{c['config']}, `{kinds}`{since} on stage {stages}, {c.get('nproc', 2)} stages"
     if c.get("initial_split"):
         label += ", from the planned " + "\\|".join(map(str, c["initial_split"]))
@@ -82,11 +84,7 @@ def _fmt(x: float | None, goal: float) -> str:
 
 def row(doc: dict[str, Any], goal: float) -> str:
     c, ph = doc["config"], doc["phases"]
-    # The report's phases: an interferer from the run's start has no clean phase.
-    spans = {"clean": (c["warmup"], c["onset"]),
-             "interference": (max(c["onset"], c["warmup"]), c["end"]),
-             "after": (c["end"], c["steps"])}  # fmt: skip
-    steps = " / ".join(f"{a}-{b}" for p, (a, b) in spans.items() if p in ph)
+    steps = " / ".join(f"{a}-{b}" for p, (a, b) in oracle_phases(c).items() if p in ph)
     bar = "\\|"  # a split's "|" escaped: it would end the table cell
     oracle = " / ".join(
         f"{bar.join(map(str, ph[p]['oracle']['split']))} {ph[p]['oracle']['ms']:.1f}"

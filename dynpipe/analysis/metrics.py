@@ -31,6 +31,7 @@ __all__ = [
     "choose_target",
     "eval_metric",
     "migration_costs",
+    "oracle_phases",
     "phase_stats",
     "smoothed_loss",
     "sweep_split_ms",
@@ -279,6 +280,19 @@ def _step_gaps_ms(run: Run) -> dict[int, float]:
     start = s["t_end"].to_numpy() - s["step_ms"].to_numpy() / 1e3
     gap = (start[1:] - s["t_end"].to_numpy()[:-1]) * 1e3
     return {int(b): float(g) for a, b, g in zip(k[:-1], k[1:], gap, strict=True) if b == a + 1}
+
+
+def oracle_phases(meta: dict) -> dict[str, tuple[int, int]]:
+    """Steps ``[a, b)`` of each phase of an oracle benchmark run (``bench/oracle.py``'s
+    ``oracle.json``) that has any: clean from the warm-up to the onset, interference from
+    the onset (or the warm-up's end, for an interferer from the run's start, as the sweep's
+    timings do) to the end, and after."""
+    spans = {
+        "clean": (meta["warmup"], meta["onset"]),
+        "interference": (max(meta["onset"], meta["warmup"]), meta["end"]),
+        "after": (meta["end"], meta["steps"]),
+    }
+    return {p: (a, b) for p, (a, b) in spans.items() if b > a}
 
 
 def sweep_split_ms(

@@ -339,7 +339,7 @@ class CostEstimates:
         mf, mb, of, ob, rf, rb = self._measure(w)
         self._within(w)
         limit = self.threshold()
-        was_owner, was_run = self.owner.copy(), self.raw_f + self.raw_b
+        was_owner, was_raw = self.owner.copy(), self.raw_f + self.raw_b
         was_suspect = [x is not None for x in self._suspect]
         changed_now = bool(changed)
         left = self.regime
@@ -413,7 +413,7 @@ class CostEstimates:
         if self._calibrating and not any(x is not None for x in self._suspect):
             # Until conditions first change, the running averages are the clean costs, less
             # the slowdown of a device slowed from the start (``_calibrate``).
-            self._calibrate(w, was_owner, was_run, was_suspect, limit)
+            self._calibrate(w, was_owner, was_raw, was_suspect, limit)
             scale = self.src_scale[np.maximum(self.owner, 0)]
             self.clean_f, self.clean_b = self.run_f / scale, self.run_b / scale
             self.clean_of, self.clean_ob = (
@@ -808,8 +808,7 @@ class CostEstimates:
         now = np.log(np.maximum(self.load, 1e-9))
 
         def mean(rid: int) -> np.ndarray:
-            total, count = self._regime_loads[rid]
-            return np.log(np.maximum(total / max(count, 1), 1e-9))
+            return np.log(np.maximum(self.regime_load(rid), 1e-9))
 
         b = mean(left)
         found = []
@@ -877,7 +876,7 @@ class CostEstimates:
         self,
         w: Window,
         was_owner: np.ndarray,
-        was_run: np.ndarray,
+        was_raw: np.ndarray,
         was_suspect: list[bool],
         limit: np.ndarray,
     ) -> None:
@@ -903,8 +902,8 @@ class CostEstimates:
                     # timer also holds the wait for the stage's input (on 2 x H200 vgg16's
                     # conv3_1 read 0.57 ms as stage 1's first layer and 0.40 inside stage 0).
                     continue
-                if np.isfinite(was_run[i]) and np.isfinite(now[i]):
-                    pairs.setdefault((s, r), []).append(float(np.log(was_run[i] / now[i])))
+                if np.isfinite(was_raw[i]) and np.isfinite(now[i]):
+                    pairs.setdefault((s, r), []).append(float(np.log(was_raw[i] / now[i])))
         for (s, r), logs in pairs.items():
             q = float(np.median(logs))
             if abs(q) <= limit[s] + limit[r]:

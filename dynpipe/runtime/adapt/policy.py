@@ -834,7 +834,6 @@ class Controller:
         self.pause_ms = state.get("pause_ms")
         self._misses = [float(x) for x in state.get("misses", [])]
         self._shortfalls = [float(x) for x in state.get("shortfalls", [])]
-
         self._refuted = [
             (tuple((int(x), int(y)) for x, y in b), tuple(float(x) for x in s))
             for b, s in state.get("refuted", [])
