@@ -203,3 +203,33 @@ def test_the_first_layers_backward_ends_where_its_gradients_go_to_the_all_reduce
         got.append(timer.collect(schedule_ms=1.0).layers.bwd_ms)
     for bwd in got:
         assert bwd[0] == pytest.approx(2.0, abs=1.5), got
+
+
+def test_the_backward_that_ran_the_all_reduce_is_not_the_stage_overhead():
+    """DP only at two microbatches a replica: the first is timed, the second runs the
+    gradient all-reduce beside its backward (``spare_last``). Its slower backward is the
+    reduce's: were it in the stage's median (the mean of two), the stage would read an
+    overhead beyond its layers that one pipeline, which reduces nothing, would be priced
+    with on every microbatch of every stage."""
+    timer = StageTimer(device=torch.device("cpu"))
+    probe = timer.layers
+    layers = [_Busy(2.0), _Busy(2.0)]
+    timer.sample_layers(True, microbatches=2, spare_last=True)
+    _microbatch(timer, layers, 0)
+    probe.chunk = 1
+    timer.start()
+    out = probe.run(layers, torch.ones(4, requires_grad=True))
+    timer.stop("fwd")
+    timer.start()
+    probe.begin_backward(1)
+    out.sum().backward()
+    _spin(20.0)  # the all-reduce's kernels beside the backward's
+    timer.handed_to_reduce()  # called by the comm hook inside a backward
+    probe.end_backward(1)
+    timer.stop("bwd")
+    timing = timer.collect(schedule_ms=1.0)
+    lt = timing.layers
+    assert timing.bwd_ms[1] > timing.bwd_ms[0] + 15.0, timing.bwd_ms  # the step sees it
+    # The stage's backward is the microbatch that ran no reduce: its layers and little more.
+    assert lt.stage_bwd_ms == pytest.approx(timing.bwd_ms[0])
+    assert lt.stage_bwd_ms < sum(lt.bwd_ms) + 10.0, (lt.stage_bwd_ms, lt.bwd_ms)

@@ -70,7 +70,10 @@ SAMPLED_MICROBATCHES = 3
 class LayerTiming:
     """Per-layer compute of one sampled step on one stage, per microbatch (median over the
     step's microbatches), in ms; ``stage_fwd_ms``/``stage_bwd_ms`` are the stage timer's
-    medians over the same microbatches (what the stage spent beyond its layers is overhead)."""
+    medians over the same microbatches (what the stage spent beyond its layers is overhead).
+    With data parallelism the backward that ran the gradient all-reduce is left out of
+    ``stage_bwd_ms`` where another is left: its layers are not timed (``sampled_chunks``'s
+    ``spare_last``), and its time beyond theirs is the reduce's, not the stage's overhead."""
 
     fwd_ms: list[float]
     bwd_ms: list[float]
@@ -399,6 +402,8 @@ class StageTimer:
         # ``_discount_marks``).
         self._fwd_timed: list[bool] = []
         self._bwd_timed: list[bool] = []
+        # Per interval of ``_bwd``: whether gradient buckets went to the all-reduce in it.
+        self._bwd_reduced: list[bool] = []
         self._open_timed = False
 
     @property
@@ -440,6 +445,8 @@ class StageTimer:
             self._reduce.append((self._handed, end))
         else:
             (self._fwd if phase == "fwd" else self._bwd).append((self._open, end))
+        if phase == "bwd":
+            self._bwd_reduced.append(self._handed is not None)
         (self._fwd_timed if phase == "fwd" else self._bwd_timed).append(self._open_timed)
         self._open = self._handed = None
 
@@ -475,13 +482,19 @@ class StageTimer:
         per_layer = self.layers.collect()
         if per_layer is not None:
             f, b, hf, hb, df, db = per_layer
+            # The backwards that ran no all-reduce: the others share the device with it.
+            keep = [i for i, r in enumerate(self._bwd_reduced) if not r]
+            if not keep or len(self._bwd_reduced) != len(out.bwd_ms):
+                keep = list(range(len(out.bwd_ms)))
+            bwd_ms = [out.bwd_ms[i] for i in keep]
+            bwd_timed = [self._bwd_timed[i] for i in keep]
             f, hf = _discount_marks(f, hf, out.fwd_ms, self._fwd_timed)
-            b, hb = _discount_marks(b, hb, out.bwd_ms, self._bwd_timed)
+            b, hb = _discount_marks(b, hb, bwd_ms, bwd_timed)
             out.layers = LayerTiming(
                 fwd_ms=f,
                 bwd_ms=b,
                 stage_fwd_ms=float(np.median(out.fwd_ms)) if out.fwd_ms else float("nan"),
-                stage_bwd_ms=float(np.median(out.bwd_ms)) if out.bwd_ms else float("nan"),
+                stage_bwd_ms=float(np.median(bwd_ms)) if bwd_ms else float("nan"),
                 launch_fwd_ms=hf,
                 launch_bwd_ms=hb,
                 device_fwd_ms=df,
@@ -489,7 +502,7 @@ class StageTimer:
             )
         self.layers.sampling = False
         self._fwd, self._bwd, self._reduce = [], [], []
-        self._fwd_timed, self._bwd_timed = [], []
+        self._fwd_timed, self._bwd_timed, self._bwd_reduced = [], [], []
         if self._pool is not None:
             self._pool.reset()
         return out
