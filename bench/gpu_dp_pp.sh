@@ -25,6 +25,7 @@
 # slowdown of rank 3: recipes/scenarios/emulate-3x-rank3.toml). MODELS overrides the models
 # (vgg16 gpt); PREDICTOR, if set, is given to the adaptive runs; PARTIAL=1 adds a run of
 # the adaptive policy with partial reduce allowed (it changes the training math).
+# TRAIN_ARGS, if set, is added to every run's arguments (e.g. "--gc-every 0").
 # STEPS, ONSET and END (default 90, 30, 60) move the interferer's steps: the scenario is
 # the recipe's with its start and stop steps replaced (longer phases let a live policy's
 # confirmation windows and pauses weigh less in a phase's mean).
@@ -131,6 +132,7 @@ json.dump({"steps": int(steps), "onset": int(onset), "end": int(end), "warmup": 
            "monitor_every": int(every), "device": device, "scenario": scenario,
            "models": models, "sweep_onset": {},
            "reshape": os.environ.get("RESHAPE", "1") != "0",
+           "train_args": os.environ.get("TRAIN_ARGS", ""),
            "revision": os.environ.get("DYNPIPE_REVISION") or rev.stdout.strip() or None},
           open(f"{o}/meta.json", "w"), indent=1)
 PY
@@ -160,7 +162,7 @@ run() {  # model, name, shape, extra args...
   timeout "$limit" python3 -m dynpipe train $(args_of "$m") --nproc 4 --dp "$dp" \
     --microbatches "${MB[$shape]}" --device "$DEVICE" "${EXTRA[@]}" --optimizer adamw \
     --lr 1e-4 --no-progress --monitor-every "$EVERY" --timeout 120 \
-    --log "$O/$m-$name.jsonl" "$@" > "$O/$m-$name.out" 2>&1
+    --log "$O/$m-$name.jsonl" ${TRAIN_ARGS:-} "$@" > "$O/$m-$name.out" 2>&1
   echo "$m-$name: exit $? in $(( $(date +%s) - t0 ))s (limit ${limit}s)"
 }
 # The live policies may change the dp x pp shape (2 x 2 <-> 4 x 1) unless RESHAPE=0.

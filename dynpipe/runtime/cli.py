@@ -32,7 +32,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 # TrainConfig's fields by help section; any other field lands at the end, ungrouped.
 _GROUPS = (
     ("model and data", ("model", "data", "data_path", "data_workers", "device_batches")),
-    ("pipeline", ("plan", "stages", "dp", "schedule", "microbatches", "bf16", "timing")),
+    (
+        "pipeline",
+        ("plan", "stages", "dp", "schedule", "microbatches", "bf16", "timing", "gc_every"),
+    ),
     ("optimisation", ("steps", "batch_size", "seed")),
     ("adaptation", ("scenario", "predictor", "telemetry")),
     (

@@ -69,6 +69,10 @@ class TrainConfig:
     predictor: trained slowdown predictor (.json or .json.gz from ``dynpipe predictor
         fit``), for ``--adapt adaptive`` or ``restart``.
     telemetry: device telemetry sampled in a side thread and gathered with stage times.
+    gc_every: steps between Python garbage collections, made at the same step on every rank
+        with the automatic collector off and start-up objects frozen (0: Python's own
+        collector, at whatever point of a step each rank's allocations trigger it;
+        ``dynpipe.runtime.collect``).
     eval_every: evaluate on the held-out split every N steps and after the last (0: never),
         logging ``eval`` records: loss, top-1 accuracy, perplexity for gpt/bert.
     eval_batches: batches (of ``batch_size``) per evaluation (unset: the held-out split
@@ -128,6 +132,7 @@ class TrainConfig:
     scenario: str | None = None
     predictor: str | None = None
     telemetry: bool = True
+    gc_every: int = field(default=50, metadata={"metavar": "N"})
     eval_every: int = field(default=0, metadata={"metavar": "N"})
     eval_batches: int | None = field(default=None, metadata={"metavar": "N"})
     freeze: bool = False
@@ -151,6 +156,10 @@ class TrainConfig:
             )
         if self.dp is not None and self.dp < 1:
             raise UserError(f"--dp must be >= 1 (pipeline replicas), got {self.dp}")
+        if self.gc_every < 0:
+            raise UserError(
+                f"--gc-every must be >= 0 (0: Python's own collector), got {self.gc_every}"
+            )
         if self.log_every < 1:
             raise UserError(f"--log-every must be >= 1, got {self.log_every}")
         if self.eval_every < 0 or (self.eval_batches is not None and self.eval_batches < 1):

@@ -37,6 +37,7 @@ from dynpipe.runtime.checkpoint import (
     read_marker,
 )
 from dynpipe.runtime.checkpointer import Checkpointer, SaveRecord
+from dynpipe.runtime.collect import StepCollector
 from dynpipe.runtime.config import TrainConfig
 from dynpipe.runtime.engine import EngineConfig, NonFiniteLoss, PipelineEngine, StepResult
 from dynpipe.runtime.health import Heartbeat, StageFailure, read_progress
@@ -903,6 +904,8 @@ def train(
         stream = open_stream(start)
     elif cfg.device_batches and (cfg.adapt.elastic or cfg.adapt.reshape or cfg.autodp):
         open_stream(start)  # a move may make this rank load: its batches are made now
+    # From here the model, the optimizer and the runtime exist: frozen for the collector.
+    collector = StepCollector(cfg.gc_every)
     try:
         if runner is not None:
             runner.prepare()
@@ -984,6 +987,7 @@ def train(
                 bar.update(1)
                 split = "|".join(str(len(st)) for st in engine.plan.stages)
                 bar.set_postfix(loss=f"{res.loss:.4f}", ms=f"{res.step_ms:.0f}", split=split)
+            collector.step(step)
             beat.progress(step + 1)
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
                 save(step=step + 1, reason="periodic")
@@ -997,6 +1001,7 @@ def train(
         if log is not None:
             log.event("end", step=cfg.steps, plan=engine.plan.to_dict())
     finally:
+        collector.close()
         if stream is not None and stream is not kept:
             stream.close()
         if kept is not None:
