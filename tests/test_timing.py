@@ -233,3 +233,51 @@ def test_the_backward_that_ran_the_all_reduce_is_not_the_stage_overhead():
     # The stage's backward is the microbatch that ran no reduce: its layers and little more.
     assert lt.stage_bwd_ms == pytest.approx(timing.bwd_ms[0])
     assert lt.stage_bwd_ms < sum(lt.bwd_ms) + 10.0, (lt.stage_bwd_ms, lt.bwd_ms)
+
+
+def test_the_optimizer_update_is_timed():
+    timer = StageTimer(device=torch.device("cpu"))
+    began = timer.mark()
+    _spin(5.0)
+    timer.update(began)
+    got = timer.collect(schedule_ms=1.0)
+    assert got.update_ms >= 5.0
+    # Not timed on a step: NaN (a rank with no optimizer, an idle one), not zero.
+    assert timer.collect(schedule_ms=1.0).update_ms != timer.collect(schedule_ms=1.0).update_ms
+
+
+def _train_two_stages(rank: int, world: int, log: str) -> list[dict]:
+    from dynpipe.runtime.config import TrainConfig
+    from dynpipe.runtime.optim import OptimConfig
+    from dynpipe.runtime.topology import Topology
+    from dynpipe.runtime.train import train
+
+    cfg = TrainConfig(
+        model="mlp",
+        model_args={"depth": 4, "width": 64},
+        steps=6,
+        batch_size=16,
+        microbatches=2,
+        optim=OptimConfig(name="adamw", lr=1e-3),
+        progress=False,
+        log=log,
+        log_every=3,
+    )
+    train(cfg, topo=Topology.from_env(device="cpu"))
+    return []
+
+
+def test_step_records_carry_every_stages_update_time(tmp_path):
+    """The update grows with the parameters a rank holds, which the shape decides: the
+    records carry it per stage, measured, for the shape's price."""
+    from distutil import run_ranks
+
+    from dynpipe.runtime.records import read_dicts
+
+    log = tmp_path / "log.jsonl"
+    run_ranks(_train_two_stages, 2, str(log))
+    steps = [r for r in read_dicts(log) if r["type"] == "step"]
+    assert len(steps) == 6
+    for r in steps:
+        assert len(r["stages"]) == 2
+        assert all(s["update_ms"] is not None and s["update_ms"] > 0 for s in r["stages"]), r

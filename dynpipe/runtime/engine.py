@@ -644,7 +644,9 @@ class PipelineEngine:
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
+            began = self.timer.mark()
             self.optimizer.step()
+            self.timer.update(began)
         if work is not None:
             work.wait()
         if while_device_runs is not None:

@@ -138,6 +138,8 @@ class StageTiming:
 
     layers: ``(start, stop)``, the range of layers the stage held during the step.
     wait_ms: time blocked on a neighbour (receives) rather than computing.
+    update_ms: the optimizer's update of the stage's parameters after the step's last
+        backward (None: not timed, or a log that predates it).
     """
 
     stage: int
@@ -146,9 +148,13 @@ class StageTiming:
     fwd_ms: float
     bwd_ms: float
     wait_ms: float
+    update_ms: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        out = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        if out["update_ms"] is None:
+            del out["update_ms"]  # as logs without it wrote the stage
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StageTiming:
@@ -160,6 +166,7 @@ class StageTiming:
             fwd_ms=float(d["fwd_ms"]),
             bwd_ms=float(d["bwd_ms"]),
             wait_ms=float(d["wait_ms"]),
+            update_ms=None if d.get("update_ms") is None else float(d["update_ms"]),
         )
 
 

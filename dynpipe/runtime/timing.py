@@ -99,6 +99,10 @@ class StepTiming:
     schedule_ms: float = 0.0
     layers: LayerTiming | None = None
     reduce_ms: float = 0.0  # data parallelism: the gradient all-reduce's tail and wait
+    # The optimizer's update of the stage's parameters (device time on a GPU): it runs
+    # after the step's last backward and grows with the parameters a rank holds, which
+    # the shape decides (every parameter in DP only, a quarter in a 4-stage pipeline).
+    update_ms: float = float("nan")
 
     @property
     def fwd_total(self) -> float:
@@ -396,6 +400,7 @@ class StageTimer:
         self._fwd: list = []
         self._bwd: list = []
         self._reduce: list = []
+        self._update: tuple[object, object] | None = None
         self._open: object | None = None
         self._handed: object | None = None  # when the last gradient bucket was handed over
         # Per interval of ``_fwd`` / ``_bwd``: whether its layers were marked (see
@@ -467,6 +472,11 @@ class StageTimer:
     def mark(self) -> object | None:
         return self._mark() if self.enabled else None
 
+    def update(self, start: object | None) -> None:
+        """The optimizer's update began at ``start`` (a ``mark``) and has just been issued."""
+        if self.enabled and start is not None:
+            self._update = (start, self._mark())
+
     def collect(self, schedule_ms: float) -> StepTiming:
         """Resolve this step's intervals (call after the step has synchronised) and reset."""
 
@@ -478,6 +488,7 @@ class StageTimer:
             bwd_ms=ms(self._bwd),
             schedule_ms=schedule_ms,
             reduce_ms=float(sum(ms(self._reduce))),
+            update_ms=ms([self._update])[0] if self._update is not None else float("nan"),
         )
         per_layer = self.layers.collect()
         if per_layer is not None:
@@ -502,6 +513,7 @@ class StageTimer:
             )
         self.layers.sampling = False
         self._fwd, self._bwd, self._reduce = [], [], []
+        self._update = None
         self._fwd_timed, self._bwd_timed, self._bwd_reduced = [], [], []
         if self._pool is not None:
             self._pool.reset()

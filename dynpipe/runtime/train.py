@@ -194,8 +194,9 @@ class _Gathered:
     probes: dict[int, tuple[int, float, float]] | None = None
 
 
-# Per step and rank: forward, backward, wait, step, reduce and between-steps milliseconds.
-_TIMES = 6
+# Per step and rank: forward, backward, wait, step, reduce, between-steps and update
+# milliseconds.
+_TIMES = 7
 
 
 class _StepLog:
@@ -272,6 +273,7 @@ class _StepLog:
                 r.step_ms,
                 r.timing.reduce_ms,
                 r.between_ms,
+                r.timing.update_ms,
             )
         ]
         tel = telemetry or {}
@@ -362,7 +364,7 @@ class _StepLog:
         stages, busy, reduce = [], 0.0, 0.0
         for s, st in enumerate(self.plan.stages):
             rank = self.mesh.global_rank(st.rank, replica)
-            f, b, w, _, red, _ = times[rank][j].tolist()
+            f, b, w, _, red, _, upd = times[rank][j].tolist()
             busy, reduce = max(busy, f + b), max(reduce, red)
             stages.append(
                 StageTiming(
@@ -372,6 +374,7 @@ class _StepLog:
                     fwd_ms=round(f, 4),
                     bwd_ms=round(b, 4),
                     wait_ms=round(w, 4),
+                    update_ms=round(upd, 4) if upd == upd else None,
                 )
             )
         dropped = replica in self.plan.dropped
