@@ -16,7 +16,10 @@ scanned again), the automatic collector is off, and every ``every`` steps every 
 collects the young generations at the same step, the whole heap each tenth time (cheap
 with the start-up objects frozen). Reference counting frees everything that is not in a
 cycle, as always. ``close`` restores the collector as it was (tests run training in one
-process, one run after another).
+process, one run after another). Side by side in one device call (``analysis/logs/
+dp-pp-h200x4-0c554d8-gc0/`` and ``-gc50/``), the live run's clean steps in DP only went from
+99.2 ms median (p90 107.9) with Python's own collector to 95.3 (98.6) with this one; the
+static run's were 96.5 and 96.1.
 """
 
 from __future__ import annotations
