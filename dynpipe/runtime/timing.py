@@ -488,15 +488,15 @@ class StageTimer:
             bwd_ms=ms(self._bwd),
             schedule_ms=schedule_ms,
             reduce_ms=float(sum(ms(self._reduce))),
-            update_ms=ms([self._update])[0] if self._update is not None else float("nan"),
+            update_ms=(
+                _elapsed_ms(self.cuda, *self._update) if self._update is not None else float("nan")
+            ),
         )
         per_layer = self.layers.collect()
         if per_layer is not None:
             f, b, hf, hb, df, db = per_layer
             # The backwards that ran no all-reduce: the others share the device with it.
-            keep = [i for i, r in enumerate(self._bwd_reduced) if not r]
-            if not keep or len(self._bwd_reduced) != len(out.bwd_ms):
-                keep = list(range(len(out.bwd_ms)))
+            keep = [i for i, r in enumerate(self._bwd_reduced) if not r] or range(len(out.bwd_ms))
             bwd_ms = [out.bwd_ms[i] for i in keep]
             bwd_timed = [self._bwd_timed[i] for i in keep]
             f, hf = _discount_marks(f, hf, out.fwd_ms, self._fwd_timed)

@@ -544,15 +544,16 @@ class Controller:
         """Whether a refuted return from ``key`` bars going back to regime ``then`` now: the
         devices read nearer the readings that suggested it (on the rank furthest from them)
         than regime ``then``'s own."""
-        now = np.log(np.maximum(self.est.load, 1e-9))
         earlier = self.est.regime_load(then)
         if earlier is None:
             return False
-        far = float(np.max(np.abs(now - np.log(np.maximum(earlier, 1e-9)))))
-        return any(
-            b == key and float(np.max(np.abs(now - np.log(np.maximum(s, 1e-9))))) < far
-            for b, s in self._refuted
-        )
+        now = np.log(np.maximum(self.est.load, 1e-9))
+
+        def distance(loads: Any) -> float:  # on the rank that differs most, as a log ratio
+            return float(np.max(np.abs(now - np.log(np.maximum(loads, 1e-9)))))
+
+        far = distance(earlier)
+        return any(b == key and distance(s) < far for b, s in self._refuted)
 
     def _faster(
         self,
