@@ -9,6 +9,11 @@ so every window replays under the plan the run held, whatever the policy now dec
 Each window's decision is printed with the host time ``observe`` took here and the
 ``decide_ms`` the run logged for it.
 
+A static run (no policy of its own) is priced with ``--policy measured|adaptive``: that
+policy, with live reshapes allowed, reads the run's windows and its options are printed
+with ``--shapes``, so what it would predict for every shape can be set beside the static
+runs of the other shapes in the same session.
+
 Free device memory is not in the log: ``--device-mib`` rebuilds it from the telemetry's
 memory in use (a device of that many MiB), so the policy's memory limits run as on the
 device; without it the windows carry none (as on CPU).
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import pstats
 import sys
 import time
@@ -130,20 +136,31 @@ def replay(
     device_mib: float | None = None,
     profile: cProfile.Profile | None = None,
     shapes: bool = False,
+    mode: str | None = None,
+    link_gbs: float | None = None,
 ) -> list[Replayed]:
     """Every window of ``path`` through a fresh policy built as the run built its own
-    (``shapes``: with the options each decision weighed, priced)."""
+    (``shapes``: with the options each decision weighed, priced; ``mode``: that policy
+    instead, reshapes allowed, as for a static run; ``link_gbs``: the link's measured
+    bandwidth, where the log and its session have none)."""
     log = read_log(path)
     header = log.headers[0]
     conf = header.config
     dp = int(header.plan.get("dp", 1) or 1)
     adapt = AdaptConfig.from_dict(conf["adapt"])
+    if mode is not None:
+        adapt = dataclasses.replace(adapt, mode=mode, reshape=True)
     if dp < 2 and not adapt.reshape:
         # One pipeline under --reshape is a run of one replica to the replica policy.
         raise SystemExit(f"{path}: one pipeline (dp 1); replay it with bench/replay_controller.py")
     cfg = TrainConfig.of_logged_model(conf, adapt)
     model, _ = build_model_and_data(cfg)
-    links = log.events("links")
+    links = [{"bandwidth_gbs": link_gbs}] if link_gbs else log.events("links")
+    if not links and mode is not None:
+        # A static run measures no link: the runs of its session beside it did.
+        links = [e for sib in sorted(path.parent.glob("*.jsonl*")) for e in _links(sib)][:1]
+        if not links:
+            raise SystemExit(f"{path}: no link measured in its session: pass --link-gbs")
     wire = 0.5 if conf.get("bf16") else 1.0
     predictor = conf.get("predictor")
     if predictor and not Path(predictor).exists():
@@ -186,6 +203,10 @@ def replay(
     return out
 
 
+def _links(path: Path) -> list[Any]:
+    return read_log(path).events("links")
+
+
 def _shapes(priced: list[tuple[float, Any]]) -> str:
     """Per shape, its best option's predicted ms per batch (the configuration in force,
     listed first, marked ``now``)."""
@@ -216,6 +237,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--quiet", action="store_true", help="no per-window lines")
     ap.add_argument(
+        "--policy",
+        choices=("measured", "adaptive"),
+        default=None,
+        help="replay with this policy (reshapes allowed) instead of the run's own: a static "
+        "run's windows priced",
+    )
+    ap.add_argument(
+        "--link-gbs",
+        type=float,
+        default=None,
+        help="the link's measured GB/s (a links event's bandwidth_gbs), for a static run whose "
+        "session measured none",
+    )
+    ap.add_argument(
         "--shapes",
         action="store_true",
         help="under each decision, every shape's best option and its predicted ms per batch",
@@ -228,10 +263,23 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.logs:
         prof = cProfile.Profile() if args.profile else None
         runs = [
-            replay(path, device_mib=args.device_mib, shapes=args.shapes) for _ in range(args.repeat)
+            replay(
+                path,
+                device_mib=args.device_mib,
+                shapes=args.shapes,
+                mode=args.policy,
+                link_gbs=args.link_gbs,
+            )
+            for _ in range(args.repeat)
         ]
         if prof is not None:
-            replay(path, device_mib=args.device_mib, profile=prof)
+            replay(
+                path,
+                device_mib=args.device_mib,
+                profile=prof,
+                mode=args.policy,
+                link_gbs=args.link_gbs,
+            )
         ms = np.median([[r.ms for r in run] for run in runs], axis=0)
         print(f"## {path}: {len(ms)} windows")
         for r, t in zip(runs[0], ms, strict=True):

@@ -181,15 +181,16 @@ def test_policy_state_round_trips() -> None:
         base=BASE, config=AdaptConfig(mode="measured", settle_windows=0), num_stages=2, dp=2
     )
     for w, cfg in enumerate(held):
-        policy.observe(
-            _window(w * 5 + 4, cfg, [[1, 1], [1, 3.0 if w >= 3 else 1]], schedule="gpipe")
-        )
+        win = _window(w * 5 + 4, cfg, [[1, 1], [1, 3.0 if w >= 3 else 1]], schedule="gpipe")
+        policy.observe(_with_updates(win, [[1.0, 2.0], [1.5, 6.0]]))
     again = ReplicaPolicy(
         base=BASE, config=AdaptConfig(mode="measured", settle_windows=0), num_stages=2, dp=2
     )
     again.load_state(policy.state())
     assert again.memory.entries == policy.memory.entries
     assert np.allclose(again.est[1].run_f, policy.est[1].run_f)
+    rates = policy.state()["update_rates"]
+    assert None not in rates and again.state()["update_rates"] == rates
 
 
 def test_a_move_that_falls_short_of_its_promise_raises_the_gain_the_next_needs() -> None:
@@ -282,3 +283,59 @@ def test_priced_lists_what_the_decision_weighed_the_current_configuration_first(
     # Pricing changes nothing: the same window decides the same again.
     again = policy.priced(win)
     assert [(round(t, 9), c) for t, c in again] == [(round(t, 9), c) for t, c in priced]
+
+
+def _with_updates(win: Window, per_rank: list[list[float]]) -> Window:
+    """``win`` with each replica's stages timing ``per_rank[r][s]`` ms of optimizer update."""
+    k = len(win.step_ms)
+    subs = tuple(
+        dataclasses.replace(sub, update_ms=np.tile(np.asarray(per_rank[r], float), (k, 1)))
+        for r, sub in enumerate(win.replicas or ())
+    )
+    return dataclasses.replace(win, replicas=subs, update_ms=subs[0].update_ms)
+
+
+def test_the_update_is_priced_per_device_by_the_parameters_it_would_hold() -> None:
+    """Measured updates price every shape: a device's rate (ms per parameter byte, from
+    what it holds now) times the bytes it would hold, after the stage's last backward and
+    reduce; a reduce is exposed only beyond the stage's own last backward (DDP's buckets
+    overlap it). Without updates in the windows the pricing is as before."""
+    from dynpipe.planner.shape import tail_parts
+
+    def priced(updates: list[list[float]] | None) -> dict[tuple[int, int], float]:
+        policy = ReplicaPolicy(
+            base=BASE,
+            config=AdaptConfig(mode="measured", settle_windows=0, reshape=True),
+            num_stages=1,
+            dp=2,
+        )
+        cfg = ReplicaConfig(bounds=((0, L),), shares=(4, 4))
+        for w in range(2):
+            win = _window(4 + 5 * w, cfg, [[1.0], [1.0]], schedule="gpipe")
+            if updates is not None:
+                win = _with_updates(win, updates)
+            policy.observe(win)
+        best: dict[tuple[int, int], float] = {}
+        for ms, c in policy.priced(win):
+            # The even split of one pipeline and DP only's even shares, as planned.
+            if c.shape == (2, 1) and c.shares == (4, 4):
+                best[(2, 1)] = ms
+            if c.shape == (1, 2) and c.bounds == ((0, L // 2), (L // 2, L)):
+                best[(1, 2)] = ms
+        return best
+
+    u0, u1 = 3.0, 7.0  # DP only: rank 1's device updates the same parameters slower
+    plain, timed = priced(None), priced([[u0], [u1]])
+    reduce, _, own = tail_parts(BASE, bounds=((0, L),), replicas=2)
+    assert timed[(2, 1)] - plain[(2, 1)] == pytest.approx(
+        max(reduce[0] - own[0], 0.0) + u1 - reduce[0]
+    )
+    # One pipeline: each half's update at the rate of the device that would hold it, the
+    # second stage's hidden by the first stage's last backward.
+    half = ((0, L // 2), (L // 2, L))
+    pb = BASE.param_bytes
+    share = [pb[a:b].sum() / pb.sum() for a, b in half]
+    _, lead, _ = tail_parts(BASE, bounds=half, replicas=1)
+    want = max(u0 * share[0] - lead[0], u1 * share[1] - lead[1], 0.0)
+    assert want > 0
+    assert timed[(1, 2)] - plain[(1, 2)] == pytest.approx(want)

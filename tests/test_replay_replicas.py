@@ -55,3 +55,18 @@ def test_the_policy_decides_what_the_run_decided(replayed) -> None:
             assert list(d.shares) == list(logged["shares"]), r.window
             assert d.reason.split(":")[0] == logged["reason"].split(":")[0], r.window
         assert d.current_ms == pytest.approx(logged["current_ms"], rel=0.05)
+
+
+def test_a_static_run_is_priced_with_the_policy_asked_for() -> None:
+    """``--policy`` replays a static run (which has no policy of its own) with that policy,
+    reshapes allowed: every window's options are priced, each shape among them, and the
+    updates its stages timed price them (the run measured no link: ``--link-gbs``)."""
+    log = ROOT / "analysis" / "logs" / "dp-pp-h200x4-8666f5a-update" / "gpt-static.jsonl.gz"
+    tool = _tool()
+    with pytest.raises(SystemExit, match="--link-gbs"):
+        tool.replay(log, shapes=True, mode="measured")
+    got = tool.replay(log, shapes=True, mode="measured", link_gbs=124.0)
+    priced = [r.priced for r in got if r.priced]
+    assert len(priced) >= 20
+    assert all({c.shape for _, c in p} == {(2, 2), (1, 4), (4, 1)} for p in priced)
+    assert all(r.window.update_medians() is not None for r in got)

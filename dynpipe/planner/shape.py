@@ -46,6 +46,7 @@ __all__ = [
     "evaluate_shape",
     "reduce_tail_ms",
     "ring_allreduce_ms",
+    "tail_parts",
 ]
 
 Bounds = tuple[tuple[int, int], ...]
@@ -71,24 +72,34 @@ def _link(costs: CostModel) -> tuple[float, float]:
     )
 
 
+def tail_parts(
+    costs: CostModel, *, bounds: Sequence[tuple[int, int]], replicas: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per stage: its gradient all-reduce across ``replicas`` (ms; 0 for one replica), its
+    lead (how long before the step's end its last backward ends: the module docstring)
+    and its own backward of one microbatch (what a bucketed reduce overlaps)."""
+    cm = costs.for_devices(len(bounds))
+    bw, lat = _link(cm)
+    reduce, lead, own = np.zeros(len(bounds)), np.zeros(len(bounds)), np.zeros(len(bounds))
+    at = 0.0
+    for s, (a, b) in enumerate(bounds):
+        grads = float(cm.param_bytes[a:b].sum())
+        reduce[s] = float(ring_allreduce_ms(grads, replicas=replicas, bandwidth=bw, latency_ms=lat))
+        lead[s] = at
+        own[s] = float(cm.bwd_ms[s, a:b].sum() + cm.stage_bwd_ms[s])
+        at += own[s]
+        if s < len(bounds) - 1:
+            at += float(cm.out_bytes[b - 1] / cm.bandwidth[s] * 1e3 + cm.latency_ms[s])
+    return reduce, lead, own
+
+
 def reduce_tail_ms(costs: CostModel, *, bounds: Sequence[tuple[int, int]], replicas: int) -> float:
     """How long the gradient all-reduce across ``replicas`` extends the step (see the
     module docstring): ``max_s (reduce_s - lead_s)``, at least 0."""
     if replicas <= 1:
         return 0.0
-    cm = costs.for_devices(len(bounds))
-    bw, lat = _link(cm)
-    lead, tail = 0.0, 0.0
-    for s, (a, b) in enumerate(bounds):
-        grads = float(cm.param_bytes[a:b].sum())
-        tail = max(
-            tail,
-            float(ring_allreduce_ms(grads, replicas=replicas, bandwidth=bw, latency_ms=lat)) - lead,
-        )
-        lead += float(cm.bwd_ms[s, a:b].sum() + cm.stage_bwd_ms[s])
-        if s < len(bounds) - 1:
-            lead += float(cm.out_bytes[b - 1] / cm.bandwidth[s] * 1e3 + cm.latency_ms[s])
-    return max(tail, 0.0)
+    reduce, lead, _ = tail_parts(costs, bounds=bounds, replicas=replicas)
+    return max(float(np.max(reduce - lead)), 0.0)
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,8 @@ class Window:
     between_ms: ``[k]`` the job's time between each step and the one before it (the
         longest of any rank's: its batch, the adaptation loop's host work, a move's whole
         pause), or None (older logs).
+    update_ms: ``[k, S]`` each stage's optimizer update per step (NaN where not timed), or
+        None (older logs).
     """
 
     step: int
@@ -83,6 +85,7 @@ class Window:
     idle: tuple[int, ...] = ()
     probes: Mapping[int, tuple[int, float, float]] | None = None
     between_ms: np.ndarray | None = None
+    update_ms: np.ndarray | None = None
 
     @property
     def key(self) -> tuple[tuple[int, int], ...]:
@@ -141,6 +144,16 @@ class Window:
         device."""
         return np.median(self.stage_fwd_ms, axis=0), np.median(self.stage_bwd_ms, axis=0)
 
+    def update_medians(self) -> np.ndarray | None:
+        """Per stage, the median optimizer update over the window's steps that timed it
+        (NaN for a stage none did), or None where no step did."""
+        if self.update_ms is None or not np.isfinite(self.update_ms).any():
+            return None
+        u = self.update_ms
+        return np.array(
+            [np.median(c[np.isfinite(c)]) if np.isfinite(c).any() else np.nan for c in u.T]
+        )
+
     @classmethod
     def from_records(
         cls,
@@ -185,6 +198,11 @@ class Window:
         fwd = np.array([[r["stages"][i]["fwd_ms"] for i in range(s)] for r in records], float)
         bwd = np.array([[r["stages"][i]["bwd_ms"] for i in range(s)] for r in records], float)
 
+        upd = [[r["stages"][i].get("update_ms") for i in range(s)] for r in records]
+        update = None
+        if any(v is not None for row in upd for v in row):
+            update = np.array([[np.nan if v is None else v for v in row] for row in upd], float)
+
         def arr(key: str) -> np.ndarray | None:
             if layers is None or layers.get(key) is None:
                 return None
@@ -212,6 +230,7 @@ class Window:
             idle=tuple(int(r) for r in idle),
             probes=dict(probes) if probes else None,
             between_ms=between,
+            update_ms=update,
         )
 
     @classmethod
