@@ -9,7 +9,9 @@ the static shapes run under the same conditions (``dp4``: data parallelism alone
 4-stage pipeline, ``static``: 2 x 2 with the even split) and of every 2 x 2 split the ``sweep``
 run held (its clean pass for the clean and after phases, its second pass, under the interferer,
 for the interference phase). Time per step is measured from one step's end to the next, so the
-per-window gather, adaptation pauses and a split's first steps count.
+per-window gather, adaptation pauses and a split's first steps count. A 2-GPU run
+(``meta.json``'s ``nproc``) has ``dp2``, ``pp2`` and ``adaptive-dp2``, no 2 x 2, and its sweep
+holds the 1 x 2 splits.
 
     python bench/dp_pp_table.py OUTDIR            # prints a markdown table per model
     python bench/dp_pp_table.py OUTDIR --json OUTDIR/dp-pp-table.json
@@ -27,8 +29,13 @@ from dynpipe.analysis.metrics import sweep_split_ms
 from dynpipe.planner.plan import split_label
 from dynpipe.runtime.records import find_log, read_log
 
-STATIC = ("dp4", "pp4", "static")
-SYSTEMS = ("dp4", "pp4", "static", "measured", "adaptive", "adaptive-dp4", "partial")
+
+def systems(nproc: int) -> tuple[tuple[str, ...], tuple[str, ...], str]:
+    """The static shapes, every system, and the shape the sweep holds, of a run on
+    ``nproc`` GPUs (4 or 2)."""
+    static = (f"dp{nproc}", f"pp{nproc}", *(("static",) if nproc == 4 else ()))
+    every = (*static, "measured", "adaptive", f"adaptive-dp{nproc}", "partial")
+    return static, every, "2x2" if nproc == 4 else "1x2"
 
 
 def _steps(path: Path) -> tuple[dict[int, Any], list[Any], Any]:
@@ -73,11 +80,12 @@ def _moves(events: list[Any], a: int, b: int) -> str:
 def table(outdir: Path) -> dict[str, Any]:
     meta = json.loads((outdir / "meta.json").read_text())
     onset, end, steps_n, warm = meta["onset"], meta["end"], meta["steps"], meta["warmup"]
+    static, every, swept = systems(int(meta.get("nproc", 4)))
     phases = {"clean": (warm, onset), "interference": (onset, end), "after": (end, steps_n)}
-    out: dict[str, Any] = {"meta": meta, "models": {}}
+    out: dict[str, Any] = {"meta": meta, "models": {}, "systems": list(every)}
     for model in meta["models"]:
         runs = {}
-        for system in SYSTEMS:
+        for system in every:
             p = find_log(outdir, f"{model}-{system}")
             if p is not None:
                 runs[system] = _steps(p)
@@ -91,9 +99,9 @@ def table(outdir: Path) -> dict[str, Any]:
         entry: dict[str, Any] = {"device": device, "phases": {}}
         for ph, (a, b) in phases.items():
             ms = {s: _phase_ms(st, a, b) for s, (st, _, _) in runs.items()}
-            candidates = {s: ms[s] for s in STATIC if ms.get(s) is not None}
+            candidates = {s: ms[s] for s in static if ms.get(s) is not None}
             pass_ = sweep["interference" if ph == "interference" else "clean"]
-            candidates.update({f"2x2 {k}": v for k, v in pass_.items()})
+            candidates.update({f"{swept} {k}": v for k, v in pass_.items()})
             best = min(candidates, key=candidates.get) if candidates else None
             oracle = candidates.get(best) if best else None
             entry["phases"][ph] = {
@@ -119,8 +127,8 @@ def markdown(res: dict[str, Any]) -> str:
         lines.append("| system | clean | interference | after | ÷ oracle (c / i / a) | moves |")
         lines.append("|---|---|---|---|---|---|")
         phases = entry["phases"]
-        systems = [s for s in SYSTEMS if any(s in p["systems"] for p in phases.values())]
-        for s in systems:
+        order = res.get("systems") or systems(4)[1]
+        for s in [s for s in order if any(s in p["systems"] for p in phases.values())]:
             cells, ratios, moves = [], [], []
             for ph in ("clean", "interference", "after"):
                 v = phases[ph]["systems"].get(s, {})

@@ -29,6 +29,10 @@
 # STEPS, ONSET and END (default 90, 30, 60) move the interferer's steps: the scenario is
 # the recipe's with its start and stop steps replaced (longer phases let a live policy's
 # confirmation windows and pauses weigh less in a phase's mean).
+# NPROC=2 runs the same on a 2-GPU host: DP only (dp2, 2 x 1), one 2-stage pipeline (pp2,
+# 1 x 2), the live policies started as one pipeline (adaptive, measured) and as DP only
+# (adaptive-dp2), the sweep over the 1 x 2 splits, the interferer on GPU 1
+# (recipes/scenarios/gpu-gemm-rank1.toml); there is no 2 x 2.
 set -u
 O=$1
 mkdir -p "$O"
@@ -37,13 +41,17 @@ BUDGET=${BUDGET:-450}
 RUN_TIMEOUT=${RUN_TIMEOUT:-150}
 DEVICE=${DEVICE:-cuda}
 STEPS=${STEPS:-90}; ONSET=${ONSET:-30}; END=${END:-60}; WARMUP=8; EVERY=5; SWEEP_WINDOWS=2
+N=${NPROC:-4}
+if [ "$N" != 4 ] && [ "$N" != 2 ]; then echo "NPROC must be 4 or 2, got $N"; exit 2; fi
+# The shape the live policies and the sweep start from: 2 x 2, or one pipeline on 2 GPUs.
+MID=$([ "$N" = 4 ] && echo 2x2 || echo 1x2)
 if [ "$DEVICE" = cuda ]; then
   MODELS=${MODELS:-"vgg16 gpt"}
-  SCENARIO=recipes/scenarios/gpu-gemm-rank3.toml
+  SCENARIO=recipes/scenarios/gpu-gemm-rank$(( N - 1 )).toml
   EXTRA=(--bf16 --device-batches 4)
 else
   MODELS=${MODELS:-"mlp"}
-  SCENARIO=recipes/scenarios/emulate-3x-rank3.toml
+  SCENARIO=recipes/scenarios/emulate-3x-rank$(( N - 1 )).toml
   EXTRA=(--pin-cores)
 fi
 if [ "$END" -ge "$STEPS" ] || [ "$ONSET" -ge "$END" ]; then
@@ -120,8 +128,8 @@ PY
 phase_scenario "$SCENARIO" "$ONSET" "$END" "$O/scenario.toml"
 SCENARIO=$O/scenario.toml
 
-# The shapes' microbatches per replica (same microbatch size in every shape).
-declare -A MB=([4x1]=2 [2x2]=4 [1x4]=8)
+# The shapes' microbatches per replica (same microbatch size in every shape: 8 in all).
+declare -A MB=([4x1]=2 [2x2]=4 [1x4]=8 [2x1]=4 [1x2]=8)
 declare -A SWEEP_ONSET
 python3 - "$O" "$STEPS" "$ONSET" "$END" "$WARMUP" "$EVERY" "$DEVICE" "$SCENARIO" $MODELS <<'PY'
 import json, subprocess, sys
@@ -129,6 +137,7 @@ import os
 o, steps, onset, end, warm, every, device, scenario, *models = sys.argv[1:]
 rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
 json.dump({"steps": int(steps), "onset": int(onset), "end": int(end), "warmup": int(warm),
+           "nproc": int(os.environ.get("NPROC", "4")),
            "monitor_every": int(every), "device": device, "scenario": scenario,
            "models": models, "sweep_onset": {},
            "reshape": os.environ.get("RESHAPE", "1") != "0",
@@ -146,9 +155,9 @@ p, m, onset = sys.argv[1:]
 meta = json.load(open(p)); meta["sweep_onset"][m] = int(onset); json.dump(meta, open(p, "w"), indent=1)
 PY
   sweep_scenario "$SCENARIO" "${SWEEP_ONSET[$m]}" "$O/$m-sweep-scenario.toml"
-  # The planner's choice of shape and split for 4 GPUs (analytic costs), beside the runs.
-  python3 -m dynpipe plan $(args_of "$m" | sed 's/--model-arg/--set/g') --gpus 4 \
-    --bf16 --link-gbs 300 > "$O/$m-plan-gpus4.txt" 2>&1
+  # The planner's choice of shape and split for these GPUs (analytic costs), beside the runs.
+  python3 -m dynpipe plan $(args_of "$m" | sed 's/--model-arg/--set/g') --gpus "$N" \
+    --bf16 --link-gbs 300 > "$O/$m-plan-gpus$N.txt" 2>&1
 done
 
 run() {  # model, name, shape, extra args...
@@ -159,7 +168,7 @@ run() {  # model, name, shape, extra args...
   local limit=$(( left < RUN_TIMEOUT ? left : RUN_TIMEOUT ))
   local dp=${shape%x*}
   local t0=$(date +%s)
-  timeout "$limit" python3 -m dynpipe train $(args_of "$m") --nproc 4 --dp "$dp" \
+  timeout "$limit" python3 -m dynpipe train $(args_of "$m") --nproc "$N" --dp "$dp" \
     --microbatches "${MB[$shape]}" --device "$DEVICE" "${EXTRA[@]}" --optimizer adamw \
     --lr 1e-4 --no-progress --monitor-every "$EVERY" --timeout 120 \
     --log "$O/$m-$name.jsonl" ${TRAIN_ARGS:-} "$@" > "$O/$m-$name.out" 2>&1
@@ -170,26 +179,26 @@ LIVE=(); [ "${RESHAPE:-1}" != 0 ] && LIVE=(--reshape)
 P=(); [ -n "${PREDICTOR:-}" ] && P=(--predictor "$PREDICTOR")
 core() {  # model: the comparison the benchmark is for
   local m=$1
-  run "$m" dp4 4x1 --adapt static --steps "$STEPS" --scenario "$SCENARIO"
-  run "$m" static 2x2 --adapt static --steps "$STEPS" --scenario "$SCENARIO"
-  # One 4-stage pipeline is a static shape of the oracle (gpt's fastest under the
+  run "$m" "dp$N" "${N}x1" --adapt static --steps "$STEPS" --scenario "$SCENARIO"
+  [ "$N" = 4 ] && run "$m" static 2x2 --adapt static --steps "$STEPS" --scenario "$SCENARIO"
+  # One pipeline over every GPU is a static shape of the oracle (gpt's fastest under the
   # interferer at 8515182), so it comes before the live runs.
-  run "$m" pp4 1x4 --adapt static --steps "$STEPS" --scenario "$SCENARIO"
-  run "$m" adaptive 2x2 --adapt adaptive "${P[@]}" "${LIVE[@]}" --steps "$STEPS" \
+  run "$m" "pp$N" "1x$N" --adapt static --steps "$STEPS" --scenario "$SCENARIO"
+  run "$m" adaptive "$MID" --adapt adaptive "${P[@]}" "${LIVE[@]}" --steps "$STEPS" \
     --scenario "$SCENARIO"
 }
 core2() {  # model: the adaptive policy started as DP only
   local m=$1
-  run "$m" adaptive-dp4 4x1 --adapt adaptive "${P[@]}" "${LIVE[@]}" --steps "$STEPS" \
+  run "$m" "adaptive-dp$N" "${N}x1" --adapt adaptive "${P[@]}" "${LIVE[@]}" --steps "$STEPS" \
     --scenario "$SCENARIO"
 }
 rest() {
   local m=$1
-  run "$m" measured 2x2 --adapt measured "${LIVE[@]}" --steps "$STEPS" --scenario "$SCENARIO"
-  run "$m" sweep 2x2 --adapt sweep --sweep-windows "$SWEEP_WINDOWS" \
+  run "$m" measured "$MID" --adapt measured "${LIVE[@]}" --steps "$STEPS" --scenario "$SCENARIO"
+  run "$m" sweep "$MID" --adapt sweep --sweep-windows "$SWEEP_WINDOWS" \
     --steps $(( 2 * ${SWEEP_ONSET[$m]} )) --scenario "$O/$m-sweep-scenario.toml"
   if [ -n "${PARTIAL:-}" ]; then
-    run "$m" partial 2x2 --adapt adaptive --partial-reduce --steps "$STEPS" --scenario "$SCENARIO"
+    run "$m" partial "$MID" --adapt adaptive --partial-reduce --steps "$STEPS" --scenario "$SCENARIO"
   fi
 }
 for m in $MODELS; do core "$m"; done

@@ -339,3 +339,27 @@ def test_the_update_is_priced_per_device_by_the_parameters_it_would_hold() -> No
     want = max(u0 * share[0] - lead[0], u1 * share[1] - lead[1], 0.0)
     assert want > 0
     assert timed[(1, 2)] - plain[(1, 2)] == pytest.approx(want)
+
+
+def test_a_moves_cost_counts_its_first_step_and_stand_beyond_the_others() -> None:
+    """The pause a move logs is what the ranks timed; its first step (communicators and
+    buffers set up on first use) and the job's stand before it can cost more. Once the
+    window starting with the move's first step is in, that whole cost is the move's."""
+    policy = ReplicaPolicy(
+        base=BASE, config=AdaptConfig(mode="measured", settle_windows=0), num_stages=2, dp=2
+    )
+    cfg = ReplicaConfig(bounds=((0, L // 2), (L // 2, L)), shares=(4, 4))
+    policy.observe(_window(4, cfg, [[1, 1], [1, 1]], schedule="gpipe"))
+    policy.applied(step=5, pause_ms=40.0, moved_bytes=0)
+    assert policy.pause_ms == pytest.approx(40.0)
+    win = _window(9, cfg, [[1, 1], [1, 1]], schedule="gpipe")
+    steps = win.step_ms.copy()
+    steps[0] += 400.0  # the first step under the new plan
+    between = np.array([70.0, 1.0, 1.5, 1.0, 0.5])  # the stand before it, then the others'
+    d = policy.observe(dataclasses.replace(win, step_ms=steps, between_ms=between))
+    assert policy.pause_ms == pytest.approx(69.0 + 400.0)
+    assert d is not None and d.pause_ms == pytest.approx(469.0)
+    # A later window is not the move's: nothing changes.
+    later = dataclasses.replace(_window(14, cfg, [[1, 1], [1, 1]], schedule="gpipe"), step_ms=steps)
+    policy.observe(later)
+    assert policy.pause_ms == pytest.approx(469.0)

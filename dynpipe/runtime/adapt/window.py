@@ -154,6 +154,20 @@ class Window:
             [np.median(c[np.isfinite(c)]) if np.isfinite(c).any() else np.nan for c in u.T]
         )
 
+    def move_cost_ms(self, first: int, pause_ms: float) -> float | None:
+        """What a move whose first step is ``first`` cost the job, from this window that
+        starts with that step: its logged ``pause_ms``, or the stand before the first step
+        beyond the window's other stands if longer, plus the first step's excess over the
+        window's other steps (new buffers, communicators set up on first use, a schedule's
+        first run). None where the window does not start with ``first`` or has no other
+        step."""
+        if self.step - len(self.step_ms) + 1 != first or len(self.step_ms) < 2:
+            return None
+        cost = float(pause_ms)
+        if self.between_ms is not None:
+            cost = max(cost, float(self.between_ms[0] - np.median(self.between_ms[1:])))
+        return cost + max(float(self.step_ms[0] - np.median(self.step_ms[1:])), 0.0)
+
     @classmethod
     def from_records(
         cls,
