@@ -272,6 +272,10 @@ def report(a: argparse.Namespace) -> int:
         head = next(r for r in read_dicts(p) if r["type"] == "header")
         device = device or head.get("env", {}).get("device_name")
         out.setdefault("revision", head.get("revision"))
+    if a.revision:
+        # The runs' headers name the git metadata of the copy they ran in, which can be
+        # older than its tree: both are kept.
+        out["logged_revision"], out["revision"] = out.get("revision"), a.revision
     out["device"] = device
     for ph, (lo, hi) in phases.items():
         table = sweep["interference" if ph == "interference" else "clean"]
@@ -354,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("report")
     p.add_argument("dir")
     p.add_argument("-o", "--output", default=None)
+    p.add_argument(
+        "--revision",
+        default=None,
+        help="the commit the runs ran, where their headers name another (a device copy run "
+        "without DYNPIPE_REVISION reads the copy's own, possibly older, git metadata)",
+    )
     a = ap.parse_args(argv)
     if a.cmd == "run":
         a.systems = a.systems.split(",")

@@ -7,6 +7,8 @@
 #   0,1=vgg16-b128:gemm:1+resnet50-b256:copy:0  2,3=gpt-w2048:gemm:0:sweep,static,adaptive
 # PROFILE: every system starts from the split `dynpipe plan` picks from that profile dataset
 # (oracle.py --plan-profile; default: the even split).
+# Set DYNPIPE_REVISION to the commit under test where the tree is a copy (the device machine's):
+# its git metadata may be older than its files, and every run log's header names it.
 # A lane of 4 GPUs runs 4 stages. PREDICTOR (default predictor/h200.json.gz), STEPS, ONSET,
 # END, SWEEP_WINDOWS, SWEEP_PLANS, LANE_TIMEOUT (seconds) and DEVICE (cuda; cpu checks the script on a CPU machine,
 # a lane's "GPUS" then only counting its stages) are read from the environment. Logs and reports land in
