@@ -868,7 +868,7 @@ class ReplicaPolicy:
         """The last move's whole cost, once the window starting with its first step is in:
         its pause plus what its first step and the stand before it took beyond the others
         (``Window.move_cost_ms``) takes the pause's place in the average of moves' costs.
-        The first step of a new shape has run 4-5x a step (gpt 12 x 2048 from one pipeline
+        The first step of a new shape has run about 4x a step (gpt 12 x 2048 from one pipeline
         to 2 x 2 on 4 x H200 at `0c554d8`: 558 ms against 145 after it, the pause 239)."""
         if self._moved is None:
             return
