@@ -262,24 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     for path in args.logs:
         prof = cProfile.Profile() if args.profile else None
-        runs = [
-            replay(
-                path,
-                device_mib=args.device_mib,
-                shapes=args.shapes,
-                mode=args.policy,
-                link_gbs=args.link_gbs,
-            )
-            for _ in range(args.repeat)
-        ]
+        kw = {"device_mib": args.device_mib, "mode": args.policy, "link_gbs": args.link_gbs}
+        runs = [replay(path, shapes=args.shapes, **kw) for _ in range(args.repeat)]
         if prof is not None:
-            replay(
-                path,
-                device_mib=args.device_mib,
-                profile=prof,
-                mode=args.policy,
-                link_gbs=args.link_gbs,
-            )
+            replay(path, profile=prof, **kw)
         ms = np.median([[r.ms for r in run] for run in runs], axis=0)
         print(f"## {path}: {len(ms)} windows")
         for r, t in zip(runs[0], ms, strict=True):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dynpipe.planner.plan import split_label
 from dynpipe.runtime.records import find_log, read_log
 
 
@@ -49,7 +50,7 @@ def slowdowns(folder: Path) -> tuple[int, list[tuple[float, float, str]]] | None
         c = float(np.median([b for _, b in clean]))
         step, busy = float(np.median([t for t, _ in hit])), float(np.median([b for _, b in hit]))
         if c > 0 and step > 0:
-            out.append((busy / step, busy / c, "|".join(str(b - a) for a, b in split)))
+            out.append((busy / step, busy / c, split_label(split)))
     return stage, sorted(out)
 
 
