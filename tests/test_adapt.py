@@ -19,6 +19,7 @@ from dynpipe.runtime.adapt.policy import (
     layer_classes,
     moved_bytes,
     planner_costs,
+    predicted_step_ms,
 )
 from dynpipe.runtime.adapt.record import MoveRecord, PlanMemory
 from dynpipe.runtime.adapt.window import Window
@@ -177,6 +178,71 @@ def _estimates() -> CostEstimates:
         prior_fwd=np.ones(L), prior_bwd=2 * np.ones(L), classes=np.arange(L), num_ranks=2,
         window=8, jump=0.1,
     )  # fmt: skip
+
+
+def test_a_slowed_devices_reading_that_falls_with_its_load_teaches_its_load_coefficient() -> None:
+    # Measured on 2 x H200: a slowed device's slowdown grows with how busy the pipeline keeps
+    # it. A move that takes layers off it lowers the reading of the layers it keeps: the
+    # device's load coefficient, learned from that move's first window.
+    est = _estimates()
+    for s in range(3):
+        est.update(_window(4 + 5 * s, EVEN, TRUE))
+    for s in range(2):
+        est.update(_window(19 + 5 * s, EVEN, TRUE, slow=(1.0, 2.0)))
+    assert est.regime == 1 and np.all(est.load_c == 1.0)
+    before = float(est.busy[1])
+    light = ((0, 7), (7, 10))
+    for s in range(2):
+        est.update(_window(34 + 5 * s, light, TRUE, slow=(1.0, 1.6)))
+    assert est.busy[1] < before - 0.2
+    assert est.load[1] == pytest.approx(1.6)
+    # (s - 1) fell from 1.0 to 0.6 as u fell from 0.62 to 0.28: c = 0.19. It outlives the
+    # new regime the fall was named (the next window confirmed it).
+    assert est.load_c[1] == pytest.approx(0.19, abs=0.01) and est.load_c[0] == 1.0
+    # Back at the load it had, it runs as it ran there.
+    u_now, u_then = est.busy.copy(), est.busy.copy()
+    u_then[1] = before
+    assert est.load_factor(u_now, u_then)[1] == pytest.approx(2.0 / 1.6, rel=0.01)
+    assert est.load_factor(u_now, u_now) == pytest.approx([1.0, 1.0])
+    # A change of the device's speed under an unchanged plan is new conditions: what was
+    # learned of the old ones goes.
+    for s in range(2):
+        est.update(_window(44 + 5 * s, light, TRUE, slow=(1.0, 1.0)))
+    assert np.all(est.load_c == 1.0)
+    # The same fall of the reading with the plan unchanged teaches nothing.
+    est2 = _estimates()
+    for s in range(3):
+        est2.update(_window(4 + 5 * s, EVEN, TRUE))
+    for s in range(2):
+        est2.update(_window(19 + 5 * s, EVEN, TRUE, slow=(1.0, 2.0)))
+    for s in range(2):
+        est2.update(_window(34 + 5 * s, EVEN, TRUE, slow=(1.0, 1.6)))
+    assert np.all(est2.load_c == 1.0)
+
+
+def test_a_split_that_fills_a_device_whose_slowdown_grows_with_load_is_priced_so() -> None:
+    ctl = _controller()
+    for s in range(3):
+        ctl.observe(_window(4 + 5 * s, EVEN, TRUE))
+    for s in range(2):
+        ctl.observe(_window(19 + 5 * s, EVEN, TRUE, slow=(1.0, 2.0)))
+    light = ((0, 7), (7, 10))
+    for s in range(2):
+        ctl.observe(_window(34 + 5 * s, light, TRUE, slow=(1.0, 1.6)))
+    assert ctl.est.load_c[1] < 0.5
+    kw = {"schedule": "1f1b", "microbatches": M}
+    w = _window(44, light, TRUE, slow=(1.0, 1.6))
+    costs = ctl.cost_model(w)
+    rows = ctl._loaded(w, costs, EVEN, **kw)
+    # Given back its layers, rank 1 is priced at the 2x it ran them at, not the 1.6x it reads
+    # holding fewer.
+    assert rows.fwd_ms[1] / costs.fwd_ms[1] == pytest.approx(2.0 / 1.6, rel=0.05)
+    assert rows.fwd_ms[0] == pytest.approx(costs.fwd_ms[0])
+    assert predicted_step_ms(rows, EVEN, **kw) > predicted_step_ms(costs, EVEN, **kw)
+    # The current plan is priced as it is.
+    assert predicted_step_ms(ctl._loaded(w, costs, light, **kw), light, **kw) == pytest.approx(
+        predicted_step_ms(costs, light, **kw)
+    )
 
 
 def test_shares_scaled_down_on_a_slowed_stage_do_not_lower_its_clean_costs() -> None:

@@ -66,6 +66,18 @@ _NOISE_MIN = 6
 # tenth of one (gpt in the analytic model: 0.08 and 0.09); a stage of one layer nearly as
 # heavy as the probe layer reads its device as well as the probe would.
 _LIGHT = 0.5
+# A slowed device's slowdown depends on how busy the pipeline keeps it (``load_factor``):
+# its excess over clean scales with ``c + (1 - c) u``, ``u`` its busy fraction. ``c`` is
+# learned from a change of ``u`` of at least ``_LOAD_DU`` (a smaller one cannot tell ``c``
+# from a timer's noise) on a device read at least ``2 x jump`` slowed, and kept within
+# ``[_LOAD_C_MIN, 1]``: the oracle sweeps (``bench/sweep_slowdown.py``) put it near 0.5
+# under ``gemm`` (gpt), 1 under ``copy``, and anywhere from 0 (vgg16 128: 1.38x at ``u``
+# 0.57, 1.59x at 0.86) to 1 (bert, vgg16 256) under ``train``.
+_LOAD_DU = 0.2
+_LOAD_C_MIN = 0.0
+# A device seen only nearly idle says little of how it runs busy: its reading there is taken
+# as at least this share of the full excess.
+_LOAD_G_MIN = 0.1
 
 
 def median_work_layer(cost: np.ndarray) -> int:
@@ -89,6 +101,12 @@ def _stalls(host: np.ndarray, classes: np.ndarray, a: int, b: int, bar_ms: float
             continue
         med = float(np.median(vals))
         host[members[vals > med + bar_ms]] = med
+
+
+def _load_g(c: Any, u: Any) -> Any:
+    """How much of a slowed device's full excess over clean it shows at busy fraction ``u``
+    (``CostEstimates.load_factor``)."""
+    return c + (1.0 - c) * u
 
 
 def _confirms(pending: tuple[float, float], x: float, limit: float) -> bool:
@@ -186,6 +204,14 @@ class CostEstimates:
         # Ranks that held too little work to read their device (``light_probes``) in the
         # last window: their reading then was a light stage's, no reference for a probe.
         self._light_held: frozenset[int] = frozenset()
+        # Per rank, its busy fraction in the last window that read it (NaN: none yet), and
+        # its load coefficient (``load_c``) as learned since its conditions last changed:
+        # the sum of its estimates, weighted by the change of load each came from, and the
+        # weights.
+        self.busy = np.full(num_ranks, np.nan)
+        self._last_bounds: tuple[tuple[int, int], ...] | None = None
+        self._load_sum = np.zeros(num_ranks)
+        self._load_weight = np.zeros(num_ranks)
 
     @property
     def num_layers(self) -> int:
@@ -347,11 +373,16 @@ class CostEstimates:
         light = self._light_ranks(w)
         if changed:
             self._suspect = [None] * len(self._suspect)
+            self._load_sum[:], self._load_weight[:] = 0.0, 0.0
         # Steady steps speak only for the stages that bound them: a stage that waits on
         # another can change speed without the steps showing it (``steady`` below).
         med_f, med_b = w.stage_medians()
         busy = med_f + med_b
         bounds_step = busy >= busy.max() * np.exp(-limit[list(w.ranks)])
+        u = np.clip(busy / max(float(np.median(w.step_ms)), 1e-9), 0.0, 1.0)
+        # A device's load changes with the plan (a move) or with its own speed (conditions):
+        # only the first is read for its load coefficient.
+        moved, self._last_bounds = self._last_bounds != w.bounds, w.bounds
         for s, ((a, b), r) in enumerate(zip(w.bounds, w.ranks, strict=True)):
             held = slice(a, b)
             steady_r = steady and bool(bounds_step[s])
@@ -362,6 +393,11 @@ class CostEstimates:
             old = float((self.run_f[held] + self.run_b[held])[stay].sum())
             old += self.over_f[r] + self.over_b[r]
             ratio = new / old if stay.any() and old > 0 else 1.0
+            clean = float((self.clean_f[held] + self.clean_b[held])[stay].sum())
+            clean += self.clean_of[r] + self.clean_ob[r]
+            if stay.any() and ratio > 0 and moved and not changed and r not in light:
+                self._learn_load(r, float(u[s]), old / max(clean, 1e-12), ratio)
+            self.busy[r] = float(u[s])
             history = list(self.steps[r])
             if stay.all() and ratio > 0:
                 self.steps[r] = [*history, float(np.log(ratio))][-_NOISE_KEEP:]
@@ -377,6 +413,8 @@ class CostEstimates:
                 # The device seems to have changed speed: its averages start afresh at once
                 # (an onset is followed in one window), but the change counts as a change of
                 # conditions only if the next window confirms it (a spike does not).
+                if not moved:
+                    self._load_sum[r], self._load_weight[r] = 0.0, 0.0
                 self._suspect[r] = (
                     np.sign(ratio - 1.0),
                     {
@@ -922,6 +960,50 @@ class CostEstimates:
             for seen in self._seen_loads:
                 seen[slow] *= f
 
+    def _learn_load(self, r: int, u_now: float, s_then: float, ratio: float) -> None:
+        """Learn rank ``r``'s load coefficient from a move's first window: its busy fraction
+        went from ``busy[r]`` to ``u_now``, and the reading of the layers it kept from
+        ``s_then`` times their clean cost to ``ratio`` times that.
+
+        A slowed device's excess over clean scales with ``g(u) = c + (1 - c) u``: on 2 x
+        H200 under ``gemm``, gpt's slowed stage ran 1.7x its clean time when a split kept it
+        15% busy and 2.05x at 85% (the oracle sweeps, ``bench/sweep_slowdown.py``). A move
+        that takes layers off such a device lowers the reading of the layers it keeps, and
+        the planner, pricing the device at that reading, gave them back: vgg16 under
+        ``train`` read 1.74x at 5|11 and 1.40x at 8|8, the planner priced 6|10 at 1.40x, and
+        it ran 1.81x. The stage's overhead counts with its layers: a time-sliced device's
+        interference shows largely there (between the layers). Such a change still counts
+        as a change of conditions if the next window confirms it (``update``): leaving it
+        to the load cost more than it saved over the committed logs (replayed, 12 decisions
+        their sweeps timed slower against 22 faster; as a pricing only, 1 against 12)."""
+        u_then = float(self.busy[r])
+        if not np.isfinite(u_then) or abs(u_now - u_then) < _LOAD_DU:
+            return
+        if s_then < 1.0 + 2.0 * self.jump:
+            return
+        q = (ratio * s_then - 1.0) / (s_then - 1.0)  # g(u_now) / g(u_then)
+        den = (1.0 - u_now) - q * (1.0 - u_then)
+        if abs(den) > 1e-9:
+            c = float(np.clip((q * u_then - u_now) / den, _LOAD_C_MIN, 1.0))
+            weight = abs(u_now - u_then)
+            self._load_sum[r] += weight * c
+            self._load_weight[r] += weight
+
+    @property
+    def load_c(self) -> np.ndarray:
+        """``[R]`` each rank's load coefficient under the current regime (1: its slowdown
+        does not depend on its load, the prior until a change of load shows otherwise)."""
+        w = self._load_weight
+        return np.where(w > 0, self._load_sum / np.maximum(w, 1e-12), 1.0)
+
+    def load_factor(self, u_now: np.ndarray, u_new: np.ndarray) -> np.ndarray:
+        """``[R]`` how much slower each rank runs its stage at busy fraction ``u_new`` than
+        at ``u_now`` (both ``[R]``): the excess of its reading (``load``, the stage's whole
+        time over clean) scales with ``g``."""
+        c, s = self.load_c, np.maximum(self.load, 1.0)
+        g_now = np.maximum(_load_g(c, np.clip(u_now, 0.0, 1.0)), _LOAD_G_MIN)
+        return (1.0 + (s - 1.0) * _load_g(c, np.clip(u_new, 0.0, 1.0)) / g_now) / s
+
     def _slowdown(self, a: int, b: int) -> float:
         run = self.run_f[a:b].sum() + self.run_b[a:b].sum()
         clean = self.clean_f[a:b].sum() + self.clean_b[a:b].sum()
@@ -993,7 +1075,8 @@ class CostEstimates:
         keys = (
             "clean_f", "clean_b", "run_f", "run_b", "n", "owner",
             "over_f", "over_b", "clean_of", "clean_ob", "slow", "load",
-            "host_f", "host_b", "raw_f", "raw_b", "src_scale",
+            "host_f", "host_b", "raw_f", "raw_b", "src_scale", "busy", "_load_sum",
+            "_load_weight",
         )  # fmt: skip
         out: dict[str, Any] = {k: _jsonable(getattr(self, k)) for k in keys}
         out["calibrated"] = self.calibrated

@@ -491,6 +491,10 @@ class Controller:
                 if alt is not None and alt_ms < step_ms:
                     step_ms, bounds, on, split = alt_ms, _wide(alt, ranks, len(key)), ranks, alt
                     what = f" on {len(ranks)} of {len(key)} devices (ranks {list(ranks)})"
+        new = costs if on == w.ranks else self._costs_on(w, on)
+        if on == w.ranks:
+            split, step_ms, new = self._under_load(w, costs, split, step_ms, **kw)
+            bounds = _wide(split, w.ranks, len(key))
         if bounds == key:
             return verdict("current plan is best")
         res = dataclasses.replace(res, step_ms=step_ms)
@@ -519,7 +523,6 @@ class Controller:
         # measurement the timers cannot fool vouches for what they read: an onset is acted
         # on at once).
         vouched = lm * ls > 0 and abs(ls) > np.log1p(cfg.jump)
-        new = costs if on == w.ranks else self._costs_on(w, on)
         sure = self._gain_beyond_noise(w, costs, new, on, split, vouched=vouched, **kw)
         if sure <= 0:
             return verdict(
@@ -743,6 +746,66 @@ class Controller:
             self.base.for_devices(len(ranks)), **self.est.stage_model(fwd, bwd, ranks)
         )
 
+    def _under_load(
+        self,
+        w: Window,
+        costs: CostModel,
+        split: Bounds,
+        step_ms: float,
+        *,
+        schedule: str,
+        microbatches: int,
+    ) -> tuple[Bounds, float, CostModel]:
+        """The best split of ``w``'s ranks with every slowed device priced at the load the
+        split gives it (``CostEstimates.load_factor``), its predicted step time, and the
+        cost rows that price it; ``split`` (the plan on ``costs``) as it is while no rank
+        has shown a load coefficient below 1.
+
+        A device's layers are priced at what they measure at its load now; a split that
+        fills a device whose slowdown grows with its load runs them slower. The exact
+        planner cannot see a cost that depends on the split it picks, so it plans again on
+        the costs of its last pick's loads, a few times, and the pick priced fastest wins.
+        The current plan's loads price it as it is (a factor of 1).
+        """
+        if np.all(self.est.load_c >= 1.0):
+            return split, step_ms, costs
+        kw = {"schedule": schedule, "microbatches": microbatches}
+        best: tuple[float, Bounds, CostModel] | None = None
+        pick = split
+        for _ in range(3):
+            rows = self._loaded(w, costs, pick, **kw)
+            ms = predicted_step_ms(rows, pick, **kw)
+            if best is None or ms < best[0]:
+                best = (ms, pick, rows)
+            try:
+                res = plan_partition(
+                    rows, num_stages=w.num_stages, memory_bytes=self._memory(w), **kw
+                )
+            except PlanError:
+                break
+            nxt = tuple((int(a), int(b)) for a, b in res.bounds)
+            if nxt == pick:
+                break
+            pick = nxt
+        assert best is not None
+        return best[1], best[0], best[2]
+
+    def _loaded(
+        self, w: Window, costs: CostModel, bounds: Bounds, *, schedule: str, microbatches: int
+    ) -> CostModel:
+        """``costs`` (rows in ``w``'s stage order, priced at the loads of ``w``'s plan) with
+        each row priced at the load its device would carry under ``bounds``."""
+        kw = {"schedule": schedule, "microbatches": microbatches}
+        ranks = list(w.ranks)
+        u_now = np.zeros(len(self.est.slow))
+        u_now[ranks] = _busy(costs, w.bounds, **kw)
+        rows = costs
+        for _ in range(2):  # the loads of ``bounds`` under the costs at those loads
+            u_new = u_now.copy()
+            u_new[ranks] = _busy(rows, bounds, **kw)
+            rows = _scaled(costs, self.est.load_factor(u_now, u_new)[ranks])
+        return rows
+
     def _gain_beyond_noise(
         self,
         w: Window,
@@ -842,6 +905,14 @@ class Controller:
         ]
         self.pending = MoveRecord.from_dict(state["pending"]) if state.get("pending") else None
         self.last = MoveRecord.from_dict(state["last"]) if state.get("last") else None
+
+
+def _busy(costs: CostModel, bounds: Bounds, *, schedule: str, microbatches: int) -> np.ndarray:
+    """Per stage of ``bounds``, the share of the modelled step it computes (its busy
+    fraction, what a slowed device's slowdown depends on)."""
+    sc = stage_costs(costs, bounds, schedule=schedule, microbatches=microbatches)
+    step = predicted_step_ms(costs, bounds, schedule=schedule, microbatches=microbatches)
+    return microbatches * np.add(sc.fwd_ms, sc.bwd_ms) / max(step, 1e-9)
 
 
 def _scaled(costs: CostModel, factor: np.ndarray) -> CostModel:
