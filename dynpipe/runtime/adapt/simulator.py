@@ -5,9 +5,14 @@ interference condition that starts and ends at some step on one or two devices (
 The true costs come from the offline profiles (``profiles/*.parquet``: every layer's forward
 and backward measured alone and beside real interferers, with the telemetry seen then), so
 layers slow by different amounts under different interferers exactly as they did on the
-card. Measurement noise comes from real run logs: each device's stage-time swings follow a
-stretch of a recorded static run (per step, relative to its median; within-run swings of up
-to 2x included), plus a per-layer jitter on the sampled step. A move pauses training for a
+card. A slowed device shows that slowdown in full only when the plan keeps it busy: its
+excess over clean scales with ``c + (1 - c) u``, ``u`` its stage's busy fraction under the
+plan, ``c`` per device drawn by interferer kind from the range the committed oracle sweeps
+show (``_LOAD_C``; ``--flat-slowdown``: 1, every split seeing the profile's slowdown, the
+simulator's truth until load dependence was measured). Measurement noise comes from real
+run logs: each device's stage-time swings follow a stretch of a recorded static run (per
+step, relative to its median; within-run swings of up to 2x included), plus a per-layer
+jitter on the sampled step. A move pauses training for a
 fixed part plus its bytes over the link, drawn per scenario around what recorded
 repartitions cost.
 
@@ -27,7 +32,9 @@ The policy under test is the one the runtime uses (``make_policy``), fed ``Windo
 built the way the training loop builds them. Per scenario the simulator reports the mean
 step time (pauses included) of the policy, of the initial plan held throughout (static),
 and of the oracle: per phase (a stretch of constant conditions), the static split that is
-best over that phase, from an exact plan on the phase's true mean costs, with zero pause.
+best over that phase, with zero pause: from an exact plan on the phase's true mean costs,
+or where slowdowns follow the load, every split of 2 stages timed and, with more, a local
+search around the exact plan (``_oracle``).
 
     python -m dynpipe.runtime.adapt.simulator --scenarios 300 --modes measured adaptive
 """
@@ -215,6 +222,12 @@ class Scenario:
     stall: float = 0.0
     untimed: float = 0.0
     blind: bool = False
+    # Per rank, how a slowed device's excess over clean follows its busy fraction u: it
+    # scales with ``c + (1 - c) u`` (1: it does not; empty: 1 on every rank).
+    load_c: tuple[float, ...] = ()
+
+    def coefficient(self, rank: int) -> float:
+        return float(self.load_c[rank]) if self.load_c else 1.0
 
     def condition(self, rank: int, step: int) -> str:
         for a, b, c in self.events[rank]:
@@ -232,10 +245,14 @@ def random_scenarios(
     steps: int = 240,
     stage_counts: Sequence[int] = (2, 4, 8),
     blind: bool = False,
+    load_dependent: bool = True,
 ) -> list[Scenario]:
     """``n`` scenarios: a workload, 2/4/8 stages, one or two slowed ranks (any), onsets and
     ends at random steps (some at the start, some never ending), random conditions;
-    ``blind``: light stages run and read clean (see the module docstring)."""
+    ``blind``: light stages run and read clean (see the module docstring);
+    ``load_dependent``: each slowed rank's load coefficient drawn by its interferer's kind
+    (``_LOAD_C``; else 1 everywhere, the load-independent truth). The coefficients come
+    from a generator of their own, so every other draw of a seed is the same either way."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -270,18 +287,54 @@ def random_scenarios(
                 untimed=float(rng.uniform(0.0, 0.5)),
                 link_bytes_per_ms=float(rng.uniform(10e6, 40e6)),
                 blind=blind,
+                load_c=_load_coefficients(events, np.random.default_rng([seed, i]))
+                if load_dependent
+                else (),
             )
         )
     return out
 
 
+# Per interferer kind, the range a slowed device's load coefficient is drawn from: what the
+# committed oracle sweeps show (``bench/sweep_slowdown.py``; the excess over clean of the
+# slowed stage at each split's busy fraction): ``gemm`` 0.43-0.55 (gpt 1.7x at u 0.15 and
+# 2.05x at 0.85+, vgg16 1.57x at 0.22 and 1.9x at 0.9, bert 1.42x at 0.03 and 1.94x at
+# 0.92); ``train`` from 0 (vgg16 128: 1.38x at 0.57, 1.59x at 0.86) to 1 (bert, vgg16 256);
+# ``copy`` flat (1.40x at every u).
+_LOAD_C = {"gemm": (0.4, 0.65), "train": (0.0, 1.0)}
+_LOAD_C_OTHER = (0.9, 1.0)
+
+
+def _load_coefficients(
+    events: Sequence[tuple[tuple[int, int, str], ...]], rng: np.random.Generator
+) -> tuple[float, ...]:
+    """Per rank, the load coefficient of its first event's interferer kind (1: none)."""
+    out = []
+    for ev in events:
+        if not ev:
+            out.append(1.0)
+            continue
+        lo, hi = _LOAD_C.get(ev[0][2].partition("@")[0], _LOAD_C_OTHER)
+        out.append(float(rng.uniform(lo, hi)))
+    return tuple(out)
+
+
 class _Truth:
-    """True per-step costs of a scenario: per rank ``[T, L]`` fwd / bwd, and overhead."""
+    """True per-step costs of a scenario: per rank ``[T, L]`` fwd / bwd, and overhead.
+
+    Those arrays hold a slowed device's full excess over clean. Under a plan, a rank whose
+    load coefficient ``c`` is below 1 shows ``g = c + (1 - c) u`` of it, ``u`` the busy
+    fraction the plan gives its stage at each step (``gain``): the plan's step with the full
+    excess gives ``u``, and the step is taken again with ``g`` (one fixed-point iteration;
+    a second moved the oracle's step by under 0.5% where tried).
+    """
 
     def __init__(self, sc: Scenario, w: Workload, traces: Sequence[NoiseTrace]) -> None:
         t, n = sc.steps, w.num_layers
         self.fwd = np.empty((sc.stages, t, n))
         self.bwd = np.empty((sc.stages, t, n))
+        self._exf = np.zeros((sc.stages, t, n))  # the parts of fwd / bwd that are excess
+        self._exb = np.zeros((sc.stages, t, n))
         self.noise = np.empty((sc.stages, t))
         self.meas = np.empty((sc.stages, t))
         stall = np.zeros((sc.stages, t))
@@ -300,9 +353,17 @@ class _Truth:
                 stall[d, step] = sc.stall * extra * per_action
                 self.fwd[d, step] = c0f + (1.0 - sc.stall) * (cf - c0f)
                 self.bwd[d, step] = c0b + (1.0 - sc.stall) * (cb - c0b)
+                self._exf[d, step] = (1.0 - sc.stall) * (cf - c0f)
+                self._exb[d, step] = (1.0 - sc.stall) * (cb - c0b)
             self.fwd[d] *= self.noise[d][:, None]
             self.bwd[d] *= self.noise[d][:, None]
+            self._exf[d] *= self.noise[d][:, None]
+            self._exb[d] *= self.noise[d][:, None]
         self.overhead = (w.overhead_ms + stall) * self.noise  # [S, T]
+        self._exo = stall * self.noise  # the overhead's excess: the stall
+        self.c = np.array([sc.coefficient(d) for d in range(sc.stages)])
+        self.flat = bool(np.all(self.c >= 1.0))
+        self._gains: dict[tuple, np.ndarray] = {}
         # The share ``untimed`` of a stall falls between the stage's timed actions (seen on
         # a time-sliced GPU: steps +76% where the stage timers said +56%): in the step,
         # not in what the timers read.
@@ -313,6 +374,8 @@ class _Truth:
         z = np.zeros((sc.stages, t, 1))
         self._cf = np.concatenate([z, np.cumsum(self.fwd, axis=2)], axis=2)
         self._cb = np.concatenate([z, np.cumsum(self.bwd, axis=2)], axis=2)
+        self._xf = np.concatenate([z, np.cumsum(self._exf, axis=2)], axis=2)
+        self._xb = np.concatenate([z, np.cumsum(self._exb, axis=2)], axis=2)
         self._m, self._base = sc.microbatches, w.base
         self._cache: dict[tuple, np.ndarray] = {}
         # Blind scenarios: what a light stage runs at (clean, with the device's noise), and
@@ -332,26 +395,74 @@ class _Truth:
         (blind scenarios only): the runtime's light rule on the true clean costs."""
         return self._blind and float(self._work[a:b].sum()) < self._light_bar
 
-    def _stage(self, s: int, a: int, b: int, phase: str) -> np.ndarray:
-        """``[T]`` stage ``s``'s true time per microbatch for layers ``[a, b)``."""
+    def _stage(self, s: int, a: int, b: int, phase: str, g: np.ndarray | None = None) -> np.ndarray:
+        """``[T]`` stage ``s``'s true time per microbatch for layers ``[a, b)``, its device
+        showing ``g`` ``[T]`` of its excess (None: all of it)."""
         if self.blind(a, b):
             cum = self._c0f if phase == "fwd" else self._c0b
             return cum[s, :, b] - cum[s, :, a] + self.clean_over[s]
         cum = self._cf if phase == "fwd" else self._cb
-        return cum[s, :, b] - cum[s, :, a] + self.overhead[s]
+        out = cum[s, :, b] - cum[s, :, a] + self.overhead[s]
+        if g is not None:
+            ex = self._xf if phase == "fwd" else self._xb
+            out = out - (1.0 - g) * (ex[s, :, b] - ex[s, :, a] + self._exo[s])
+        return out
+
+    def _steps(self, bounds: Sequence[tuple[int, int]], gains: np.ndarray | None) -> np.ndarray:
+        """``[T]`` the pipeline step of ``bounds`` with each stage at ``gains[s]``."""
+
+        def stages(phase: str) -> np.ndarray:
+            return np.stack(
+                [
+                    self._stage(s, a, b, phase, None if gains is None else gains[s])
+                    for s, (a, b) in enumerate(bounds)
+                ],
+                axis=1,
+            )
+
+        f, b_ = stages("fwd"), stages("bwd")
+        comm = [float(self._base.out_bytes[hi - 1] / 100e9 * 1e3 + 0.02) for _, hi in bounds[:-1]]
+        c = np.tile(np.array(comm), (f.shape[0], 1))
+        return step_times(f, b_, c, schedule="1f1b", microbatches=self._m)
+
+    def gain(self, bounds: Sequence[tuple[int, int]]) -> np.ndarray:
+        """``[S, T]`` the share of its full excess each stage's device shows under
+        ``bounds``: ``c + (1 - c) u`` (see the class docstring); 1 where ``c`` is."""
+        key = tuple(bounds)
+        if key not in self._gains:
+            if self.flat:
+                self._gains[key] = np.ones((len(bounds), len(self.noise[0])))
+            else:
+                step = self._steps(bounds, None)
+                busy = np.stack(
+                    [
+                        self._stage(s, a, b, "fwd") + self._stage(s, a, b, "bwd")
+                        for s, (a, b) in enumerate(bounds)
+                    ]
+                )
+                u = np.clip(self._m * busy / np.maximum(step, 1e-9)[None, :], 0.0, 1.0)
+                c = self.c[: len(bounds), None]
+                self._gains[key] = c + (1.0 - c) * u
+        return self._gains[key]
 
     def step_ms(self, bounds: Sequence[tuple[int, int]]) -> np.ndarray:
         """``[T]`` true step time of ``bounds`` (stage ``s`` on rank ``s``) at every step."""
         key = tuple(bounds)
         if key not in self._cache:
-            f = np.stack([self._stage(s, a, b, "fwd") for s, (a, b) in enumerate(bounds)], axis=1)
-            b_ = np.stack([self._stage(s, a, b, "bwd") for s, (a, b) in enumerate(bounds)], axis=1)
-            comm = [
-                float(self._base.out_bytes[hi - 1] / 100e9 * 1e3 + 0.02) for _, hi in bounds[:-1]
-            ]
-            c = np.tile(np.array(comm), (f.shape[0], 1))
-            self._cache[key] = step_times(f, b_, c, schedule="1f1b", microbatches=self._m)
+            gains = None if self.flat else self.gain(bounds)
+            self._cache[key] = self._steps(bounds, gains)
         return self._cache[key]
+
+    def phase_costs(
+        self, bounds: Sequence[tuple[int, int]], a: int, b: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per rank, the mean fwd / bwd ``[L]`` and overhead over steps ``[a, b)`` with each
+        device at the share of its excess it shows under ``bounds``."""
+        g = self.gain(bounds)[:, a:b]
+        fwd = (self.fwd[:, a:b] - (1.0 - g)[:, :, None] * self._exf[:, a:b]).mean(axis=1)
+        bwd = (self.bwd[:, a:b] - (1.0 - g)[:, :, None] * self._exb[:, a:b]).mean(axis=1)
+        over = (self.overhead[:, a:b] - (1.0 - g) * self._exo[:, a:b]).mean(axis=1)
+        return fwd, bwd, over
 
     def stage_loads(
         self,
@@ -364,24 +475,36 @@ class _Truth:
         """Per-stage fwd and bwd ms per microbatch at ``step`` (``timed``: what the stage's
         timers read of it)."""
         f, b_, o = [], [], []
-        for (a, b), r in zip(bounds, ranks, strict=True):
-            fwd, bwd, over = self.layers(r, step, a, b)
+        gains = self.gain(bounds)[:, step]
+        for s, ((a, b), r) in enumerate(zip(bounds, ranks, strict=True)):
+            g = float(gains[s])
+            fwd, bwd, over = self.layers(r, step, a, b, g)
             f.append(fwd.sum())
             b_.append(bwd.sum())
             blind = self.blind(a, b)
-            o.append(over - (self.untimed[r, step] if timed and not blind else 0.0))
+            o.append(over - (g * self.untimed[r, step] if timed and not blind else 0.0))
         return np.array(f) + np.array(o), np.array(b_) + np.array(o)
 
-    def layers(self, r: int, step: int, a: int, b: int) -> tuple[np.ndarray, np.ndarray, float]:
-        """True fwd and bwd ms of layers ``[a, b)`` held by rank ``r`` at ``step``, and the
-        stage's overhead (clean for a blind stage)."""
+    def layers(
+        self, r: int, step: int, a: int, b: int, g: float = 1.0
+    ) -> tuple[np.ndarray, np.ndarray, float]:
+        """True fwd and bwd ms of layers ``[a, b)`` held by rank ``r`` at ``step``, its
+        device showing ``g`` of its excess, and the stage's overhead (clean for a blind
+        stage)."""
         if self.blind(a, b):
             return (
                 self.clean_fwd[r, step, a:b],
                 self.clean_bwd[r, step, a:b],
                 float(self.clean_over[r, step]),
             )
-        return self.fwd[r, step, a:b], self.bwd[r, step, a:b], float(self.overhead[r, step])
+        if g == 1.0:
+            return self.fwd[r, step, a:b], self.bwd[r, step, a:b], float(self.overhead[r, step])
+        k = 1.0 - g
+        return (
+            self.fwd[r, step, a:b] - k * self._exf[r, step, a:b],
+            self.bwd[r, step, a:b] - k * self._exb[r, step, a:b],
+            float(self.overhead[r, step] - k * self._exo[r, step]),
+        )
 
 
 def _even(n: int, s: int) -> tuple[tuple[int, int], ...]:
@@ -416,6 +539,13 @@ class ScenarioResult:
 
 
 def _oracle(sc: Scenario, w: Workload, truth: _Truth) -> np.ndarray:
+    """Per step, the step time of the static plan best over that step's phase.
+
+    Load-independent truth: the exact plan on the phase's mean costs. Otherwise a device's
+    costs depend on the plan: with 2 stages every split is timed (exact); with more, the
+    exact plan is planned again on the costs its devices show under it (up to 3 times),
+    and the best of those is improved one boundary by one layer at a time while that
+    gains: a local optimum around the exact plan."""
     out = np.empty(sc.steps)
     for a, b in _phases(sc):
         over = truth.overhead[:, a:b].mean(axis=1)
@@ -427,8 +557,58 @@ def _oracle(sc: Scenario, w: Workload, truth: _Truth) -> np.ndarray:
             stage_bwd_ms=over,
         )
         best = plan_partition(cm, num_stages=sc.stages, microbatches=sc.microbatches).bounds
+        best = tuple((int(x), int(y)) for x, y in best)
+        if not truth.flat:
+            best = _oracle_under_load(sc, w, truth, best, a, b)
         out[a:b] = truth.step_ms(best)[a:b]
     return out
+
+
+def _oracle_under_load(
+    sc: Scenario, w: Workload, truth: _Truth, start: Bounds, a: int, b: int
+) -> Bounds:
+    """The best plan over steps ``[a, b)`` when devices slow with their load (``_oracle``)."""
+    n = w.num_layers
+
+    def cost(bounds: Bounds) -> float:
+        return float(truth.step_ms(bounds)[a:b].mean())
+
+    if sc.stages == 2:
+        return min((((0, k), (k, n)) for k in range(1, n)), key=cost)
+    seen = {start: cost(start)}
+    pick = start
+    for _ in range(3):
+        fwd, bwd, over = truth.phase_costs(pick, a, b)
+        cm = dataclasses.replace(
+            w.base.for_devices(sc.stages),
+            fwd_ms=fwd,
+            bwd_ms=bwd,
+            stage_fwd_ms=over,
+            stage_bwd_ms=over,
+        )
+        nxt = plan_partition(cm, num_stages=sc.stages, microbatches=sc.microbatches).bounds
+        nxt = tuple((int(x), int(y)) for x, y in nxt)
+        if nxt in seen:
+            break
+        seen[nxt] = cost(nxt)
+        pick = nxt
+    best = min(seen, key=seen.__getitem__)
+    while True:
+        cuts = [hi for _, hi in best[:-1]]
+        around = []
+        for i in range(len(cuts)):
+            for d in (-1, 1):
+                moved = [*cuts[:i], cuts[i] + d, *cuts[i + 1 :]]
+                edges = [0, *moved, n]
+                if all(y > x for x, y in itertools.pairwise(edges)):
+                    around.append(tuple(itertools.pairwise(edges)))
+        for bounds in around:
+            if bounds not in seen:
+                seen[bounds] = cost(bounds)
+        nxt = min(around, key=seen.__getitem__, default=best)
+        if seen[nxt] >= seen[best]:
+            return best
+        best = nxt
 
 
 def _run(
@@ -466,7 +646,8 @@ def _run(
         if 0 in light:
             # The first stage's probe runs before its part of the sampled step.
             i = light[0]
-            out[step] += float(truth.fwd[0, step, i] + truth.bwd[0, step, i])
+            pf, pb, _ = truth.layers(0, step, i, i + 1, float(truth.gain(bounds)[0, step]))
+            out[step] += float(pf[0] + pb[0])
         window = _window(sc, w, truth, bounds, ranks, win, step, rng, light=light)
         win = []
         d = policy.observe(window)
@@ -487,12 +668,13 @@ def _window(sc, w, truth, bounds, ranks, win, step, rng, light=None) -> Window:
     lf = np.empty(w.num_layers)
     lb = np.empty(w.num_layers)
     sf, sb = np.empty(sc.stages), np.empty(sc.stages)
+    gains = truth.gain(bounds)[:, step]
     for s, ((a, b), r) in enumerate(zip(bounds, ranks, strict=True)):
         # The sampled step: each layer's median over m microbatches, a few % of jitter.
         jf = rng.lognormal(0.0, 0.03 / np.sqrt(m), size=b - a)
         jb = rng.lognormal(0.0, 0.03 / np.sqrt(m), size=b - a)
-        fwd, bwd, over = truth.layers(r, step, a, b)
-        untimed = 0.0 if truth.blind(a, b) else truth.untimed[r, step]
+        fwd, bwd, over = truth.layers(r, step, a, b, float(gains[s]))
+        untimed = 0.0 if truth.blind(a, b) else float(gains[s]) * truth.untimed[r, step]
         lf[a:b] = fwd * jf * truth.meas[r, step]
         lb[a:b] = bwd * jb * truth.meas[r, step]
         sf[s] = lf[a:b].sum() + over - untimed
@@ -501,11 +683,13 @@ def _window(sc, w, truth, bounds, ranks, win, step, rng, light=None) -> Window:
     for r, i in sorted((light or {}).items()):
         # One microbatch of a heavy layer: not blind; the per-layer jitter of one sample.
         jf, jb = rng.lognormal(0.0, 0.03, size=2)
-        stall = truth.probe_stall[r, step]
+        g = float(gains[r])  # the device's, at the load its stage gives it
+        stall = g * truth.probe_stall[r, step]
+        pf, pb, _ = truth.layers(r, step, i, i + 1, g)
         probes[r] = (
             i,
-            float((truth.fwd[r, step, i] + stall) * jf * truth.meas[r, step]),
-            float((truth.bwd[r, step, i] + stall) * jb * truth.meas[r, step]),
+            float((pf[0] + stall) * jf * truth.meas[r, step]),
+            float((pb[0] + stall) * jb * truth.meas[r, step]),
         )
     tel = tuple(dict(w.telemetry[sc.condition(r, step)]) for r in range(sc.stages))
     return Window(
@@ -724,6 +908,11 @@ def main(argv: list[str] | None = None) -> int:
         help="light ranks do not probe their devices (the policy reads their stages only)",
     )
     ap.add_argument(
+        "--flat-slowdown",
+        action="store_true",
+        help="a slowed device's slowdown does not depend on its load (see the docstring)",
+    )
+    ap.add_argument(
         "--per-scenario", default=None, help="write every scenario's ms per system here (JSONL)"
     )
     args = ap.parse_args(argv)
@@ -736,6 +925,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         steps=args.steps,
         blind=args.blind,
+        load_dependent=not args.flat_slowdown,
     )
     res = simulate(
         scenarios,
