@@ -976,11 +976,12 @@ class CostEstimates:
         ``train`` read 1.74x at 5|11 and 1.40x at 8|8, the planner priced 6|10 at 1.40x, and
         it ran 1.81x. The stage's overhead counts with its layers: a time-sliced device's
         interference shows largely there (between the layers). Such a change still counts
-        as a change of conditions if the next window confirms it (``update``). Taking such
-        a change for the load's instead, not a change of conditions, was tried: over the 75
-        committed adaptive logs replayed, 12 decisions changed to splits their runs' sweeps
-        timed slower and 22 faster (as a pricing only: 2 and 12), for the regimes it merged
-        mixed measurements of conditions the timers could not tell apart."""
+        as a change of conditions if the next window confirms it (``update``); the
+        coefficient outlives that. Taking such a change for the load's alone, no change of
+        conditions, was tried: replayed over the 75 committed adaptive logs it changed 34
+        decisions, 12 of them to splits their runs' sweeps timed slower (kept as it is: 14,
+        2 slower), for the regimes it merged mixed the measurements of conditions the
+        timers could not tell apart."""
         u_then = float(self.busy[r])
         if not np.isfinite(u_then) or abs(u_now - u_then) < _LOAD_DU:
             return
@@ -996,8 +997,9 @@ class CostEstimates:
 
     @property
     def load_c(self) -> np.ndarray:
-        """``[R]`` each rank's load coefficient under the current regime (1: its slowdown
-        does not depend on its load, the prior until a change of load shows otherwise)."""
+        """``[R]`` each rank's load coefficient, as learned since its conditions last
+        changed (1: its slowdown does not depend on its load, the prior until a move shows
+        otherwise)."""
         w = self._load_weight
         return np.where(w > 0, self._load_sum / np.maximum(w, 1e-12), 1.0)
 

@@ -770,13 +770,10 @@ class Controller:
         if np.all(self.est.load_c >= 1.0):
             return split, step_ms, costs
         kw = {"schedule": schedule, "microbatches": microbatches}
-        best: tuple[float, Bounds, CostModel] | None = None
+        rows = self._loaded(w, costs, split, **kw)
+        best = (predicted_step_ms(rows, split, **kw), split, rows)
         pick = split
         for _ in range(3):
-            rows = self._loaded(w, costs, pick, **kw)
-            ms = predicted_step_ms(rows, pick, **kw)
-            if best is None or ms < best[0]:
-                best = (ms, pick, rows)
             try:
                 res = plan_partition(
                     rows, num_stages=w.num_stages, memory_bytes=self._memory(w), **kw
@@ -787,7 +784,10 @@ class Controller:
             if nxt == pick:
                 break
             pick = nxt
-        assert best is not None
+            rows = self._loaded(w, costs, pick, **kw)
+            ms = predicted_step_ms(rows, pick, **kw)
+            if ms < best[0]:
+                best = (ms, pick, rows)
         return best[1], best[0], best[2]
 
     def _loaded(

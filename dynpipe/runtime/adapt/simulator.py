@@ -299,8 +299,8 @@ def random_scenarios(
 # committed oracle sweeps show (``bench/sweep_slowdown.py``; the excess over clean of the
 # slowed stage at each split's busy fraction): ``gemm`` 0.43-0.55 (gpt 1.7x at u 0.15 and
 # 2.05x at 0.85+, vgg16 1.57x at 0.22 and 1.9x at 0.9, bert 1.42x at 0.03 and 1.94x at
-# 0.92); ``train`` from 0 (vgg16 128: 1.38x at 0.57, 1.59x at 0.86) to 1 (bert, vgg16 256);
-# ``copy`` flat (1.40x at every u).
+# 0.92), drawn a little wider; ``train`` from 0 (vgg16 128: 1.38x at 0.57, 1.59x at 0.86)
+# to 1 (bert, vgg16 256); ``copy`` flat (1.40x at every u).
 _LOAD_C = {"gemm": (0.4, 0.65), "train": (0.0, 1.0)}
 _LOAD_C_OTHER = (0.9, 1.0)
 
@@ -325,8 +325,8 @@ class _Truth:
     Those arrays hold a slowed device's full excess over clean. Under a plan, a rank whose
     load coefficient ``c`` is below 1 shows ``g = c + (1 - c) u`` of it, ``u`` the busy
     fraction the plan gives its stage at each step (``gain``): the plan's step with the full
-    excess gives ``u``, and the step is taken again with ``g`` (one fixed-point iteration;
-    a second moved the oracle's step by under 0.5% where tried).
+    excess gives ``u``, and the step is taken again with ``g`` (one fixed-point iteration:
+    ``u`` is read under the full excess, so it is a little high where ``c < 1``).
     """
 
     def __init__(self, sc: Scenario, w: Workload, traces: Sequence[NoiseTrace]) -> None:
