@@ -204,6 +204,10 @@ def test_a_slowed_devices_reading_that_falls_with_its_load_teaches_its_load_coef
     u_then[1] = before
     assert est.load_factor(u_now, u_then)[1] == pytest.approx(2.0 / 1.6, rel=0.01)
     assert est.load_factor(u_now, u_now) == pytest.approx([1.0, 1.0])
+    # A rank read by its probe (light) has no stage load to scale from.
+    est._light_n[1] = 1
+    assert est.load_factor(u_now, u_then)[1] == 1.0
+    est._light_n[1] = 0
     # A change of the device's speed under an unchanged plan is new conditions: what was
     # learned of the old ones goes.
     for s in range(2):

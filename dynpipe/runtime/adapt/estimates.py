@@ -751,6 +751,7 @@ class CostEstimates:
                 move = float(np.log(x / max(level, 1e-9)))
                 self._light_steps[r] = [*self._light_steps[r], move][-_NOISE_KEEP:]
                 if abs(move) > limit:
+                    self._load_sum[r], self._load_weight[r] = 0.0, 0.0  # new conditions
                     self._light_suspect[r] = (float(np.sign(move)), level, abs(move))
                     self._light_suspect_move[r] = move
                     self._light_level[r], self._light_n[r] = x, 1
@@ -1009,7 +1010,10 @@ class CostEstimates:
         time over clean) scales with ``g``."""
         c, s = self.load_c, np.maximum(self.load, 1.0)
         g_now = np.maximum(_load_g(c, np.clip(u_now, 0.0, 1.0)), _LOAD_G_MIN)
-        return (1.0 + (s - 1.0) * _load_g(c, np.clip(u_new, 0.0, 1.0)) / g_now) / s
+        out = (1.0 + (s - 1.0) * _load_g(c, np.clip(u_new, 0.0, 1.0)) / g_now) / s
+        # A light rank's reading is its probe's, one layer timed on its own, not its stage's
+        # at the stage's busy fraction: no load to scale it from.
+        return np.where(self._light_n > 0, 1.0, out)
 
     def _slowdown(self, a: int, b: int) -> float:
         run = self.run_f[a:b].sum() + self.run_b[a:b].sum()
