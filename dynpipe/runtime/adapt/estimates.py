@@ -393,9 +393,9 @@ class CostEstimates:
             old = float((self.run_f[held] + self.run_b[held])[stay].sum())
             old += self.over_f[r] + self.over_b[r]
             ratio = new / old if stay.any() and old > 0 else 1.0
-            clean = float((self.clean_f[held] + self.clean_b[held])[stay].sum())
-            clean += self.clean_of[r] + self.clean_ob[r]
             if stay.any() and ratio > 0 and moved and not changed and r not in light:
+                clean = float((self.clean_f[held] + self.clean_b[held])[stay].sum())
+                clean += self.clean_of[r] + self.clean_ob[r]
                 self._learn_load(r, float(u[s]), old / max(clean, 1e-12), ratio, limit[r])
             self.busy[r] = float(u[s])
             history = list(self.steps[r])

@@ -491,10 +491,11 @@ class Controller:
                 if alt is not None and alt_ms < step_ms:
                     step_ms, bounds, on, split = alt_ms, _wide(alt, ranks, len(key)), ranks, alt
                     what = f" on {len(ranks)} of {len(key)} devices (ranks {list(ranks)})"
-        new = costs if on == w.ranks else self._costs_on(w, on)
         if on == w.ranks:
             split, step_ms, new = self._under_load(w, costs, split, step_ms, **kw)
             bounds = _wide(split, w.ranks, len(key))
+        else:
+            new = self._costs_on(w, on)
         if bounds == key:
             return verdict("current plan is best")
         res = dataclasses.replace(res, step_ms=step_ms)
@@ -770,7 +771,8 @@ class Controller:
         if np.all(self.est.load_c >= 1.0):
             return split, step_ms, costs
         kw = {"schedule": schedule, "microbatches": microbatches}
-        rows = self._loaded(w, costs, split, **kw)
+        u_now = self._loads(w, costs, **kw)
+        rows = self._loaded(w, costs, split, u_now=u_now, **kw)
         best = (predicted_step_ms(rows, split, **kw), split, rows)
         pick = split
         for _ in range(3):
@@ -784,21 +786,38 @@ class Controller:
             if nxt == pick:
                 break
             pick = nxt
-            rows = self._loaded(w, costs, pick, **kw)
+            rows = self._loaded(w, costs, pick, u_now=u_now, **kw)
             ms = predicted_step_ms(rows, pick, **kw)
             if ms < best[0]:
                 best = (ms, pick, rows)
         return best[1], best[0], best[2]
 
+    def _loads(
+        self, w: Window, costs: CostModel, *, schedule: str, microbatches: int
+    ) -> np.ndarray:
+        """``[R]`` each rank's busy fraction under ``w``'s plan as ``costs`` model it (0 for
+        a rank that holds no stage)."""
+        out = np.zeros(len(self.est.slow))
+        out[list(w.ranks)] = _busy(costs, w.bounds, schedule=schedule, microbatches=microbatches)
+        return out
+
     def _loaded(
-        self, w: Window, costs: CostModel, bounds: Bounds, *, schedule: str, microbatches: int
+        self,
+        w: Window,
+        costs: CostModel,
+        bounds: Bounds,
+        *,
+        schedule: str,
+        microbatches: int,
+        u_now: np.ndarray | None = None,
     ) -> CostModel:
-        """``costs`` (rows in ``w``'s stage order, priced at the loads of ``w``'s plan) with
-        each row priced at the load its device would carry under ``bounds``."""
+        """``costs`` (rows in ``w``'s stage order, priced at the loads ``u_now`` of ``w``'s
+        plan, ``_loads`` where not given) with each row priced at the load its device would
+        carry under ``bounds``."""
         kw = {"schedule": schedule, "microbatches": microbatches}
         ranks = list(w.ranks)
-        u_now = np.zeros(len(self.est.slow))
-        u_now[ranks] = _busy(costs, w.bounds, **kw)
+        if u_now is None:
+            u_now = self._loads(w, costs, **kw)
         rows = costs
         for _ in range(2):  # the loads of ``bounds`` under the costs at those loads
             u_new = u_now.copy()
@@ -911,8 +930,14 @@ def _busy(costs: CostModel, bounds: Bounds, *, schedule: str, microbatches: int)
     """Per stage of ``bounds``, the share of the modelled step it computes (its busy
     fraction, what a slowed device's slowdown depends on)."""
     sc = stage_costs(costs, bounds, schedule=schedule, microbatches=microbatches)
-    step = predicted_step_ms(costs, bounds, schedule=schedule, microbatches=microbatches)
-    return microbatches * np.add(sc.fwd_ms, sc.bwd_ms) / max(step, 1e-9)
+    step = step_times(
+        np.array([sc.fwd_ms]),
+        np.array([sc.bwd_ms]),
+        np.array([sc.comm_ms]),
+        schedule=schedule,
+        microbatches=microbatches,
+    )[0]
+    return microbatches * np.add(sc.fwd_ms, sc.bwd_ms) / max(float(step), 1e-9)
 
 
 def _scaled(costs: CostModel, factor: np.ndarray) -> CostModel:
