@@ -206,4 +206,9 @@ def test_replicas_every_rank_sees_the_same_windows_across_a_reshape(tmp_path) ->
     first = _assert_same_on_every_rank(res)
     assert sum("fields" in s for s in first) >= 5
     shapes = [(e.step, e["new_shape"]) for e in read_log(cfg.log).events("reshape")]
-    assert (5, [4, 1]) in shapes and (9, [2, 2]) in shapes, shapes
+    # The forced reshapes were made: DP only from step 5, 2 x 2 again by step 9 (the policy
+    # may reshape on its own besides: in one fresh-clone CI run it went back to 2 x 2 at
+    # step 7, which left the forced move at 9 a repartition within that shape, and to DP
+    # only again at 11).
+    assert (5, [4, 1]) in shapes, shapes
+    assert any(shape == [2, 2] and 5 < step <= 9 for step, shape in shapes), shapes
