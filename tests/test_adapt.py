@@ -732,6 +732,32 @@ def test_an_end_read_through_a_stage_that_holds_less_is_still_followed() -> None
     assert moved is not None and moved.bounds == BEST and "as they ran before" in moved.reason
 
 
+def test_a_reading_of_earlier_conditions_the_steps_refute_is_no_return() -> None:
+    # The plan held was measured under the clean conditions too. An interferer on the
+    # stage that bounds the steps slows them 1.9x; then its timers read the clean device
+    # while the steps stay slowed (a launch-bound GPU's timers swing on their own): the
+    # steps, 1.9x what this plan ran under those conditions, refute the reading.
+    fast, held = ((0, 2), (2, 10)), ((0, 1), (1, 10))  # 144 and 192 ms clean
+    ctl = _controller(average_windows=2)
+    for s in range(3):
+        ctl.observe(_window(4 + 5 * s, fast, TRUE))
+    clean = ctl.est.regime
+    ctl.applied(step=20, pause_ms=1.0, moved_bytes=1)
+    for s in range(2):  # measured under the clean conditions (what the run decides aside)
+        ctl.observe(_window(24 + 5 * s, held, TRUE))
+    assert ctl.memory.measured(held, clean) is not None
+    for s in range(4):
+        ctl.observe(_window(39 + 5 * s, held, TRUE, slow=(1.0, 2.0)))
+    assert ctl.est.regime != clean
+    slowed = _window(0, held, TRUE, slow=(1.0, 2.0)).median_step_ms
+    d = ctl.observe(_window(59, held, TRUE, step_ms=slowed))
+    assert clean in ctl.est.returning  # the devices read as they ran then
+    assert "as they ran before" not in d.reason, d
+    # Steps that agree with the reading (the interferer really gone) are followed.
+    d = _first_move(ctl, [_window(64 + 5 * s, held, TRUE) for s in range(2)])
+    assert d is not None and d.bounds == fast, d
+
+
 def test_a_return_the_steps_refuted_is_not_taken_again_from_that_plan() -> None:
     # The demo on a loaded 2-core machine: stage 1, left one layer under the interferer,
     # reads its still-slowed device nearer its clean reading than the one its five layers

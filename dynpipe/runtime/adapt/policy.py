@@ -424,11 +424,20 @@ class Controller:
         # ended. A reading that only looked like the earlier conditions has the move judged
         # on the next window. The same on the window that confirms the change as conditions
         # not seen before (``CostEstimates.returning``), and where several earlier regimes
-        # read alike, the plan measured fastest under any of them.
+        # read alike, the plan measured fastest under any of them. Not where the steps
+        # refute the reading: this plan measured under one of those regimes, and now beyond
+        # a change of conditions from it. The regimes listed are those the readings cannot
+        # tell apart, so the steps refute them all (a launch-bound 8-stage run read an
+        # onset as a return to the clean conditions, twice, for its thresholds are wide;
+        # its steps, 1.4-1.6x what the plan ran under them, said otherwise, and each
+        # return cost ten steps at 1.5x).
         now = w.median_step_ms
+        returning = self.est.returning
+        if any(self._steps_agree(w, key, now, then) is False for then in returning):
+            returning = ()
         backs = [
             (b, then)
-            for then in self.est.returning
+            for then in returning
             if not self._refutes(key, then)
             and (b := self._faster(w, key, now, then, pause, recent, 1)) is not None
         ]
@@ -558,6 +567,15 @@ class Controller:
 
         far = distance(earlier)
         return any(b == key and distance(s) < far for b, s in self._refuted)
+
+    def _steps_agree(self, w: Window, key: Bounds, now: float, then: int) -> bool | None:
+        """Whether this plan's step time ``now`` is within a change of conditions
+        (``_step_noise_limit``) of its median over regime ``then``'s recent windows; None
+        where it was not measured then."""
+        was = self.memory.measured(key, then, last=2 * self.config.average_windows)
+        if was is None:
+            return None
+        return bool(abs(np.log(now / max(was, 1e-9))) <= np.log1p(self._step_noise_limit(w)))
 
     def _faster(
         self,
