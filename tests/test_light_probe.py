@@ -520,3 +520,21 @@ def test_a_rank_that_probes_only_windows_after_it_turned_light_reads_its_probe_u
     assert est.slow[0] == pytest.approx(1.0)
     fwd, _ = est.costs(LIGHT, (0, 1, 2))
     assert fwd[0, 3] == pytest.approx(1.0)
+
+
+def test_a_light_ranks_stage_timers_are_no_noise_of_its_device() -> None:
+    # Rank 0 light (the embedding alone, read by its probe), its stage timers swinging
+    # 0.3-1x on their own: its device's noise is its probe's, and once it holds a stage
+    # again its estimate is as certain as its readings there make it.
+    est = _estimates()
+    step = _clean_windows(est, 4)
+    kept = list(est.steps[0])
+    for seen in (1.0, 0.3, 1.0, 0.3, 1.0, 0.3):
+        step += 5
+        est.update(_win(step, LIGHT, (seen, 1.0, 1.0), probes={0: 1.0}))
+        assert est.steps[0] == kept
+        assert np.all(est.uncertainty()[1:] == 0.0)  # nor, pooled, the other ranks'
+    for _ in range(2):
+        step += 5
+        est.update(_win(step, EVEN, (1.0, 1.0, 1.0)))
+    assert est.uncertainty()[0] < 0.05
