@@ -789,6 +789,38 @@ def test_a_return_the_steps_refuted_is_not_taken_again_from_that_plan() -> None:
     assert d is not None and d.bounds == BEST, d
 
 
+def test_a_move_measured_slower_is_not_taken_again_while_its_plan_runs_as_then() -> None:
+    # Stage 0's timers read 0.6x while the steps do not move (a launch-bound GPU): the
+    # model promises 5 | 5, which measures 15% slower, and the run goes back.
+    a, b = ((0, 3), (3, 10)), ((0, 5), (5, 10))
+    ctl = _controller()
+    for s in range(3):
+        ctl.observe(_window(4 + 5 * s, a, TRUE))
+    steady = _window(0, a, TRUE).median_step_ms
+    for s in range(2):
+        d = ctl.observe(_window(19 + 5 * s, a, TRUE, spike=(0.6, 1.0), step_ms=steady))
+    assert d.repartition and d.bounds == b, d
+    ctl.applied(step=d.step, pause_ms=1.0, moved_bytes=1)
+    d = ctl.observe(_window(d.step + 4, b, TRUE, spike=(0.6, 1.0)))
+    assert d.judged["verdict"] == "slower" and d.bounds == a, d
+    ctl.applied(step=d.step, pause_ms=1.0, moved_bytes=1)
+    for s in range(3):
+        ctl.observe(_window(d.step + 4 + 5 * s, a, TRUE, spike=(0.6, 1.0), step_ms=steady))
+    # The timers swing on (both stages now): a new regime, and the shortfall earned under
+    # the old one is gone; the model promises 5 | 5 again, and the steps of 3 | 7 are what
+    # they were when the move measured slower.
+    regime = ctl.est.regime
+    for s in range(3):
+        d = ctl.observe(_window(54 + 5 * s, a, TRUE, spike=(0.7, 1.2), step_ms=steady))
+        assert not d.repartition, d
+    assert ctl.est.regime != regime and ctl.required_gain() < 0.05
+    assert d.proposed_ms < d.current_ms and "when it ran as now" in d.reason, d
+    # The record survives the restart baseline's relaunch (its state goes as JSON).
+    other = _controller()
+    other.load_state(json.loads(json.dumps(ctl.state())))
+    assert other._slower == ctl._slower == [(a, b, steady, _window(0, b, TRUE).median_step_ms, 0.0)]
+
+
 def test_a_gain_only_a_timer_swing_shows_is_not_taken() -> None:
     # 3 | 7 is 2.4% off the best split: a min_gain above that holds it while clean.
     ctl = _controller(min_gain=0.05)

@@ -195,6 +195,7 @@ def predicted_slowdowns(
 
 _MISSES = 16  # the model's misses remembered for its tracking error
 _SHORTFALLS = 3  # moves whose shortfall against their promise is remembered
+_SLOWER = 8  # moves judged slower remembered (see ``Controller._slower``)
 
 
 class Controller:
@@ -253,6 +254,12 @@ class Controller:
         # suggested it): from that plan, readings nearer those than an earlier regime's own
         # do not send the run back to it, until the plan's steps change (see ``_decide``).
         self._refuted: list[tuple[Bounds, tuple[float, ...]]] = []
+        # Moves judged slower under one set of conditions, as (plan left, plan taken, step
+        # time before, after, the before window's noise): not taken again for the model's
+        # promise while the plan left runs as it did (see ``_decide``); the last one held
+        # until the way back vouches for it (``_file_slower``).
+        self._slower: list[tuple[Bounds, Bounds, float, float, float]] = []
+        self._slower_held: tuple[Bounds, Bounds, float, float, float] | None = None
         self._prediction: tuple[Window, Any] | None = None  # (window, ``_predicted``'s answer)
         # Host ms the last window's prediction took (None: it made none). The adaptive
         # mode's one cost over the measured mode's, logged beside the window's decide_ms.
@@ -317,6 +324,7 @@ class Controller:
             noise = window.step_noise
             self.last.judge(here, slow, regime=regime, tol=self.config.min_gain, after_noise=noise)
             judged = self.last.to_dict()
+            self._file_slower(self.last, here, window.step_noise)
             if self.last.model and self.last.verdict != "conditions changed":
                 # How far the steps fell short of what the model promised (0 if they did
                 # better, or within the two windows' noise). Only a move judged under one
@@ -433,7 +441,7 @@ class Controller:
         # return cost ten steps at 1.5x).
         now = w.median_step_ms
         returning = self.est.returning
-        if any(self._steps_agree(w, key, now, then) is False for then in returning):
+        if any(self._steps_agree(w, key, then) is False for then in returning):
             returning = ()
         backs = [
             (b, then)
@@ -461,8 +469,9 @@ class Controller:
         # stage's timers swing 2x while its steps do not). The model is acted on only as
         # far as it has tracked the measured steps: not before it has predicted one window
         # of the plan (in the run's first trusted window, not unless it reproduces the step
-        # that window measured), not when its estimates moved and the steps did not follow,
-        # and a proposed gain must clear twice the model's measured tracking error.
+        # that window measured), and not when its estimates moved and the steps did not
+        # follow (beyond ``_tolerance``). A proposed gain clears ``required_gain``: the
+        # tracking error as a floor on it froze adaptation wherever step noise swelled it.
         tolerance = np.log1p(self._tolerance(w))
         if prev is None:
             # Nothing predicted yet to track. Waiting a window for it cost every run that
@@ -525,6 +534,21 @@ class Controller:
                 f"{here:.2f} now: the model's {gain / cur:.1%} not taken",
                 res.step_ms,
             )
+        # The same for a move from this plan to that one judged slower, where this plan
+        # runs as it did then (by the verdict's own rule: within ``min_gain`` and the two
+        # windows' noise), whatever regime the timers name now: timers that swing on their
+        # own name a new regime every few windows, and a launch-bound 8-stage run took the
+        # same 29% promise to a 14% slower split three times, 50 steps apart, its steps at
+        # 61.6 ms each time.
+        for src, dst, before, after, noise in self._slower:
+            tol = max(cfg.min_gain, 3.0 * float(np.hypot(noise, w.step_noise)))
+            if src == key and dst == bounds and abs(np.log(w.median_step_ms / before)) <= tol:
+                return verdict(
+                    f"{split_label(bounds)} measured {after:.2f} ms/step against this plan's "
+                    f"{before:.2f} when it ran as now ({w.median_step_ms:.2f}): the model's "
+                    f"{gain / cur:.1%} not taken",
+                    res.step_ms,
+                )
         # A gain the estimates' own noise could make is no gain: on a launch-bound GPU a
         # stage's timers swing 0.4-1.3x for a window or two while its steps do not, and the
         # planner picks exactly the split that favours the devices whose timers read low.
@@ -568,10 +592,24 @@ class Controller:
         far = distance(earlier)
         return any(b == key and distance(s) < far for b, s in self._refuted)
 
-    def _steps_agree(self, w: Window, key: Bounds, now: float, then: int) -> bool | None:
-        """Whether this plan's step time ``now`` is within a change of conditions
+    def _file_slower(self, move: MoveRecord, after_ms: float, after_noise: float) -> None:
+        """File a move judged slower once the steps vouch that conditions held: the plan it
+        left, measured again after the move back, runs as it did before it (a move whose
+        after window caught an onset the timers had not yet confirmed reads slower, and
+        its plan measures slower again on the way back)."""
+        held, self._slower_held = self._slower_held, None
+        if held is not None and (move.src, move.dst) == (held[1], held[0]):
+            tol = max(self.config.min_gain, 3.0 * float(np.hypot(held[4], after_noise)))
+            if abs(np.log(after_ms / held[2])) <= tol:
+                self._slower = [*self._slower, held][-_SLOWER:]
+        if move.verdict == "slower":
+            self._slower_held = (move.src, move.dst, move.before_ms, after_ms, move.before_noise)
+
+    def _steps_agree(self, w: Window, key: Bounds, then: int) -> bool | None:
+        """Whether ``w``'s plan ``key`` runs within a change of conditions
         (``_step_noise_limit``) of its median over regime ``then``'s recent windows; None
         where it was not measured then."""
+        now = w.median_step_ms
         was = self.memory.measured(key, then, last=2 * self.config.average_windows)
         if was is None:
             return None
@@ -923,6 +961,10 @@ class Controller:
             "misses": self._misses,
             "shortfalls": self._shortfalls,
             "refuted": [[[list(r) for r in b], list(s)] for b, s in self._refuted],
+            "slower": [
+                [[list(r) for r in a], [list(r) for r in b], x, y, z]
+                for a, b, x, y, z in self._slower
+            ],
             "pending": None if self.pending is None else self.pending.to_dict(),
             "last": None if self.last is None else self.last.to_dict(),
         }
@@ -935,6 +977,16 @@ class Controller:
         self.pause_ms = state.get("pause_ms")
         self._misses = [float(x) for x in state.get("misses", [])]
         self._shortfalls = [float(x) for x in state.get("shortfalls", [])]
+        self._slower = [
+            (
+                tuple((int(x), int(y)) for x, y in a),
+                tuple((int(x), int(y)) for x, y in b),
+                float(before),
+                float(after),
+                float(noise),
+            )
+            for a, b, before, after, noise in state.get("slower", [])
+        ]
         self._refuted = [
             (tuple((int(x), int(y)) for x, y in b), tuple(float(x) for x in s))
             for b, s in state.get("refuted", [])
