@@ -7,10 +7,10 @@ and measurement noise from the recorded GPU runs: runs whose stage timers were s
 (GPU-bound sizes: ``quiet``) and runs whose timers swung 2x while their steps did not
 (launch- and loader-bound sizes). Runs with sound timers are held to the targets of the
 adaptation issue (mean ratio to the oracle <= 1.03, p95 <= 1.10, none worse than static by
-more than 2%); every scenario together to the same mean and p95, and to 1.13x static, short
-of the issue's 2% (on 300 other scenarios, ``bench/results/simulator.json``, the worst run
-read 1.091x static under the load-independent truth and 1.160x under the load-dependent one
-the simulator draws now, one launch-bound run: see the README).
+more than 2%); every scenario together to the same mean and p95, and to 1.05x static, short
+of the issue's 2% (here the worst run reads 1.040x, a launch-bound 8-stage gpt run; on 300
+other scenarios, ``bench/results/simulator.json``, the worst read 1.035x static (measured)
+and 1.059x (adaptive): see the README).
 """
 
 from __future__ import annotations
@@ -65,4 +65,4 @@ def test_policy_against_the_oracle(mode: str) -> None:
     # Every scenario, misleading timers included.
     assert to_oracle.mean() <= 1.03, summary
     assert np.percentile(to_oracle, 95) <= 1.10, summary
-    assert to_static.max() <= 1.13, summary
+    assert to_static.max() <= 1.05, summary
