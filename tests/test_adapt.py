@@ -789,9 +789,11 @@ def test_a_return_the_steps_refuted_is_not_taken_again_from_that_plan() -> None:
     assert d is not None and d.bounds == BEST, d
 
 
-def test_a_move_measured_slower_is_not_taken_again_while_its_plan_runs_as_then() -> None:
-    # Stage 0's timers read 0.6x while the steps do not move (a launch-bound GPU): the
-    # model promises 5 | 5, which measures 15% slower, and the run goes back.
+def _slower_and_back(back_ms: float | None = None):
+    """Stage 0's timers read 0.6x while the steps do not move (a launch-bound GPU): the
+    model promises 5 | 5, which measures 15% slower, and the run goes back to 3 | 7, whose
+    first window after the way back runs ``back_ms`` (as before: None). The controller,
+    the two plans and 3 | 7's steps before the move."""
     a, b = ((0, 3), (3, 10)), ((0, 5), (5, 10))
     ctl = _controller()
     for s in range(3):
@@ -803,9 +805,17 @@ def test_a_move_measured_slower_is_not_taken_again_while_its_plan_runs_as_then()
     ctl.applied(step=d.step, pause_ms=1.0, moved_bytes=1)
     d = ctl.observe(_window(d.step + 4, b, TRUE, spike=(0.6, 1.0)))
     assert d.judged["verdict"] == "slower" and d.bounds == a, d
+    assert ctl._slower == []  # held until the way back vouches for it
     ctl.applied(step=d.step, pause_ms=1.0, moved_bytes=1)
-    for s in range(3):
-        ctl.observe(_window(d.step + 4 + 5 * s, a, TRUE, spike=(0.6, 1.0), step_ms=steady))
+    d = ctl.observe(_window(d.step + 4, a, TRUE, spike=(0.6, 1.0), step_ms=back_ms or steady))
+    assert d.judged is not None and d.judged["dst"] == [list(r) for r in a], d
+    return ctl, a, b, steady
+
+
+def test_a_move_measured_slower_is_not_taken_again_while_its_plan_runs_as_then() -> None:
+    ctl, a, b, steady = _slower_and_back()
+    for s in range(2):
+        ctl.observe(_window(44 + 5 * s, a, TRUE, spike=(0.6, 1.0), step_ms=steady))
     # The timers swing on (both stages now): a new regime, and the shortfall earned under
     # the old one is gone; the model promises 5 | 5 again, and the steps of 3 | 7 are what
     # they were when the move measured slower.
@@ -819,6 +829,20 @@ def test_a_move_measured_slower_is_not_taken_again_while_its_plan_runs_as_then()
     other = _controller()
     other.load_state(json.loads(json.dumps(ctl.state())))
     assert other._slower == ctl._slower == [(a, b, steady, _window(0, b, TRUE).median_step_ms, 0.0)]
+
+
+def test_a_move_slower_only_across_a_change_the_way_back_shows_is_not_filed() -> None:
+    # 3 | 7 measures 20% slower on the way back than before the move: the conditions
+    # changed around the move (an onset the timers had not confirmed), and its verdict
+    # says nothing of 5 | 5.
+    ctl, a, b, _ = _slower_and_back(
+        back_ms=1.2 * _window(0, ((0, 3), (3, 10)), TRUE).median_step_ms
+    )
+    assert ctl._slower == []
+    assert ctl._slower_held is None or ctl._slower_held[:2] == (b, a)  # the way back's own
+    other = _controller()
+    other.load_state(json.loads(json.dumps(ctl.state())))
+    assert (other._slower, other._slower_held) == (ctl._slower, ctl._slower_held)
 
 
 def test_a_gain_only_a_timer_swing_shows_is_not_taken() -> None:

@@ -963,8 +963,9 @@ class Controller:
             "refuted": [[[list(r) for r in b], list(s)] for b, s in self._refuted],
             "slower": [
                 [[list(r) for r in a], [list(r) for r in b], x, y, z]
-                for a, b, x, y, z in self._slower
+                for a, b, x, y, z in [*self._slower, *filter(None, [self._slower_held])]
             ],
+            "slower_held": self._slower_held is not None,
             "pending": None if self.pending is None else self.pending.to_dict(),
             "last": None if self.last is None else self.last.to_dict(),
         }
@@ -987,6 +988,8 @@ class Controller:
             )
             for a, b, before, after, noise in state.get("slower", [])
         ]
+        # The last one may be held until the way back vouches for it (``_file_slower``).
+        self._slower_held = self._slower.pop() if state.get("slower_held") else None
         self._refuted = [
             (tuple((int(x), int(y)) for x, y in b), tuple(float(x) for x in s))
             for b, s in state.get("refuted", [])
