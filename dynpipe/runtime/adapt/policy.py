@@ -45,7 +45,7 @@ from dynpipe.planner.plan import PlanError, split_label
 from dynpipe.planner.simulate import step_times
 from dynpipe.runtime.adapt.config import AdaptConfig
 from dynpipe.runtime.adapt.estimates import CostEstimates
-from dynpipe.runtime.adapt.record import Bounds, MoveRecord, PlanMemory
+from dynpipe.runtime.adapt.record import Bounds, MoveRecord, PlanMemory, as_bounds
 from dynpipe.runtime.adapt.window import Window
 
 __all__ = [
@@ -258,8 +258,8 @@ class Controller:
         # time before, after, the before window's noise): not taken again for the model's
         # promise while the plan left runs as it did (see ``_decide``); the last one held
         # until the way back vouches for it (``_file_slower``).
-        self._slower: list[tuple[Bounds, Bounds, float, float, float]] = []
-        self._slower_held: tuple[Bounds, Bounds, float, float, float] | None = None
+        self._slower: list[_Pair] = []
+        self._slower_held: _Pair | None = None
         self._prediction: tuple[Window, Any] | None = None  # (window, ``_predicted``'s answer)
         # Host ms the last window's prediction took (None: it made none). The adaptive
         # mode's one cost over the measured mode's, logged beside the window's decide_ms.
@@ -291,12 +291,7 @@ class Controller:
         # read as a change of conditions would have its verdict, and the model's broken
         # promise, set aside.
         prev, self._held = self._held, (window.key, window.median_step_ms)
-        changed = (
-            prev is not None
-            and prev[0] == window.key
-            and abs(np.log(window.median_step_ms / max(prev[1], 1e-9)))
-            > np.log1p(self._step_noise_limit(window))
-        )
+        changed = prev is not None and prev[0] == window.key and self._moved_from(window, prev[1])
         regime = self.est.regime
         steady = prev is not None and prev[0] == window.key and not changed
         self.est.update(window, changed=changed, steady=steady)
@@ -541,8 +536,11 @@ class Controller:
         # same 29% promise to a 14% slower split three times, 50 steps apart, its steps at
         # 61.6 ms each time.
         for src, dst, before, after, noise in self._slower:
-            tol = max(cfg.min_gain, 3.0 * float(np.hypot(noise, w.step_noise)))
-            if src == key and dst == bounds and abs(np.log(w.median_step_ms / before)) <= tol:
+            if (
+                src == key
+                and dst == bounds
+                and self._as_then(w.median_step_ms, before, noise, w.step_noise)
+            ):
                 return verdict(
                     f"{split_label(bounds)} measured {after:.2f} ms/step against this plan's "
                     f"{before:.2f} when it ran as now ({w.median_step_ms:.2f}): the model's "
@@ -598,22 +596,35 @@ class Controller:
         after window caught an onset the timers had not yet confirmed reads slower, and
         its plan measures slower again on the way back)."""
         held, self._slower_held = self._slower_held, None
-        if held is not None and (move.src, move.dst) == (held[1], held[0]):
-            tol = max(self.config.min_gain, 3.0 * float(np.hypot(held[4], after_noise)))
-            if abs(np.log(after_ms / held[2])) <= tol:
-                self._slower = [*self._slower, held][-_SLOWER:]
+        if (
+            held is not None
+            and (move.src, move.dst) == (held[1], held[0])  # the way back
+            and self._as_then(after_ms, held[2], held[4], after_noise)
+        ):
+            self._slower = [*self._slower, held][-_SLOWER:]
         if move.verdict == "slower":
             self._slower_held = (move.src, move.dst, move.before_ms, after_ms, move.before_noise)
 
+    def _as_then(self, now_ms: float, then_ms: float, then_noise: float, now_noise: float) -> bool:
+        """Whether a plan measured ``now_ms`` runs as it did at ``then_ms``, by a move's
+        verdict rule (``MoveRecord.judge``): within ``min_gain`` and three standard errors
+        of the two windows' difference (``*_noise``: ``Window.step_noise``)."""
+        tol = max(self.config.min_gain, 3.0 * float(np.hypot(then_noise, now_noise)))
+        return bool(abs(np.log(now_ms / max(then_ms, 1e-9))) <= tol)
+
+    def _moved_from(self, w: Window, ms: float) -> bool:
+        """Whether ``w``'s median step is beyond a change of conditions from ``ms``
+        (``_step_noise_limit``)."""
+        return bool(
+            abs(np.log(w.median_step_ms / max(ms, 1e-9))) > np.log1p(self._step_noise_limit(w))
+        )
+
     def _steps_agree(self, w: Window, key: Bounds, then: int) -> bool | None:
-        """Whether ``w``'s plan ``key`` runs within a change of conditions
-        (``_step_noise_limit``) of its median over regime ``then``'s recent windows; None
-        where it was not measured then."""
-        now = w.median_step_ms
+        """Whether ``w``'s plan ``key`` runs within a change of conditions of its median over
+        regime ``then``'s recent windows (``_moved_from``); None where it was not measured
+        then."""
         was = self.memory.measured(key, then, last=2 * self.config.average_windows)
-        if was is None:
-            return None
-        return bool(abs(np.log(now / max(was, 1e-9))) <= np.log1p(self._step_noise_limit(w)))
+        return None if was is None else not self._moved_from(w, was)
 
     def _faster(
         self,
@@ -961,11 +972,8 @@ class Controller:
             "misses": self._misses,
             "shortfalls": self._shortfalls,
             "refuted": [[[list(r) for r in b], list(s)] for b, s in self._refuted],
-            "slower": [
-                [[list(r) for r in a], [list(r) for r in b], x, y, z]
-                for a, b, x, y, z in [*self._slower, *filter(None, [self._slower_held])]
-            ],
-            "slower_held": self._slower_held is not None,
+            "slower": [_pair_json(p) for p in self._slower],
+            "slower_held": None if self._slower_held is None else _pair_json(self._slower_held),
             "pending": None if self.pending is None else self.pending.to_dict(),
             "last": None if self.last is None else self.last.to_dict(),
         }
@@ -978,20 +986,11 @@ class Controller:
         self.pause_ms = state.get("pause_ms")
         self._misses = [float(x) for x in state.get("misses", [])]
         self._shortfalls = [float(x) for x in state.get("shortfalls", [])]
-        self._slower = [
-            (
-                tuple((int(x), int(y)) for x, y in a),
-                tuple((int(x), int(y)) for x, y in b),
-                float(before),
-                float(after),
-                float(noise),
-            )
-            for a, b, before, after, noise in state.get("slower", [])
-        ]
-        # The last one may be held until the way back vouches for it (``_file_slower``).
-        self._slower_held = self._slower.pop() if state.get("slower_held") else None
+        self._slower = [_pair_from(p) for p in state.get("slower", [])]
+        held = state.get("slower_held")
+        self._slower_held = None if held is None else _pair_from(held)
         self._refuted = [
-            (tuple((int(x), int(y)) for x, y in b), tuple(float(x) for x in s))
+            (as_bounds(b), tuple(float(x) for x in s))
             for b, s in state.get("refuted", [])
             if isinstance(s, list)  # a state from before refutations kept their readings
         ]
@@ -1011,6 +1010,18 @@ def _busy(costs: CostModel, bounds: Bounds, *, schedule: str, microbatches: int)
         microbatches=microbatches,
     )[0]
     return microbatches * np.add(sc.fwd_ms, sc.bwd_ms) / max(float(step), 1e-9)
+
+
+_Pair = tuple[Bounds, Bounds, float, float, float]  # see ``Controller._slower``
+
+
+def _pair_json(p: _Pair) -> list:
+    return [[list(r) for r in p[0]], [list(r) for r in p[1]], *p[2:]]
+
+
+def _pair_from(v: list) -> _Pair:
+    a, b, before, after, noise = v
+    return (as_bounds(a), as_bounds(b), float(before), float(after), float(noise))
 
 
 def _scaled(costs: CostModel, factor: np.ndarray) -> CostModel:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Bounds", "MoveRecord", "PlanMemory"]
+__all__ = ["Bounds", "MoveRecord", "PlanMemory", "as_bounds"]
 
 Bounds = tuple[tuple[int, int], ...]
 
@@ -32,7 +32,7 @@ class PlanMemory:
         self.entries: list[tuple[Bounds, int, float]] = []
 
     def add(self, bounds: Bounds, regime: int, step_ms: float) -> None:
-        self.entries.append((_key(bounds), int(regime), float(step_ms)))
+        self.entries.append((as_bounds(bounds), int(regime), float(step_ms)))
         self.entries = self.entries[-self.keep :]
 
     def _pick(self, regime: int | None, last: int | None) -> list[tuple[Bounds, int, float]]:
@@ -46,13 +46,13 @@ class PlanMemory:
     ) -> float | None:
         """Median step time of ``bounds`` over its windows in ``regime`` (None: any), among
         the ``last`` windows recorded in that regime (None: all)."""
-        key = _key(bounds)
+        key = as_bounds(bounds)
         ms = [t for b, _, t in self._pick(regime, last) if b == key]
         return float(np.median(ms)) if ms else None
 
     def count(self, bounds: Bounds, regime: int | None, *, last: int | None = None) -> int:
         """Windows of ``bounds`` in ``regime`` among the ``last`` recorded in that regime."""
-        key = _key(bounds)
+        key = as_bounds(bounds)
         return sum(1 for b, _, _ in self._pick(regime, last) if b == key)
 
     def noise(self, regime: int | None, *, last: int | None = None) -> float:
@@ -85,10 +85,12 @@ class PlanMemory:
         return [[list(map(list, b)), g, t] for b, g, t in self.entries]
 
     def load_state(self, entries: list) -> None:
-        self.entries = [(_key(b), int(g), float(t)) for b, g, t in entries]
+        self.entries = [(as_bounds(b), int(g), float(t)) for b, g, t in entries]
 
 
-def _key(bounds: Sequence[Sequence[int]]) -> Bounds:
+def as_bounds(bounds: Sequence[Sequence[int]]) -> Bounds:
+    """A plan's ranges as the hashable tuples plans are keyed by (from lists, as JSON has
+    them)."""
     return tuple((int(a), int(b)) for a, b in bounds)
 
 
@@ -178,7 +180,7 @@ class MoveRecord:
     def from_dict(cls, d: dict[str, Any]) -> MoveRecord:
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}
-        kw["src"], kw["dst"] = _key(kw["src"]), _key(kw["dst"])
+        kw["src"], kw["dst"] = as_bounds(kw["src"]), as_bounds(kw["dst"])
         for k in ("slowdown", "after_slowdown"):
             if kw.get(k) is not None:
                 kw[k] = tuple(kw[k])
