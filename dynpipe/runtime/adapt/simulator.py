@@ -408,8 +408,11 @@ class _Truth:
             out = out - (1.0 - g) * (ex[s, :, b] - ex[s, :, a] + self._exo[s])
         return out
 
-    def _steps(self, bounds: Sequence[tuple[int, int]], gains: np.ndarray | None) -> np.ndarray:
-        """``[T]`` the pipeline step of ``bounds`` with each stage at ``gains[s]``."""
+    def _stages(
+        self, bounds: Sequence[tuple[int, int]], gains: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``[T, S]`` fwd and bwd time per microbatch of each stage of ``bounds``, stage
+        ``s`` at ``gains[s]`` (None: every device's full excess)."""
 
         def stages(phase: str) -> np.ndarray:
             return np.stack(
@@ -420,7 +423,17 @@ class _Truth:
                 axis=1,
             )
 
-        f, b_ = stages("fwd"), stages("bwd")
+        return stages("fwd"), stages("bwd")
+
+    def _steps(
+        self,
+        bounds: Sequence[tuple[int, int]],
+        gains: np.ndarray | None,
+        stages: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> np.ndarray:
+        """``[T]`` the pipeline step of ``bounds`` with each stage at ``gains[s]``
+        (``stages``: ``_stages``' answer for them, where already at hand)."""
+        f, b_ = stages if stages is not None else self._stages(bounds, gains)
         comm = [float(self._base.out_bytes[hi - 1] / 100e9 * 1e3 + 0.02) for _, hi in bounds[:-1]]
         c = np.tile(np.array(comm), (f.shape[0], 1))
         return step_times(f, b_, c, schedule="1f1b", microbatches=self._m)
@@ -433,13 +446,9 @@ class _Truth:
             if self.flat:
                 self._gains[key] = np.ones((len(bounds), len(self.noise[0])))
             else:
-                step = self._steps(bounds, None)
-                busy = np.stack(
-                    [
-                        self._stage(s, a, b, "fwd") + self._stage(s, a, b, "bwd")
-                        for s, (a, b) in enumerate(bounds)
-                    ]
-                )
+                f, b_ = self._stages(bounds, None)
+                step = self._steps(bounds, None, (f, b_))
+                busy = (f + b_).T
                 u = np.clip(self._m * busy / np.maximum(step, 1e-9)[None, :], 0.0, 1.0)
                 c = self.c[: len(bounds), None]
                 self._gains[key] = c + (1.0 - c) * u
