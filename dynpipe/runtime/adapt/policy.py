@@ -40,7 +40,7 @@ import numpy as np
 
 from dynpipe.planner.costs import CostModel
 from dynpipe.planner.dp import plan_partition
-from dynpipe.planner.evaluate import stage_costs
+from dynpipe.planner.evaluate import StageCosts, stage_costs
 from dynpipe.planner.plan import PlanError, split_label
 from dynpipe.planner.simulate import step_times
 from dynpipe.runtime.adapt.config import AdaptConfig
@@ -157,6 +157,11 @@ def predicted_step_ms(
 ) -> float:
     """The speed model's step time of ``bounds`` (stage ``s`` on row ``s`` of ``costs``)."""
     sc = stage_costs(costs, bounds, schedule=schedule, microbatches=microbatches)
+    return _step_of(sc, schedule=schedule, microbatches=microbatches)
+
+
+def _step_of(sc: StageCosts, *, schedule: str, microbatches: int) -> float:
+    """The pipeline step of stage costs ``sc`` (``stage_costs``' answer)."""
     return float(
         step_times(
             np.array([sc.fwd_ms]),
@@ -1002,14 +1007,8 @@ def _busy(costs: CostModel, bounds: Bounds, *, schedule: str, microbatches: int)
     """Per stage of ``bounds``, the share of the modelled step it computes (its busy
     fraction, what a slowed device's slowdown depends on)."""
     sc = stage_costs(costs, bounds, schedule=schedule, microbatches=microbatches)
-    step = step_times(
-        np.array([sc.fwd_ms]),
-        np.array([sc.bwd_ms]),
-        np.array([sc.comm_ms]),
-        schedule=schedule,
-        microbatches=microbatches,
-    )[0]
-    return microbatches * np.add(sc.fwd_ms, sc.bwd_ms) / max(float(step), 1e-9)
+    step = _step_of(sc, schedule=schedule, microbatches=microbatches)
+    return microbatches * np.add(sc.fwd_ms, sc.bwd_ms) / max(step, 1e-9)
 
 
 _Pair = tuple[Bounds, Bounds, float, float, float]  # see ``Controller._slower``
