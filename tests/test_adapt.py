@@ -862,6 +862,32 @@ def test_a_gain_only_a_timer_swing_shows_is_not_taken() -> None:
     assert ctl.est.uncertainty()[1] == pytest.approx(-np.log(0.7), rel=1e-6)
 
 
+def _swinging() -> tuple[Controller, float]:
+    """A launch-bound run on 3 | 7: stage 0's timers and the steps swing on their own and
+    apart, by up to 25% a window; the controller and the steps' steady value."""
+    a = ((0, 3), (3, 10))
+    ctl = _controller()
+    steady = _window(0, a, TRUE).median_step_ms
+    swings = [(1.0, 1.0), (1.25, 0.95), (0.85, 1.06), (1.2, 1.0), (0.9, 0.92), (1.15, 1.04)]
+    for s, (timers, steps) in enumerate([*swings, (0.95, 0.97), (1.1, 1.0)]):
+        d = ctl.observe(_window(4 + 5 * s, a, TRUE, spike=(timers, 1.0), step_ms=steady * steps))
+        assert not d.repartition, d
+    return ctl, steady
+
+
+@pytest.mark.parametrize(("steps", "moves"), [(1.15, False), (1.6, True)])
+def test_steps_vouch_for_the_timers_only_beyond_their_own_swing(steps, moves) -> None:
+    # Stage 0, the slowest, reads 1.6x. Steps 15% up, beyond ``jump`` but within what they
+    # swing against the model here, do not vouch for that reading (its gain stays within
+    # the estimates' noise); steps 60% up do, and the onset is acted on at once.
+    ctl, steady = _swinging()
+    assert ctl.tracking_error() > 0.15
+    d = ctl.observe(_window(44, ((0, 3), (3, 10)), TRUE, spike=(1.6, 1.0), step_ms=steady * steps))
+    assert d.repartition is moves, d
+    if not moves:
+        assert "within the estimates' noise" in d.reason, d
+
+
 def test_controller_state_round_trips() -> None:
     ctl = _controller()
     for s in range(3):
