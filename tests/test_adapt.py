@@ -762,8 +762,8 @@ def test_a_return_the_model_prices_slower_beyond_its_noise_is_not_taken() -> Non
     # The demo's case: stage 1's device slowed 9x, the run moves all but the head off it;
     # the head alone reads its still-slowed device 3.85x, then 2.86x (a stage's reading
     # depends on what it holds), nearer the clean reading than the 9x its seven layers
-    # gave: new conditions that read as the clean ones did. The model prices the clean plan
-    # on these readings 2x slower than the plan held, beyond its estimates' noise: no
+    # gave: new conditions that read as the clean ones did. The model, on these readings,
+    # prices the clean plan slower than the plan held, beyond its estimates' noise: no
     # return. The real end (the head back at 1x) is followed.
     under = ((0, 9), (9, 10))
     ctl = _controller(average_windows=2, min_gain=0.05)
