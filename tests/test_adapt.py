@@ -758,13 +758,16 @@ def test_a_reading_of_earlier_conditions_the_steps_refute_is_no_return() -> None
     assert d is not None and d.bounds == fast, d
 
 
-def test_a_return_the_model_prices_slower_beyond_its_noise_is_not_taken() -> None:
+@pytest.mark.parametrize("heads", [(3.85, 2.86, 2.86), (2.6, 2.6, 2.6)])
+def test_a_return_the_model_prices_slower_beyond_its_noise_is_not_taken(heads) -> None:
     # The demo's case: stage 1's device slowed 9x, the run moves all but the head off it;
     # the head alone reads its still-slowed device 3.85x, then 2.86x (a stage's reading
     # depends on what it holds), nearer the clean reading than the 9x its seven layers
     # gave: new conditions that read as the clean ones did. The model, on these readings,
     # prices the clean plan slower than the plan held, beyond its estimates' noise: no
-    # return. The real end (the head back at 1x) is followed.
+    # return. Or 2.6x at once, in the move's first window: a change not yet confirmed, as
+    # uncertain as its size, which the move itself made; the model prices it as it reads.
+    # The real end (the head back at 1x) is followed.
     under = ((0, 9), (9, 10))
     ctl = _controller(average_windows=2, min_gain=0.05)
     for s in range(3):
@@ -773,11 +776,12 @@ def test_a_return_the_model_prices_slower_beyond_its_noise_is_not_taken() -> Non
     d = _first_move(ctl, [_window(19 + 5 * s, BEST, TRUE, slow=(1.0, 9.0)) for s in range(3)])
     assert d is not None and d.bounds == under, d
     ctl.applied(step=d.step, pause_ms=1.0, moved_bytes=1)
-    for s, head in enumerate((3.85, 2.86, 2.86)):
+    read_back = False
+    for s, head in enumerate(heads):
         d = ctl.observe(_window(d.step + 4 + 5 * s, under, TRUE, slow=(1.0, head)))
-        if s == 1:
-            assert clean in ctl.est.returning  # the readings alone would send it back
+        read_back |= clean in ctl.est.returning  # the readings alone would send it back
         assert not d.repartition, d
+    assert read_back
     d = ctl.observe(_window(d.step + 5, under, TRUE))
     assert d.repartition and d.bounds == BEST and "as they ran before" in d.reason, d
 

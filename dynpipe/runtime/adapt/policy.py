@@ -445,7 +445,11 @@ class Controller:
         # slowed 5x, read 3.85x and then 2.86x, nearer the clean 1.3x than the 9.1x its
         # five layers had read, and half the runs went back to 5 | 5 under the interferer
         # (the model priced it 2.6x slower than 9 | 1). On the real end it read 1.1-1.7x,
-        # and the model priced 5 | 5 faster.
+        # and the model priced 5 | 5 faster. In the window that judges a move, the ranks
+        # whose layers it changed are priced as they read: their change, not yet confirmed,
+        # counts as uncertain as its size, and the move itself may have made it (the head
+        # read 2.6x and 4.1x there, 1.0-1.2 of a log ratio in its favour priced it near
+        # clean, and a third of the demo runs went back under the interferer).
         now = w.median_step_ms
         returning = self.est.returning
         if any(self._steps_agree(w, key, then) is False for then in returning):
@@ -455,7 +459,7 @@ class Controller:
             for then in returning
             if not self._refutes(key, then)
             and (b := self._faster(w, key, now, then, pause, recent, 1)) is not None
-            and not self._priced_slower(w, costs, b[0])
+            and not self._priced_slower(w, costs, b[0], judged)
         ]
         if backs:
             back, then = min(backs, key=lambda x: x[0][1])
@@ -596,14 +600,22 @@ class Controller:
             model=True,
         )
 
-    def _priced_slower(self, w: Window, costs: CostModel, key: Bounds) -> bool:
+    def _priced_slower(
+        self, w: Window, costs: CostModel, key: Bounds, judged: MoveRecord | None
+    ) -> bool:
         """Whether the model, on this window's readings, prices plan ``key`` (one range per
         rank) slower than ``w``'s plan even with every device's estimate one standard error
         in its favour (``_gain_beyond_noise`` the other way round); False where ``key``
-        holds other ranks."""
+        holds other ranks. ``judged``: the move this window judges, if any: the ranks whose
+        layers it changed are taken as they read (see ``_decide``)."""
         if {r for r, (a, b) in enumerate(key) if b > a} != set(w.ranks):
             return False
-        sd = self.est.uncertainty()[list(w.ranks)]
+        sd = self.est.uncertainty()
+        if judged is not None and len(judged.src) == len(judged.dst):
+            for r, (x, y) in enumerate(zip(judged.src, judged.dst, strict=True)):
+                if x != y:
+                    sd[r] = 0.0
+        sd = sd[list(w.ranks)]
         kw = {"schedule": w.schedule, "microbatches": w.microbatches}
         there = predicted_step_ms(_scaled(costs, np.exp(-sd)), tuple(key[r] for r in w.ranks), **kw)
         return there > predicted_step_ms(_scaled(costs, np.exp(sd)), w.bounds, **kw)
