@@ -7,10 +7,11 @@ and measurement noise from the recorded GPU runs: runs whose stage timers were s
 (GPU-bound sizes: ``quiet``) and runs whose timers swung 2x while their steps did not
 (launch- and loader-bound sizes). Runs with sound timers are held to the targets of the
 adaptation issue (mean ratio to the oracle <= 1.03, p95 <= 1.10, none worse than static by
-more than 2%); every scenario together to the same mean and p95, and to 1.05x static, short
-of the issue's 2% (here the worst run reads 1.040x, a launch-bound 8-stage gpt run; on 300
-other scenarios, ``bench/results/simulator.json``, the worst read 1.035x static (measured)
-and 1.059x (adaptive): see the README).
+more than 2%); every scenario together to the same mean and p95, to 1.05x static, and to at
+most one run worse than static by more than 2%, short of the issue's none (here that run
+reads 1.040x, a launch-bound 8-stage gpt run; on 300 other scenarios,
+``bench/results/simulator.json``, 2 runs (measured) and 4 (adaptive) are past 2%, the worst
+at 1.035x and 1.059x static: see the README).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def test_policy_against_the_oracle(mode: str) -> None:
         "quiet": (to_oracle[quiet].mean(), np.percentile(to_oracle[quiet], 95)),
         "all": (to_oracle.mean(), np.percentile(to_oracle, 95)),
         "worst to static": (to_static[quiet].max(), to_static.max()),
+        "past 2% of static": int((to_static > 1.02).sum()),
     }
     # Sound timers: the issue's targets.
     assert to_oracle[quiet].mean() <= 1.03, summary
@@ -66,3 +68,4 @@ def test_policy_against_the_oracle(mode: str) -> None:
     assert to_oracle.mean() <= 1.03, summary
     assert np.percentile(to_oracle, 95) <= 1.10, summary
     assert to_static.max() <= 1.05, summary
+    assert (to_static > 1.02).sum() <= 1, summary
