@@ -615,10 +615,12 @@ class Controller:
             for r, (x, y) in enumerate(zip(judged.src, judged.dst, strict=True)):
                 if x != y:
                     sd[r] = 0.0
-        sd = sd[list(w.ranks)]
         kw = {"schedule": w.schedule, "microbatches": w.microbatches}
-        there = predicted_step_ms(_scaled(costs, np.exp(-sd)), tuple(key[r] for r in w.ranks), **kw)
-        return there > predicted_step_ms(_scaled(costs, np.exp(sd)), w.bounds, **kw)
+        there = tuple(key[r] for r in w.ranks)
+        return (
+            self._gain_beyond_noise(w, costs, costs, w.ranks, there, vouched=False, sd=-sd, **kw)
+            < 0
+        )
 
     def _refutes(self, key: Bounds, then: int) -> bool:
         """Whether a refuted return from ``key`` bars going back to regime ``then`` now: the
@@ -954,13 +956,15 @@ class Controller:
         vouched: bool,
         schedule: str,
         microbatches: int,
+        sd: np.ndarray | None = None,
     ) -> float:
         """The relative gain of ``bounds`` over ``ranks`` (cost rows ``new``, in rank order)
         against ``w``'s plan (cost rows ``now``, in stage order) with every device's estimate
         one standard error against the move (``CostEstimates.uncertainty``): its costs
         raised under the new plan, lowered under the current one. ``vouched``: the slowest
-        stage's estimate is taken as it is."""
-        sd = self.est.uncertainty()
+        stage's estimate is taken as it is. ``sd``: per rank, the errors to price with
+        instead (negated, they price in the move's favour)."""
+        sd = self.est.uncertainty() if sd is None else sd.copy()
         kw = {"schedule": schedule, "microbatches": microbatches}
         if vouched:
             sc = stage_costs(now, w.bounds, **kw)
