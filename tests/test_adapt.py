@@ -1044,3 +1044,20 @@ def test_the_predictors_host_time_is_kept_per_window_where_it_ran() -> None:
         else:
             assert adaptive.predict_ms is not None and adaptive.predict_ms > 0
         assert measured.predict_ms is None
+
+
+def test_steps_that_drift_from_their_level_name_new_conditions() -> None:
+    # 3 | 7 held, its timers steady, its steps up 8% a window: no window is a change from
+    # the one before (``jump`` 10%), but two running beyond 10% of the plan's level under
+    # these conditions are: new conditions are named, and only then.
+    ctl = _controller(min_gain=0.05)
+    a = ((0, 3), (3, 10))
+    steady = _window(0, a, TRUE).median_step_ms
+    regimes = []
+    for s, up in enumerate([1.0, 1.0, 1.0, 1.08, 1.08**2, 1.08**3, 1.08**3]):
+        d = ctl.observe(_window(4 + 5 * s, a, TRUE, step_ms=steady * up))
+        assert not d.repartition, d
+        regimes.append(ctl.est.regime)
+    assert regimes[:5] == [regimes[0]] * 5, regimes  # 1.17x: one window beyond the level
+    assert regimes[5] != regimes[0], regimes  # 1.26x: the second
+    assert regimes[6] == regimes[5], regimes  # and the new level holds
