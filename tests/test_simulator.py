@@ -3,15 +3,13 @@ oracle (the best static split of every phase, from the true per-layer costs, zer
 
 The scenarios (seed 7, never used while the policy was developed) draw true costs from the
 H200 profiles, onsets and ends at random steps on one or two devices of 2, 4 or 8 stages,
-and measurement noise from the recorded GPU runs: runs whose stage timers were sound
+and measurement noise from every recorded static GPU run: runs whose stage timers were sound
 (GPU-bound sizes: ``quiet``) and runs whose timers swung 2x while their steps did not
-(launch- and loader-bound sizes). Runs with sound timers are held to the targets of the
-adaptation issue (mean ratio to the oracle <= 1.03, p95 <= 1.10, none worse than static by
-more than 2%); every scenario together to the same mean and p95, to 1.05x static, and to at
-most one run worse than static by more than 2%, short of the issue's none (here that run
-reads 1.040x, a launch-bound 8-stage gpt run; on 300 other scenarios,
-``bench/results/simulator.json``, 2 runs (measured) and 4 (adaptive) are past 2%, the worst
-at 1.035x and 1.059x static: see the README).
+(launch- and loader-bound sizes). Both are held to the targets of the adaptation issue: mean
+ratio to the oracle <= 1.03, p95 <= 1.10, none worse than static by more than 2% (here the
+worst reads 1.018x, measured; the mean 1.0298). Seed 7 is one draw: on 300 other scenarios
+(``bench/results/simulator.json``) 3 runs of each mode are past 2% of static, the worst at
+1.040x (see the README).
 """
 
 from __future__ import annotations
@@ -67,5 +65,4 @@ def test_policy_against_the_oracle(mode: str) -> None:
     # Every scenario, misleading timers included.
     assert to_oracle.mean() <= 1.03, summary
     assert np.percentile(to_oracle, 95) <= 1.10, summary
-    assert to_static.max() <= 1.05, summary
-    assert (to_static > 1.02).sum() <= 1, summary
+    assert to_static.max() <= 1.02, summary

@@ -183,12 +183,15 @@ class NoiseTrace:
 
 
 def noise_from_logs(root: str | Path = DEFAULT_LOGS) -> list[NoiseTrace]:
-    """Every stage of every static GPU run under ``root``, over its clean steps."""
+    """Every stage of every static GPU run under ``root`` (its header's backend is
+    ``nccl``: a CPU run's timers are not a GPU's), over its clean steps."""
     out = []
-    for path in glob_logs(_path(root), "gpu-*/**/*static*"):
+    for path in glob_logs(_path(root), "**/*static*"):
         steps, onset = [], None
         with open_text(path) as fh:
             lines = fh.readlines()
+        if not lines or json.loads(lines[0]).get("backend") != "nccl":
+            continue
         for line in lines:
             if '"interference_start"' in line and onset is None:
                 onset = json.loads(line)["step"]
