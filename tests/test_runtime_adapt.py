@@ -74,34 +74,46 @@ def _adapt_then_static(rank: int, world: int, scenario: str, log: str) -> dict:
         eng.timer.dilation = 3.0 if rank == 1 else 1.0
         eng.step(0, (x, y))
         engines[k] = eng
-    times: dict[int, list[float]] = {k: [] for k in engines}
+    import torch.distributed as dist
 
-    def rounds(ks: list[int], n: int) -> None:
+    from dynpipe.runtime.records import read_log
+
+    def rounds(times: dict[int, list[float]], ks: list[int], n: int) -> None:
         for _ in range(n):
             for k in ks:
                 times[k] += [engines[k].step(s, (x, y)).step_ms for s in range(4)]
 
-    rounds(list(engines), 3)
-    # The split the adaptive run settled on during the slowdown (the log is complete once every
-    # rank is past train()).
-    import torch.distributed as dist
+    def medians(times: dict[int, list[float]]) -> dict[int, float]:
+        # Decisions to retry must be the same on every rank: the slowest rank's medians.
+        ks = sorted(times)
+        meds = torch.tensor([statistics.median(times[k]) for k in ks], dtype=torch.float64)
+        dist.all_reduce(meds, op=dist.ReduceOp.MAX)
+        return dict(zip(ks, meds.tolist(), strict=True))
 
+    def timed(ks: list[int], contender: int | None) -> dict[int, float]:
+        times: dict[int, list[float]] = {k: [] for k in ks}
+        rounds(times, ks, 3)
+        med = medians(times)
+        best = min(med, key=med.get)
+        if contender is not None and med[contender] > 1.10 * med[best]:
+            # A 2-core machine's noise can swing one round: time the two contenders again,
+            # side by side, before judging.
+            rounds(times, [contender, best], 4)
+        return {k: statistics.median(v) for k, v in times.items()}
+
+    # The split the adaptive run settled on during the slowdown, and the one it ended on (the
+    # log is complete once every rank is past train()).
     dist.barrier()
-    from dynpipe.runtime.records import read_log
-
-    reps = [e for e in read_log(log).events("repartition") if ONSET <= e.step < DEPART]
-    chosen = reps[-1]["new_plan"]["stages"][0]["stop"] if reps else None
-    # The retry decision must be the same on every rank: take the slowest rank's medians.
-    ks = sorted(times)
-    meds = torch.tensor([statistics.median(times[k]) for k in ks], dtype=torch.float64)
-    dist.all_reduce(meds, op=dist.ReduceOp.MAX)
-    med = dict(zip(ks, meds.tolist(), strict=True))
-    best = min(med, key=med.get)
-    if chosen is not None and med[chosen] > 1.10 * med[best]:
-        # A 2-core machine's noise can swing one round: time the two contenders again,
-        # side by side, before judging.
-        rounds([chosen, best], 4)
-    return {k: statistics.median(v) for k, v in times.items()}
+    reps = read_log(log).events("repartition")
+    during = [e for e in reps if ONSET <= e.step < DEPART]
+    chosen = during[-1]["new_plan"]["stages"][0]["stop"] if during else None
+    end = reps[-1]["new_plan"]["stages"][0]["stop"] if reps else None
+    slowed = timed(list(engines), chosen)
+    # And every split again with the slowdown gone: what the run should end near.
+    for eng in engines.values():
+        eng.timer.dilation = 1.0
+    clean = timed(list(engines), end)
+    return {"slowed": slowed, "clean": clean}
 
 
 @pytest.mark.timing
@@ -116,7 +128,9 @@ def test_controller_adapts_to_emulated_slowdown_and_moves_back(tmp_path) -> None
         str(log),
         timeout_s=400,
     )
-    static = res[1]["value"]  # the last stage's step times (every rank waits for the step)
+    # The last stage's step times (every rank waits for the step) of every static split, under
+    # the slowdown and without it.
+    static, clean = res[1]["value"]["slowed"], res[1]["value"]["clean"]
     best_split, best_ms = min(static.items(), key=lambda kv: kv[1])
     recs = read_log(log)
     events = recs.events()
@@ -138,15 +152,25 @@ def test_controller_adapts_to_emulated_slowdown_and_moves_back(tmp_path) -> None
     during = [e for e in reps if ONSET <= e.step < DEPART]
     chosen = during[-1]["new_plan"]["stages"][0]["stop"]
     assert static[chosen] <= 1.10 * best_ms, (chosen, best_split, static)
-    # And the run itself recovered: steps after adapting are much faster than before it.
+    # And the run itself recovered: steps after adapting are much faster than before it, by
+    # 15%, or by what the static splits measured side by side say the chosen one gains over
+    # the first, if less (beside a busy loop that takes a core, a stage that shares its core
+    # runs slowed throughout, and the slowdown's own share of the step is smaller).
+    start = first["old_plan"]["stages"][0]["stop"]
+    expect = max(0.85, 1.10 * static[chosen] / static[start])
     steps = {r.step: r.step_ms for r in recs.steps}
     slowed = statistics.median(steps[s] for s in range(ONSET, first.step))
     adapted = statistics.median(steps[s] for s in range(first.step + 5, DEPART))
-    assert adapted < 0.85 * slowed, (adapted, slowed)
-    # After the slowdown ends it moves layers back to stage 1.
+    assert adapted < expect * slowed, (adapted, slowed, expect)
+    # After the slowdown ends it moves layers back to stage 1, where the split it adapted to
+    # runs more than 10% slower than the best without the slowdown, the static splits timed
+    # side by side (on an idle machine 9|1 runs far slower than 5|5; beside a busy loop that
+    # takes one core the stages no longer run alike, and it can be as fast as any).
+    decisions = [(e.step, e["reason"]) for e in events if e.event == "decision"]
     back = [e for e in reps if e.step > DEPART]
-    assert back, [(e.step, e["reason"]) for e in events if e.event == "decision"]
-    assert back[0]["new_plan"]["stages"][1]["start"] < back[0]["old_plan"]["stages"][1]["start"]
+    if clean[chosen] > 1.10 * min(clean.values()):
+        assert back, (decisions, clean)
+        assert back[0]["new_plan"]["stages"][1]["start"] < back[0]["old_plan"]["stages"][1]["start"]
 
 
 def _final_state(ckpt: str) -> tuple[dict, dict]:
