@@ -675,20 +675,24 @@ class Controller:
             abs(np.log(w.median_step_ms / max(ms, 1e-9))) > np.log1p(self._step_noise_limit(w))
         )
 
+    def _level(self, key: Bounds, then: int) -> float | None:
+        """Plan ``key``'s median step over regime ``then``'s recent windows (None where it was
+        not measured then)."""
+        return self.memory.measured(key, then, last=2 * self.config.average_windows)
+
     def _drift_from_level(self, w: Window) -> int:
         """The direction (+1 slower, -1 faster, 0 neither) in which ``w``'s median step is
-        beyond a change of conditions from its plan's level under the conditions last named
-        (its median over the regime's recent windows)."""
-        was = self.memory.measured(w.key, self.est.regime, last=2 * self.config.average_windows)
+        beyond a change of conditions (``_moved_from``) from its plan's level under the
+        conditions last named."""
+        was = self._level(w.key, self.est.regime)
         if was is None or not self._moved_from(w, was):
             return 0
         return 1 if w.median_step_ms > was else -1
 
     def _steps_agree(self, w: Window, key: Bounds, then: int) -> bool | None:
-        """Whether ``w``'s plan ``key`` runs within a change of conditions of its median over
-        regime ``then``'s recent windows (``_moved_from``); None where it was not measured
-        then."""
-        was = self.memory.measured(key, then, last=2 * self.config.average_windows)
+        """Whether ``w``'s plan ``key`` runs within a change of conditions of its level under
+        regime ``then`` (``_moved_from``, ``_level``); None where it was not measured then."""
+        was = self._level(key, then)
         return None if was is None else not self._moved_from(w, was)
 
     def _faster(
