@@ -42,6 +42,7 @@ search around the exact plan (``_oracle``).
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import itertools
 import json
@@ -392,6 +393,15 @@ class _Truth:
         self.clean_over = w.overhead_ms * self.noise
         self._c0f = np.concatenate([z, np.cumsum(self.clean_fwd, axis=2)], axis=2)
         self._c0b = np.concatenate([z, np.cumsum(self.clean_bwd, axis=2)], axis=2)
+
+    def at_microbatches(self, m: int) -> _Truth:
+        """The same devices running ``m`` microbatches a step (a replica's batch share): the
+        costs per microbatch are the same, the step and each device's busy fraction not."""
+        if m == self._m:
+            return self
+        out = copy.copy(self)
+        out._m, out._gains, out._cache = m, {}, {}
+        return out
 
     def blind(self, a: int, b: int) -> bool:
         """Whether a stage of layers ``[a, b)`` is too light for interference to reach it

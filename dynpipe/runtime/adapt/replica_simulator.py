@@ -1,0 +1,478 @@
+"""Replica simulator: the replica policy against the exact oracle, on random scenarios.
+
+``simulator`` drives the single-pipeline ``Controller``; this drives ``ReplicaPolicy`` (a
+run of ``dp`` pipeline replicas of ``pp`` stages) the same way: the same true per-layer
+costs (the H200 profiles, each device's slowdown following its load), the same measurement
+noise (every recorded static GPU run, one device per recorded stage) and pause costs, and
+windows built the way the training loop builds a replicated window (``Window.replicas``:
+one window per replica with its share of the batch, the job's step times on top).
+
+A scenario is ``dp x pp`` ranks, one or two of them slowed (any replica, any stage) from
+some step to some other. The job's true step is the slowest replica's pipeline step (each
+replica runs its own share of microbatches on its own devices) plus what the stages'
+gradient all-reduce adds past it (``planner.shape.tail_parts``, priced as the policy
+prices it before any update is timed). A move pauses the job: a fixed part drawn per
+scenario (a share shift moves no state: recorded ``reshare`` pauses were 20-30 ms, as
+repartitions' fixed parts), plus, for layers, one replica's bytes over the link (the
+replicas copy in parallel); the first step after it runs a little slower, as in
+``simulator``.
+
+Per scenario it reports each system's mean step (pauses included): the policy, the first
+configuration held throughout (even split, even shares: static) and the oracle: per phase,
+the static configuration best over that phase with zero pause, of every split (2 stages;
+with more, the exact plan of each replica's true costs and of their worst, then a local
+search one boundary by one layer at a time) each with its best batch shares and with even
+ones. The shape (``dp x pp``) is the scenario's: the oracle does not reshape, and the
+policy runs without ``--reshape`` and without partial reduce (which changes the training
+math).
+
+    python -m dynpipe.runtime.adapt.replica_simulator --scenarios 100 --seed 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dynpipe.planner.dp import plan_partition
+from dynpipe.planner.shape import tail_parts
+from dynpipe.runtime.adapt.config import AdaptConfig
+from dynpipe.runtime.adapt.policy import Policy, moved_bytes
+from dynpipe.runtime.adapt.record import Bounds
+from dynpipe.runtime.adapt.replicas import ReplicaPolicy, best_shares
+from dynpipe.runtime.adapt.simulator import (
+    DEFAULT_LOGS,
+    DEFAULT_PROFILES,
+    NoiseTrace,
+    Scenario,
+    ScenarioResult,
+    Workload,
+    _even,
+    _load_coefficients,
+    _path,
+    _Truth,
+    _window,
+    load_workloads,
+    noise_from_logs,
+    summarise,
+)
+
+__all__ = [
+    "ReplicaScenario",
+    "random_replica_scenarios",
+    "replica_factory",
+    "simulate_replicas",
+]
+
+# (dp, pp) shapes drawn: 2 to 8 ranks, DP only and pipelines of 2 and 4 stages.
+SHAPES = ((2, 1), (4, 1), (2, 2), (4, 2), (2, 4))
+
+
+@dataclass(frozen=True)
+class ReplicaScenario:
+    """One run of ``dp`` replicas of ``pp`` stages: per global rank ``g = r pp + s``
+    (replica ``r``'s stage ``s``), ``events[g]`` and ``noise[g]`` as a ``Scenario``'s;
+    ``microbatches``: each replica's share at even shares."""
+
+    seed: int
+    workload: str
+    dp: int
+    pp: int
+    microbatches: int
+    steps: int
+    events: tuple[tuple[tuple[int, int, str], ...], ...]
+    noise: tuple[tuple[int, int], ...]
+    pause_fixed_ms: float
+    link_bytes_per_ms: float
+    stall: float = 0.0
+    untimed: float = 0.0
+    load_c: tuple[float, ...] = ()
+
+    @property
+    def stages(self) -> int:
+        return self.pp
+
+    def replica(self, r: int) -> Scenario:
+        """Replica ``r``'s pipeline as a scenario of its own (its devices, its noise)."""
+        mine = slice(r * self.pp, (r + 1) * self.pp)
+        return Scenario(
+            seed=self.seed,
+            workload=self.workload,
+            stages=self.pp,
+            microbatches=self.microbatches,
+            steps=self.steps,
+            events=self.events[mine],
+            noise=self.noise[mine],
+            pause_fixed_ms=self.pause_fixed_ms,
+            link_bytes_per_ms=self.link_bytes_per_ms,
+            stall=self.stall,
+            untimed=self.untimed,
+            load_c=self.load_c[mine] if self.load_c else (),
+        )
+
+    def phases(self) -> list[tuple[int, int]]:
+        marks = {0, self.steps}
+        for ev in self.events:
+            for a, b, _ in ev:
+                marks |= {min(a, self.steps), min(b, self.steps)}
+        return [(a, b) for a, b in itertools.pairwise(sorted(marks)) if b > a]
+
+
+def random_replica_scenarios(
+    n: int,
+    *,
+    workloads: Sequence[Workload],
+    traces: Sequence[NoiseTrace],
+    seed: int = 0,
+    steps: int = 240,
+    shapes: Sequence[tuple[int, int]] = SHAPES,
+) -> list[ReplicaScenario]:
+    """``n`` scenarios: a workload, a shape, one or two slowed ranks anywhere, onsets and
+    ends at random steps (some at the start, some never ending), random conditions, each
+    slowed device's load coefficient by its interferer's kind (``simulator._LOAD_C``)."""
+    rng = np.random.default_rng(seed)
+    runs = sorted({t.name.rpartition("#")[0] for t in traces})
+    out = []
+    for i in range(n):
+        w = workloads[int(rng.integers(len(workloads)))]
+        dp, pp = shapes[int(rng.integers(len(shapes)))]
+        world = dp * pp
+        m = int(max(pp, 2) * rng.choice([1, 2]))
+        slowed = rng.choice(world, size=int(rng.choice([1, 2], p=[0.6, 0.4])), replace=False)
+        events: list[tuple[tuple[int, int, str], ...]] = [() for _ in range(world)]
+        for g in slowed:
+            start = 0 if rng.random() < 0.1 else int(rng.integers(10, steps - 20))
+            stop = steps if rng.random() < 0.2 else int(rng.integers(start + 10, steps + 1))
+            events[int(g)] = ((start, stop, str(rng.choice(w.conditions))),)
+        # One recorded run's noise for every device, its stages in turn (as ``simulator``).
+        run = runs[int(rng.integers(len(runs)))]
+        mine = [k for k, t in enumerate(traces) if t.name.rpartition("#")[0] == run]
+        noise = tuple((mine[g % len(mine)], int(rng.integers(1000))) for g in range(world))
+        out.append(
+            ReplicaScenario(
+                seed=seed * 100_000 + i,
+                workload=w.name,
+                dp=dp,
+                pp=pp,
+                microbatches=m,
+                steps=steps,
+                events=tuple(events),
+                noise=noise,
+                pause_fixed_ms=float(rng.uniform(5, 40)),
+                link_bytes_per_ms=float(rng.uniform(10e6, 40e6)),
+                stall=float(rng.uniform(0.0, 1.0)),
+                untimed=float(rng.uniform(0.0, 0.5)),
+                load_c=_load_coefficients(events, np.random.default_rng([seed, i])),
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class _Config:
+    bounds: Bounds
+    shares: tuple[int, ...]
+
+
+class _ReplicaTruth:
+    """True step times of a replica scenario: one ``_Truth`` per replica (its devices), at
+    whatever share of microbatches it runs."""
+
+    def __init__(self, sc: ReplicaScenario, w: Workload, traces: Sequence[NoiseTrace]) -> None:
+        self.sc, self.w = sc, w
+        self.replicas = [_Truth(sc.replica(r), w, traces) for r in range(sc.dp)]
+        self._pipes: dict[tuple[int, int, Bounds], np.ndarray] = {}
+        self._tails: dict[Bounds, float] = {}
+        self._jobs: dict[_Config, np.ndarray] = {}
+
+    def truth(self, r: int, m: int) -> _Truth:
+        return self.replicas[r].at_microbatches(m)
+
+    def pipe(self, r: int, m: int, bounds: Bounds) -> np.ndarray:
+        """``[T]`` replica ``r``'s pipeline step running ``m`` microbatches of ``bounds``."""
+        key = (r, m, bounds)
+        if key not in self._pipes:
+            self._pipes[key] = self.truth(r, m).step_ms(bounds)
+        return self._pipes[key]
+
+    def tail(self, bounds: Bounds) -> float:
+        """What the stages' gradient all-reduce adds past the slowest pipeline."""
+        if bounds not in self._tails:
+            reduce, lead, _ = tail_parts(self.w.base, bounds=bounds, replicas=self.sc.dp)
+            self._tails[bounds] = max(float(np.max(reduce - lead)), 0.0) if self.sc.dp > 1 else 0
+        return self._tails[bounds]
+
+    def step_ms(self, cfg: _Config) -> np.ndarray:
+        """``[T]`` the job's true step under ``cfg``."""
+        if cfg not in self._jobs:
+            pipes = [self.pipe(r, m, cfg.bounds) for r, m in enumerate(cfg.shares)]
+            self._jobs[cfg] = np.max(pipes, axis=0) + self.tail(cfg.bounds)
+        return self._jobs[cfg]
+
+
+def _low(sc: ReplicaScenario) -> list[int]:
+    return [sc.pp] * sc.dp  # 1F1B runs at least a microbatch per stage
+
+
+def _oracle(sc: ReplicaScenario, truth: _ReplicaTruth) -> np.ndarray:
+    """Per step, the job's step under the configuration best over that step's phase (see
+    the module docstring)."""
+    n, total = truth.w.num_layers, sc.dp * sc.microbatches
+    even_shares = (sc.microbatches,) * sc.dp
+    out = np.empty(sc.steps)
+    for a, b in sc.phases():
+
+        def cost(cfg: _Config, a: int = a, b: int = b) -> float:
+            return float(truth.step_ms(cfg)[a:b].mean())
+
+        def best_for(bounds: Bounds, a: int = a, b: int = b) -> tuple[float, _Config]:
+            shares, _ = best_shares(
+                lambda r, m: float(truth.pipe(r, m, bounds)[a:b].mean()),
+                total=total,
+                low=_low(sc),
+            )
+            cfgs = {_Config(bounds, shares), _Config(bounds, even_shares)}
+            return min((cost(c), c) for c in cfgs)
+
+        seen: dict[Bounds, tuple[float, _Config]] = {}
+        if sc.pp == 1:
+            splits: list[Bounds] = [((0, n),)]
+        elif sc.pp == 2:
+            splits = [((0, k), (k, n)) for k in range(1, n)]
+        else:
+            splits = [_even(n, sc.pp), *_planned(sc, truth, a, b)]
+        for bounds in splits:
+            if bounds not in seen:
+                seen[bounds] = best_for(bounds)
+        best = min(seen, key=lambda x: seen[x][0])
+        while sc.pp > 2:  # a local search around the best planned split
+            around = [x for x in _neighbours(best, n) if x not in seen]
+            for x in around:
+                seen[x] = best_for(x)
+            nxt = min(_neighbours(best, n), key=lambda x: seen[x][0], default=best)
+            if seen[nxt][0] >= seen[best][0]:
+                break
+            best = nxt
+        out[a:b] = truth.step_ms(seen[best][1])[a:b]
+    return out
+
+
+def _planned(sc: ReplicaScenario, truth: _ReplicaTruth, a: int, b: int) -> list[Bounds]:
+    """The exact plan of each replica's true mean costs over ``[a, b)`` and of their
+    element-wise worst."""
+    fwd = [t.fwd[:, a:b].mean(axis=1) for t in truth.replicas]
+    bwd = [t.bwd[:, a:b].mean(axis=1) for t in truth.replicas]
+    over = [t.overhead[:, a:b].mean(axis=1) for t in truth.replicas]
+    rows = [*zip(fwd, bwd, over, strict=True)]
+    rows.append((np.max(fwd, axis=0), np.max(bwd, axis=0), np.max(over, axis=0)))
+    out = []
+    for f, bw, o in rows:
+        cm = dataclasses.replace(
+            truth.w.base.for_devices(sc.pp), fwd_ms=f, bwd_ms=bw, stage_fwd_ms=o, stage_bwd_ms=o
+        )
+        res = plan_partition(cm, num_stages=sc.pp, microbatches=sc.microbatches)
+        out.append(tuple((int(x), int(y)) for x, y in res.bounds))
+    return out
+
+
+def _neighbours(bounds: Bounds, n: int) -> list[Bounds]:
+    cuts = [hi for _, hi in bounds[:-1]]
+    out = []
+    for i in range(len(cuts)):
+        for d in (-1, 1):
+            edges = [0, *cuts[:i], cuts[i] + d, *cuts[i + 1 :], n]
+            if all(y > x for x, y in itertools.pairwise(edges)):
+                out.append(tuple(itertools.pairwise(edges)))
+    return out
+
+
+def _run(
+    sc: ReplicaScenario,
+    truth: _ReplicaTruth,
+    policy: Policy | None,
+    *,
+    every: int,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, int]:
+    """Per-step times of one run of ``policy`` (None: the first configuration throughout)
+    and how many moves it made."""
+    w = truth.w
+    cfg = _Config(_even(w.num_layers, sc.pp), (sc.microbatches,) * sc.dp)
+    ranks = tuple(range(sc.pp))
+    out = np.empty(sc.steps)
+    pause, moves = 0.0, 0
+    wins: list[list[tuple[float, np.ndarray, np.ndarray]]] = [[] for _ in range(sc.dp)]
+    jobs: list[float] = []
+    for step in range(sc.steps):
+        t = float(truth.step_ms(cfg)[step])
+        out[step] = t + pause
+        pause = 0.0
+        if policy is None:
+            continue
+        jobs.append(t)
+        for r, m in enumerate(cfg.shares):
+            tr = truth.truth(r, m)
+            f, b = tr.stage_loads(cfg.bounds, step, ranks, timed=True)
+            meas = tr.meas[list(ranks), step]
+            sf, sb = f * m * meas, b * m * meas
+            wins[r].append((float((sf + sb).max()), sf, sb))  # the busiest stage's compute
+        if (step + 1) % every or step + 1 == sc.steps:
+            continue
+        window = _replicated_window(sc, truth, cfg, wins, jobs, step, rng)
+        wins, jobs = [[] for _ in range(sc.dp)], []
+        d = policy.observe(window)
+        if d is None or not d.repartition:
+            continue
+        new = _Config(d.bounds or cfg.bounds, tuple(d.shares or cfg.shares))
+        if new == cfg:
+            continue
+        # The replicas copy their layers at once: one replica's bytes cross each link.
+        nbytes = moved_bytes(w.base.state_bytes, cfg.bounds, new.bounds, ranks)
+        cost = sc.pause_fixed_ms + nbytes / sc.link_bytes_per_ms
+        cfg = new
+        moves += 1
+        pause = cost + 0.3 * float(truth.step_ms(cfg)[min(step + 1, sc.steps - 1)])
+        policy.applied(step=step + 1, pause_ms=cost, moved_bytes=sc.dp * nbytes)
+    return out, moves
+
+
+def _replicated_window(sc, truth, cfg, wins, jobs, step, rng):
+    """The window the training loop builds for ``dp`` replicas: each replica's own (its
+    stages, sampled layers and telemetry; ``step_ms`` its busiest stage's compute), the
+    job's step times on top."""
+    subs = []
+    ranks = tuple(range(sc.pp))
+    for r, m in enumerate(cfg.shares):
+        one = dataclasses.replace(sc.replica(r), microbatches=m)
+        subs.append(_window(one, truth.w, truth.truth(r, m), cfg.bounds, ranks, wins[r], step, rng))
+    k = len(jobs)
+    return dataclasses.replace(
+        subs[0],
+        step_ms=np.array(jobs),
+        replicas=tuple(subs),
+        shares=cfg.shares,
+        dropped=(),
+        reduce_ms=np.full((k, sc.dp), truth.tail(cfg.bounds)),
+    )
+
+
+ReplicaFactory = Callable[[Workload, ReplicaScenario, str], Policy]
+
+
+def replica_factory(predictor: str | None = None, **overrides: Any) -> ReplicaFactory:
+    """Replica policies as the runtime builds them (``make_policy`` with ``dp`` replicas),
+    with ``AdaptConfig`` ``overrides``; ``adaptive`` loads ``predictor``."""
+    cache: dict[str, Any] = {}
+
+    def factory(w: Workload, sc: ReplicaScenario, mode: str) -> Policy:
+        cfg = AdaptConfig(mode=mode, **overrides)
+        loaded = prepared = None
+        if mode == "adaptive" and predictor is not None:
+            from dynpipe.predictor import load_predictor, prepare_layers
+
+            if "predictor" not in cache:
+                cache["predictor"] = load_predictor(_path(predictor))
+                est = cache["predictor"].estimator
+                if hasattr(est, "set_predict_threads"):
+                    est.set_predict_threads(1)
+            if w.name not in cache:
+                cache[w.name] = prepare_layers(cache["predictor"], w.rows)
+            loaded, prepared = cache["predictor"], cache[w.name]
+        return ReplicaPolicy(
+            base=w.base,
+            config=cfg,
+            num_stages=sc.pp,
+            dp=sc.dp,
+            predictor=loaded,
+            prepared=prepared,
+        )
+
+    return factory
+
+
+def simulate_replicas(
+    scenarios: Sequence[ReplicaScenario],
+    *,
+    workloads: Sequence[Workload],
+    traces: Sequence[NoiseTrace],
+    modes: Sequence[str] = ("measured",),
+    factory: ReplicaFactory | None = None,
+    monitor_every: int = 5,
+) -> list[ScenarioResult]:
+    """Run every mode on every scenario; the same truth and noise for every system."""
+    factory = factory or replica_factory()
+    by_name = {w.name: w for w in workloads}
+    out = []
+    for sc in scenarios:
+        truth = _ReplicaTruth(sc, by_name[sc.workload], traces)
+        oracle = _oracle(sc, truth)
+        static, _ = _run(sc, truth, None, every=monitor_every, rng=np.random.default_rng(0))
+        ms, moves = {}, {}
+        for mode in modes:
+            policy = factory(truth.w, sc, mode)
+            t, k = _run(sc, truth, policy, every=monitor_every, rng=np.random.default_rng(sc.seed))
+            ms[mode], moves[mode] = float(t.mean()), k
+        out.append(
+            ScenarioResult(
+                scenario=sc,  # type: ignore[arg-type]  # summarise reads it as a dataclass
+                oracle_ms=float(oracle.mean()),
+                static_ms=float(static.mean()),
+                policy_ms=ms,
+                moves=moves,
+            )
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenarios", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=240)
+    ap.add_argument("--modes", nargs="+", default=["measured", "adaptive"])
+    ap.add_argument("--predictor", default="predictor/h200.json.gz")
+    ap.add_argument("--profiles", nargs="+", default=list(DEFAULT_PROFILES))
+    ap.add_argument("--logs", default=DEFAULT_LOGS)
+    ap.add_argument("-o", "--out", default=None, help="write the summary JSON here")
+    ap.add_argument(
+        "--per-scenario", default=None, help="write every scenario's ms per system here (JSONL)"
+    )
+    args = ap.parse_args(argv)
+    workloads = load_workloads(args.profiles)
+    traces = noise_from_logs(args.logs)
+    scenarios = random_replica_scenarios(
+        args.scenarios, workloads=workloads, traces=traces, seed=args.seed, steps=args.steps
+    )
+    res = simulate_replicas(
+        scenarios,
+        workloads=workloads,
+        traces=traces,
+        modes=args.modes,
+        factory=replica_factory(args.predictor),
+    )
+    if args.per_scenario:
+        with open(args.per_scenario, "w") as fh:
+            for r in res:
+                sc = r.scenario
+                row = {"seed": sc.seed, "shape": [sc.dp, sc.pp], "workload": sc.workload}  # type: ignore[attr-defined]
+                row |= {"oracle": r.oracle_ms, "static": r.static_ms}
+                fh.write(json.dumps({**row, **r.policy_ms, "moves": r.moves}) + "\n")
+    summary = summarise(res, args.modes, traces)
+    text = json.dumps(summary, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
