@@ -58,6 +58,7 @@ __all__ = [
     "planner_costs",
     "predicted_slowdowns",
     "predicted_step_ms",
+    "scaled_rows",
 ]
 
 
@@ -706,23 +707,22 @@ class Controller:
         here_windows: int | None = None,
     ) -> tuple[Bounds, float] | None:
         """The plan measured fastest in ``regime`` (among its ``recent`` windows) and its step
-        time, if it beats ``here``, this plan's step time, by the memory's rule: beyond three
-        standard errors of the two plans' difference (each plan's median over its windows,
-        ``here_windows`` for this plan if given; window-to-window spread from the memory, at
-        least what the spread of this window's steps says of one window), and paying the
-        pause back within the horizon. No ``min_gain`` here: that floor is for the model's
+        time, if it beats ``here``, this plan's step time, beyond the two plans' noise
+        (``PlanMemory.faster``; ``here_windows``: this plan's windows, if not the memory's)
+        and pays the pause back within the horizon. No ``min_gain`` here: that floor is for the model's
         promises; two measurements of one regime need only beat their own noise (a split
         measured 3.6% slower than the one it left, beyond 0.5% of noise, was otherwise kept
         for 55 steps: vgg16 256 under ``gemm`` on 2 x H200)."""
-        best = self.memory.best(regime, last=recent, allow=self._may_hold(w))
-        if best is None or best[0] == key or best[1] >= here:
-            return None
-        one = max(self.memory.noise(regime, last=recent), w.step_noise)
-        n_a = here_windows or max(1, self.memory.count(key, regime, last=recent))
-        n_b = max(1, self.memory.count(best[0], regime, last=recent))
-        if np.log(here / best[1]) <= 3.0 * one * float(np.sqrt(1.0 / n_a + 1.0 / n_b)):
-            return None
-        if (here - best[1]) * self.config.horizon_steps <= pause:
+        best = self.memory.faster(
+            key,
+            here,
+            regime,
+            last=recent,
+            window_noise=w.step_noise,
+            here_windows=here_windows,
+            allow=self._may_hold(w),
+        )
+        if best is None or (here - best[1]) * self.config.horizon_steps <= pause:
             return None
         return best
 
@@ -964,7 +964,7 @@ class Controller:
         for _ in range(2):  # the loads of ``bounds`` under the costs at those loads
             u_new = u_now.copy()
             u_new[ranks] = _busy(rows, bounds, **kw)
-            rows = _scaled(costs, self.est.load_factor(u_now, u_new)[ranks])
+            rows = scaled_rows(costs, self.est.load_factor(u_now, u_new)[ranks])
         return rows
 
     def _gain_beyond_noise(
@@ -991,8 +991,8 @@ class Controller:
         if vouched:
             sc = stage_costs(now, w.bounds, **kw)
             sd[w.ranks[int(np.argmax(np.add(sc.fwd_ms, sc.bwd_ms)))]] = 0.0
-        low = predicted_step_ms(_scaled(now, np.exp(-sd[list(w.ranks)])), w.bounds, **kw)
-        high = predicted_step_ms(_scaled(new, np.exp(sd[list(ranks)])), bounds, **kw)
+        low = predicted_step_ms(scaled_rows(now, np.exp(-sd[list(w.ranks)])), w.bounds, **kw)
+        high = predicted_step_ms(scaled_rows(new, np.exp(sd[list(ranks)])), bounds, **kw)
         return 1.0 - high / max(low, 1e-9)
 
     def _memory(self, w: Window) -> list[float] | None:
@@ -1095,7 +1095,7 @@ def _pair_from(v: list) -> _Pair:
     return (as_bounds(a), as_bounds(b), float(before), float(after), float(noise))
 
 
-def _scaled(costs: CostModel, factor: np.ndarray) -> CostModel:
+def scaled_rows(costs: CostModel, factor: np.ndarray) -> CostModel:
     """``costs`` with device row ``d``'s layer and stage costs times ``factor[d]``."""
     return dataclasses.replace(
         costs,

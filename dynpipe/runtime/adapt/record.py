@@ -13,9 +13,9 @@ the loop that applies the move only fills in what the move cost.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -24,42 +24,52 @@ __all__ = ["Bounds", "MoveRecord", "PlanMemory", "as_bounds"]
 Bounds = tuple[tuple[int, int], ...]
 
 
-class PlanMemory:
-    """Measured median step time per window of each plan held, with its regime."""
+def as_bounds(bounds: Sequence[Sequence[int]]) -> Bounds:
+    """A plan's ranges as the hashable tuples plans are keyed by (from lists, as JSON has
+    them)."""
+    return tuple((int(a), int(b)) for a, b in bounds)
 
-    def __init__(self, *, keep: int = 256) -> None:
-        self.keep = keep
-        self.entries: list[tuple[Bounds, int, float]] = []
 
-    def add(self, bounds: Bounds, regime: int, step_ms: float) -> None:
-        self.entries.append((as_bounds(bounds), int(regime), float(step_ms)))
+K = TypeVar("K", bound=Hashable)
+
+
+class PlanMemory(Generic[K]):
+    """Measured median step time per window of each plan held, with its regime.
+
+    A plan is named by ``key`` of what ``add`` is given: its bounds by default; the replica
+    policy names a configuration (split, batch shares) by itself."""
+
+    def __init__(self, *, keep: int = 256, key: Callable[[Any], K] = as_bounds) -> None:
+        self.keep, self._key = keep, key
+        self.entries: list[tuple[K, int, float]] = []
+
+    def add(self, plan: Any, regime: int, step_ms: float) -> None:
+        self.entries.append((self._key(plan), int(regime), float(step_ms)))
         self.entries = self.entries[-self.keep :]
 
-    def _pick(self, regime: int | None, last: int | None) -> list[tuple[Bounds, int, float]]:
+    def _pick(self, regime: int | None, last: int | None) -> list[tuple[K, int, float]]:
         # The regime's own last windows, however long ago: conditions that come back (an
         # interferer gone) bring back what was measured under them.
         entries = [e for e in self.entries if regime is None or e[1] == regime]
         return entries[-last:] if last else entries
 
-    def measured(
-        self, bounds: Bounds, regime: int | None, *, last: int | None = None
-    ) -> float | None:
-        """Median step time of ``bounds`` over its windows in ``regime`` (None: any), among
+    def measured(self, plan: Any, regime: int | None, *, last: int | None = None) -> float | None:
+        """Median step time of ``plan`` over its windows in ``regime`` (None: any), among
         the ``last`` windows recorded in that regime (None: all)."""
-        key = as_bounds(bounds)
+        key = self._key(plan)
         ms = [t for b, _, t in self._pick(regime, last) if b == key]
         return float(np.median(ms)) if ms else None
 
-    def count(self, bounds: Bounds, regime: int | None, *, last: int | None = None) -> int:
-        """Windows of ``bounds`` in ``regime`` among the ``last`` recorded in that regime."""
-        key = as_bounds(bounds)
+    def count(self, plan: Any, regime: int | None, *, last: int | None = None) -> int:
+        """Windows of ``plan`` in ``regime`` among the ``last`` recorded in that regime."""
+        key = self._key(plan)
         return sum(1 for b, _, _ in self._pick(regime, last) if b == key)
 
     def noise(self, regime: int | None, *, last: int | None = None) -> float:
         """Relative standard deviation of one window's median step in ``regime`` about its
         plan's median (robust, pooled over the plans held for two windows or more; 0 while
         fewer than four such windows are known): how far one window strays by itself."""
-        by: dict[Bounds, list[float]] = {}
+        by: dict[K, list[float]] = {}
         for b, _, t in self._pick(regime, last):
             by.setdefault(b, []).append(float(np.log(max(t, 1e-12))))
         res = [x - float(np.median(xs)) for xs in by.values() if len(xs) >= 2 for x in xs]
@@ -72,8 +82,8 @@ class PlanMemory:
         regime: int | None,
         *,
         last: int | None = None,
-        allow: Callable[[Bounds], bool] | None = None,
-    ) -> tuple[Bounds, float] | None:
+        allow: Callable[[K], bool] | None = None,
+    ) -> tuple[K, float] | None:
         """The plan measured fastest in ``regime`` (None: any) among the ``last`` windows
         recorded in that regime, and its step time; ``allow``: only plans it accepts."""
         plans = {b for b, _, _ in self._pick(regime, last) if allow is None or allow(b)}
@@ -81,17 +91,39 @@ class PlanMemory:
         scored = [(b, t) for b, t in scored if t is not None]
         return min(scored, key=lambda x: x[1]) if scored else None
 
+    def faster(
+        self,
+        plan: Any,
+        here: float,
+        regime: int,
+        *,
+        last: int,
+        window_noise: float,
+        here_windows: int | None = None,
+        allow: Callable[[K], bool] | None = None,
+    ) -> tuple[K, float] | None:
+        """The plan measured fastest in ``regime`` (among its ``last`` windows) and its step
+        time, if it beats ``here``, ``plan``'s step time, beyond three standard errors of
+        the two plans' difference: each plan's median over its windows (``here_windows``
+        for ``plan`` if given), one window's spread from the memory (``noise``) or from
+        the spread of the current window's steps (``window_noise``: ``Window.step_noise``),
+        whichever is more. Two measurements of one regime need only beat their own noise;
+        what a move costs is the caller's to weigh."""
+        best = self.best(regime, last=last, allow=allow)
+        if best is None or best[0] == self._key(plan) or best[1] >= here:
+            return None
+        one = max(self.noise(regime, last=last), window_noise)
+        n_a = here_windows or max(1, self.count(plan, regime, last=last))
+        n_b = max(1, self.count(best[0], regime, last=last))
+        if np.log(here / best[1]) <= 3.0 * one * float(np.sqrt(1.0 / n_a + 1.0 / n_b)):
+            return None
+        return best
+
     def state(self) -> list:
-        return [[list(map(list, b)), g, t] for b, g, t in self.entries]
+        return [[list(map(list, b)), g, t] for b, g, t in self.entries]  # type: ignore[call-overload]
 
     def load_state(self, entries: list) -> None:
-        self.entries = [(as_bounds(b), int(g), float(t)) for b, g, t in entries]
-
-
-def as_bounds(bounds: Sequence[Sequence[int]]) -> Bounds:
-    """A plan's ranges as the hashable tuples plans are keyed by (from lists, as JSON has
-    them)."""
-    return tuple((int(a), int(b)) for a, b in bounds)
+        self.entries = [(self._key(b), int(g), float(t)) for b, g, t in entries]
 
 
 @dataclass
