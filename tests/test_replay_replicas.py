@@ -43,7 +43,8 @@ def test_the_policy_decides_what_the_run_decided(replayed) -> None:
     4% and no decision: a microbatch's host time as one total over its forward and
     backward (the 2 x 2 plan that ran 50.40 ms, priced 50.26 then and 49.66 now), and
     steady steps speaking only for the stages that bound them. A change of the replica
-    policy that changes a decision fails here: say so and update the log."""
+    policy that changes a decision fails here: say so and update the log (or, where the
+    decision is the same and its rule another, this test)."""
     got = [r for r in replayed if r.logged is not None]
     assert len(got) == 31
     for r in got:
@@ -53,7 +54,14 @@ def test_the_policy_decides_what_the_run_decided(replayed) -> None:
         if d.repartition:
             assert [list(x) for x in d.bounds] == logged["bounds"], r.window
             assert list(d.shares) == list(logged["shares"]), r.window
-            assert d.reason.split(":")[0] == logged["reason"].split(":")[0], r.window
+            want = logged["reason"].split(":")[0]
+            if r.window.step == 124:
+                # The same move, now by another rule: the replica policy returns to what
+                # was measured under earlier conditions when its devices read as they ran
+                # then (the model's move waits for their change to be confirmed).
+                assert want.startswith("predicted"), want
+                want = "devices read as they ran before"
+            assert d.reason.split(":")[0] == want, r.window
         assert d.current_ms == pytest.approx(logged["current_ms"], rel=0.05)
 
 
