@@ -1,0 +1,85 @@
+"""The replica simulator: the replica policy on 100 random dp x pp scenarios against the
+exact oracle (the best static split and batch shares of every phase, from the true
+per-layer costs, zero pause).
+
+The scenarios (seed 202, drawn once the policy's changes were done and never used to
+develop it) take 2 to 8 ranks as 2 or 4 replicas of 1, 2 or 4 stages, true costs from the
+H200 profiles, one or two slowed devices anywhere, and measurement noise from every
+recorded static GPU run. Held to the adaptation targets: mean ratio to the oracle <=
+1.03, p95 <= 1.10. The policy before this simulator existed gave 1.0318 and 1.1311 here
+and fails both. Not yet to "none worse than static by more than 2%": one run is 2.9%
+slower (a 2 x 1 gpt run on noisy timers), and on the seeds it was developed on (7, 11,
+23, 101) 1, 2, 0 and 3 runs a seed are (the README's replica simulator section).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from dynpipe.runtime.adapt import replica_simulator as rs
+from dynpipe.runtime.adapt import simulator as sim
+
+pytestmark = pytest.mark.slow
+
+SCENARIOS = 100
+SEED = 202
+
+
+@lru_cache(maxsize=1)
+def _setup():
+    workloads = sim.load_workloads()
+    traces = sim.noise_from_logs()
+    scenarios = rs.random_replica_scenarios(
+        SCENARIOS, workloads=workloads, traces=traces, seed=SEED
+    )
+    return workloads, traces, scenarios
+
+
+@pytest.mark.parametrize("mode", ["measured", "adaptive"])
+def test_replica_policy_against_the_oracle(mode: str) -> None:
+    workloads, traces, scenarios = _setup()
+    assert {(sc.dp, sc.pp) for sc in scenarios} == set(rs.SHAPES)
+    results = rs.simulate_replicas(
+        scenarios,
+        workloads=workloads,
+        traces=traces,
+        modes=[mode],
+        factory=rs.replica_factory(predictor="predictor/h200.json.gz"),
+    )
+    to_oracle = np.array([r.ratio(mode) for r in results])
+    to_static = np.array([r.ratio(mode, "static") for r in results])
+    static = np.array([r.static_ms / r.oracle_ms for r in results])
+    # The scenarios are worth adapting to: holding the first configuration costs far more.
+    assert static.mean() > 1.08, static.mean()
+    summary = {
+        "mean": to_oracle.mean(),
+        "p95": np.percentile(to_oracle, 95),
+        "worst to static": to_static.max(),
+        "past 2% of static": int((to_static > 1.02).sum()),
+    }
+    assert to_oracle.mean() <= 1.03, summary
+    assert np.percentile(to_oracle, 95) <= 1.10, summary
+    # What it does not yet meet, bounded where it stands (see the module docstring).
+    assert (to_static > 1.02).sum() <= 1 and to_static.max() <= 1.05, summary
+
+
+def test_the_oracle_is_no_slower_than_any_static_configuration_it_weighs() -> None:
+    """Per phase, the oracle's configuration is at least as fast as the first one held
+    and as the best split at even shares (both among what it weighs)."""
+    workloads, traces, scenarios = _setup()
+    by_name = {w.name: w for w in workloads}
+    for sc in scenarios[:10]:
+        truth = rs._ReplicaTruth(sc, by_name[sc.workload], traces)
+        oracle = rs._oracle(sc, truth)
+        n = truth.w.num_layers
+        even = (sc.microbatches,) * sc.dp
+        first = rs._Config(sim._even(n, sc.pp), even)
+        for a, b in sc.phases():
+            assert oracle[a:b].mean() <= truth.step_ms(first)[a:b].mean() + 1e-9
+            if sc.pp == 2:
+                splits = [((0, k), (k, n)) for k in range(1, n)]
+                best = min(truth.step_ms(rs._Config(x, even))[a:b].mean() for x in splits)
+                assert oracle[a:b].mean() <= best + 1e-9
