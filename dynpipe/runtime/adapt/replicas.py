@@ -603,7 +603,7 @@ class ReplicaPolicy:
         # The same move measured slower before, where this configuration runs as it did
         # then, whatever regime the timers name now (the ``Controller``'s rule): timers that
         # swing on their own name regimes in turn, and a 2 x 1 resnet50 run in the replica
-        # simulator took the same 25% promise of uneven shares every 50 steps, each time
+        # simulator took the same 21-24% promise of uneven shares every 50 steps, each time
         # measured 24% slower and taken back.
         for src, dst, before, after, noise in self._slower:
             if src == cur and dst == pick and self._as_then(here, before, noise, w.step_noise):
