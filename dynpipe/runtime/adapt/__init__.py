@@ -7,9 +7,11 @@
 | ``estimates`` | ``CostEstimates``: every layer's cost on every device now |
 | ``record`` | ``PlanMemory`` (measured plans) and ``MoveRecord`` (one move, decision to verdict) |
 | ``policy`` | ``Controller`` and ``SweepPolicy``: window -> ``Decision`` (pure logic) |
+| ``replicas`` | ``ReplicaPolicy``: the same for data x pipeline runs (batch share, layers, shape) |
 | ``make`` | the policy a configuration asks for |
 | ``loop`` | ``Adapter``: runs the policy in the training loop and carries out its moves |
 | ``simulator`` | the controller simulator: the real policy against the exact oracle |
+| ``replica_simulator`` | the same for ``ReplicaPolicy`` over random dp x pp scenarios |
 """
 
 from __future__ import annotations
