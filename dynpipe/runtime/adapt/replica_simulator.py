@@ -58,11 +58,14 @@ from dynpipe.runtime.adapt.simulator import (
     Workload,
     _even,
     _load_coefficients,
-    _path,
     _Truth,
     _window,
+    draw_events,
+    draw_noise,
     load_workloads,
+    neighbours,
     noise_from_logs,
+    predictor_for,
     summarise,
 )
 
@@ -140,23 +143,14 @@ def random_replica_scenarios(
     ends at random steps (some at the start, some never ending), random conditions, each
     slowed device's load coefficient by its interferer's kind (``simulator._LOAD_C``)."""
     rng = np.random.default_rng(seed)
-    runs = sorted({t.name.rpartition("#")[0] for t in traces})
     out = []
     for i in range(n):
         w = workloads[int(rng.integers(len(workloads)))]
         dp, pp = shapes[int(rng.integers(len(shapes)))]
         world = dp * pp
         m = int(max(pp, 2) * rng.choice([1, 2]))
-        slowed = rng.choice(world, size=int(rng.choice([1, 2], p=[0.6, 0.4])), replace=False)
-        events: list[tuple[tuple[int, int, str], ...]] = [() for _ in range(world)]
-        for g in slowed:
-            start = 0 if rng.random() < 0.1 else int(rng.integers(10, steps - 20))
-            stop = steps if rng.random() < 0.2 else int(rng.integers(start + 10, steps + 1))
-            events[int(g)] = ((start, stop, str(rng.choice(w.conditions))),)
-        # One recorded run's noise for every device, its stages in turn (as ``simulator``).
-        run = runs[int(rng.integers(len(runs)))]
-        mine = [k for k, t in enumerate(traces) if t.name.rpartition("#")[0] == run]
-        noise = tuple((mine[g % len(mine)], int(rng.integers(1000))) for g in range(world))
+        events = draw_events(rng, w.conditions, devices=world, steps=steps)
+        noise = draw_noise(rng, traces, devices=world)
         out.append(
             ReplicaScenario(
                 seed=seed * 100_000 + i,
@@ -255,10 +249,10 @@ def _oracle(sc: ReplicaScenario, truth: _ReplicaTruth) -> np.ndarray:
                 seen[bounds] = best_for(bounds)
         best = min(seen, key=lambda x: seen[x][0])
         while sc.pp > 2:  # a local search around the best planned split
-            around = [x for x in _neighbours(best, n) if x not in seen]
+            around = [x for x in neighbours(best, n) if x not in seen]
             for x in around:
                 seen[x] = best_for(x)
-            nxt = min(_neighbours(best, n), key=lambda x: seen[x][0], default=best)
+            nxt = min(neighbours(best, n), key=lambda x: seen[x][0], default=best)
             if seen[nxt][0] >= seen[best][0]:
                 break
             best = nxt
@@ -281,17 +275,6 @@ def _planned(sc: ReplicaScenario, truth: _ReplicaTruth, a: int, b: int) -> list[
         )
         res = plan_partition(cm, num_stages=sc.pp, microbatches=sc.microbatches)
         out.append(tuple((int(x), int(y)) for x, y in res.bounds))
-    return out
-
-
-def _neighbours(bounds: Bounds, n: int) -> list[Bounds]:
-    cuts = [hi for _, hi in bounds[:-1]]
-    out = []
-    for i in range(len(cuts)):
-        for d in (-1, 1):
-            edges = [0, *cuts[:i], cuts[i] + d, *cuts[i + 1 :], n]
-            if all(y > x for x, y in itertools.pairwise(edges)):
-                out.append(tuple(itertools.pairwise(edges)))
     return out
 
 
@@ -371,28 +354,17 @@ ReplicaFactory = Callable[[Workload, ReplicaScenario, str], Policy]
 def replica_factory(predictor: str | None = None, **overrides: Any) -> ReplicaFactory:
     """Replica policies as the runtime builds them (``make_policy`` with ``dp`` replicas),
     with ``AdaptConfig`` ``overrides``; ``adaptive`` loads ``predictor``."""
-    cache: dict[str, Any] = {}
+    loaded = predictor_for(predictor)
 
     def factory(w: Workload, sc: ReplicaScenario, mode: str) -> Policy:
         cfg = AdaptConfig(mode=mode, **overrides)
-        loaded = prepared = None
-        if mode == "adaptive" and predictor is not None:
-            from dynpipe.predictor import load_predictor, prepare_layers
-
-            if "predictor" not in cache:
-                cache["predictor"] = load_predictor(_path(predictor))
-                est = cache["predictor"].estimator
-                if hasattr(est, "set_predict_threads"):
-                    est.set_predict_threads(1)
-            if w.name not in cache:
-                cache[w.name] = prepare_layers(cache["predictor"], w.rows)
-            loaded, prepared = cache["predictor"], cache[w.name]
+        est, prepared = loaded(w) if mode == "adaptive" else (None, None)
         return ReplicaPolicy(
             base=w.base,
             config=cfg,
             num_stages=sc.pp,
             dp=sc.dp,
-            predictor=loaded,
+            predictor=est,
             prepared=prepared,
         )
 

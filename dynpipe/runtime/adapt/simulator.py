@@ -263,20 +263,8 @@ def random_scenarios(
         w = workloads[int(rng.integers(len(workloads)))]
         s = int(rng.choice([c for c in stage_counts if c <= w.num_layers]))
         m = int(s * rng.choice([1, 2]))
-        slowed = rng.choice(s, size=int(rng.choice([1, 2], p=[0.6, 0.4])), replace=False)
-        events: list[tuple[tuple[int, int, str], ...]] = [() for _ in range(s)]
-        for d in slowed:
-            start = 0 if rng.random() < 0.1 else int(rng.integers(10, steps - 20))
-            stop = steps if rng.random() < 0.2 else int(rng.integers(start + 10, steps + 1))
-            cond = str(rng.choice(w.conditions))
-            events[int(d)] = ((start, stop, cond),)
-        # One recorded run's noise for every device (noise is a property of a configuration:
-        # a launch-bound run's timers are noisy on every stage): its stages in turn, each
-        # device from its own offset.
-        runs = sorted({t.name.rpartition("#")[0] for t in traces})
-        run = runs[int(rng.integers(len(runs)))]
-        mine = [k for k, t in enumerate(traces) if t.name.rpartition("#")[0] == run]
-        noise = tuple((mine[d % len(mine)], int(rng.integers(1000))) for d in range(s))
+        events = draw_events(rng, w.conditions, devices=s, steps=steps)
+        noise = draw_noise(rng, traces, devices=s)
         out.append(
             Scenario(
                 seed=seed * 100_000 + i,
@@ -297,6 +285,33 @@ def random_scenarios(
             )
         )
     return out
+
+
+def draw_events(
+    rng: np.random.Generator, conditions: Sequence[str], *, devices: int, steps: int
+) -> list[tuple[tuple[int, int, str], ...]]:
+    """Per device, its ``(start, stop, condition)``: one or two of ``devices`` slowed, from
+    a random step (a tenth from the start) to another (a fifth never ending)."""
+    slowed = rng.choice(devices, size=int(rng.choice([1, 2], p=[0.6, 0.4])), replace=False)
+    events: list[tuple[tuple[int, int, str], ...]] = [() for _ in range(devices)]
+    for d in slowed:
+        start = 0 if rng.random() < 0.1 else int(rng.integers(10, steps - 20))
+        stop = steps if rng.random() < 0.2 else int(rng.integers(start + 10, steps + 1))
+        cond = str(rng.choice(conditions))
+        events[int(d)] = ((start, stop, cond),)
+    return events
+
+
+def draw_noise(
+    rng: np.random.Generator, traces: Sequence[NoiseTrace], *, devices: int
+) -> tuple[tuple[int, int], ...]:
+    """Per device, ``(trace index, offset)``: one recorded run's noise for every device
+    (noise is a property of a configuration: a launch-bound run's timers are noisy on every
+    stage), its stages in turn, each device from its own offset."""
+    runs = sorted({t.name.rpartition("#")[0] for t in traces})
+    run = runs[int(rng.integers(len(runs)))]
+    mine = [k for k, t in enumerate(traces) if t.name.rpartition("#")[0] == run]
+    return tuple((mine[d % len(mine)], int(rng.integers(1000))) for d in range(devices))
 
 
 # Per interferer kind, the range a slowed device's load coefficient is drawn from: what the
@@ -616,14 +631,7 @@ def _oracle_under_load(
         pick = nxt
     best = min(seen, key=seen.__getitem__)
     while True:
-        cuts = [hi for _, hi in best[:-1]]
-        around = []
-        for i in range(len(cuts)):
-            for d in (-1, 1):
-                moved = [*cuts[:i], cuts[i] + d, *cuts[i + 1 :]]
-                edges = [0, *moved, n]
-                if all(y > x for x, y in itertools.pairwise(edges)):
-                    around.append(tuple(itertools.pairwise(edges)))
+        around = neighbours(best, n)
         for bounds in around:
             if bounds not in seen:
                 seen[bounds] = cost(bounds)
@@ -631,6 +639,18 @@ def _oracle_under_load(
         if seen[nxt] >= seen[best]:
             return best
         best = nxt
+
+
+def neighbours(bounds: Bounds, n: int) -> list[Bounds]:
+    """The splits of ``n`` layers one boundary of ``bounds`` one layer away."""
+    cuts = [hi for _, hi in bounds[:-1]]
+    out = []
+    for i in range(len(cuts)):
+        for d in (-1, 1):
+            edges = [0, *cuts[:i], cuts[i] + d, *cuts[i + 1 :], n]
+            if all(y > x for x, y in itertools.pairwise(edges)):
+                out.append(tuple(itertools.pairwise(edges)))
+    return out
 
 
 def _run(
@@ -791,12 +811,29 @@ def default_factory(predictor: str | None = None, **overrides: Any) -> PolicyFac
     ``adaptive`` mode loads ``predictor`` (prepared once per workload)."""
     from dynpipe.runtime.adapt.policy import Controller
 
-    cache: dict[str, Any] = {}
+    loaded = predictor_for(predictor)
 
     def factory(w: Workload, sc: Scenario, mode: str) -> Policy:
         cfg = AdaptConfig(mode=mode, **overrides)
         if mode != "adaptive" or predictor is None:
             return Controller(base=w.base, config=cfg, num_ranks=sc.stages)
+        est, prepared = loaded(w)
+        return Controller(
+            base=w.base, config=cfg, num_ranks=sc.stages, predictor=est, prepared=prepared
+        )
+
+    return factory
+
+
+def predictor_for(predictor: str | None) -> Callable[[Workload], tuple[Any, Any]]:
+    """``workload -> (predictor, its layers prepared)``: ``predictor`` loaded on first use
+    (one thread: the simulator's calls are small) and each workload's layers prepared once;
+    ``(None, None)`` without one."""
+    cache: dict[str, Any] = {}
+
+    def get(w: Workload) -> tuple[Any, Any]:
+        if predictor is None:
+            return None, None
         from dynpipe.predictor import load_predictor, prepare_layers
 
         if "predictor" not in cache:
@@ -806,15 +843,9 @@ def default_factory(predictor: str | None = None, **overrides: Any) -> PolicyFac
                 est.set_predict_threads(1)
         if w.name not in cache:
             cache[w.name] = prepare_layers(cache["predictor"], w.rows)
-        return Controller(
-            base=w.base,
-            config=cfg,
-            num_ranks=sc.stages,
-            predictor=cache["predictor"],
-            prepared=cache[w.name],
-        )
+        return cache["predictor"], cache[w.name]
 
-    return factory
+    return get
 
 
 def simulate(
