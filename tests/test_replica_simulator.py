@@ -83,3 +83,16 @@ def test_the_oracle_is_no_slower_than_any_static_configuration_it_weighs() -> No
                 splits = [((0, k), (k, n)) for k in range(1, n)]
                 best = min(truth.step_ms(rs._Config(x, even))[a:b].mean() for x in splits)
                 assert oracle[a:b].mean() <= best + 1e-9
+
+
+def test_the_oracle_over_every_shape_is_no_slower_than_over_the_scenarios_own() -> None:
+    """``--reshape``: the oracle weighs every shape the policy may take, the scenario's
+    among them."""
+    workloads, traces, scenarios = _setup()
+    by_name = {w.name: w for w in workloads}
+    for sc in scenarios[:6]:
+        truth = rs._ReplicaTruth(sc, by_name[sc.workload], traces)
+        own = rs._oracle(sc, truth)
+        every = rs._oracle(sc, truth, reshape=True)
+        assert every.mean() <= own.mean() + 1e-9
+        assert len(rs._shapes(sc, True, truth.w.num_layers)) > 1

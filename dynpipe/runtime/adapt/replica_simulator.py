@@ -22,11 +22,13 @@ configuration held throughout (even split, even shares: static) and the oracle: 
 the static configuration best over that phase with zero pause, of every split (2 stages;
 with more, the exact plan of each replica's true costs and of their worst, then a local
 search one boundary by one layer at a time) each with its best batch shares and with even
-ones. The shape (``dp x pp``) is the scenario's: the oracle does not reshape, and the
-policy runs without ``--reshape`` and without partial reduce (which changes the training
-math).
+ones. The shape (``dp x pp``) is the scenario's, and the policy runs without
+``--reshape``; with ``--reshape`` the policy may change the shape live (a reshape pauses the
+job for the fixed part and its busiest rank's copies over the link, and its first step
+runs about 4x a step) and the oracle weighs every shape the policy may take. Never
+partial reduce (which changes the training math).
 
-    python -m dynpipe.runtime.adapt.replica_simulator --scenarios 100 --seed 7
+    python -m dynpipe.runtime.adapt.replica_simulator --scenarios 100 --seed 7 [--reshape]
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from dynpipe.planner.shape import tail_parts
 from dynpipe.runtime.adapt.config import AdaptConfig
 from dynpipe.runtime.adapt.policy import Policy, moved_bytes
 from dynpipe.runtime.adapt.record import Bounds
-from dynpipe.runtime.adapt.replicas import ReplicaPolicy, best_shares
+from dynpipe.runtime.adapt.replicas import ReplicaPolicy, best_shares, shape_options
 from dynpipe.runtime.adapt.simulator import (
     DEFAULT_LOGS,
     DEFAULT_PROFILES,
@@ -68,6 +70,7 @@ from dynpipe.runtime.adapt.simulator import (
     predictor_for,
     summarise,
 )
+from dynpipe.runtime.autodp import copy_plan
 
 __all__ = [
     "ReplicaScenario",
@@ -104,14 +107,26 @@ class ReplicaScenario:
     def stages(self) -> int:
         return self.pp
 
-    def replica(self, r: int) -> Scenario:
-        """Replica ``r``'s pipeline as a scenario of its own (its devices, its noise)."""
-        mine = slice(r * self.pp, (r + 1) * self.pp)
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp
+
+    @property
+    def total(self) -> int:
+        """The step's microbatches, over every replica."""
+        return self.dp * self.microbatches
+
+    def replica(self, r: int, pp: int | None = None) -> Scenario:
+        """Replica ``r``'s pipeline as a scenario of its own (its devices, its noise), in
+        the shape of ``pp`` stages (default: the scenario's): global ranks ``r pp`` to
+        ``r pp + pp - 1``, each running its even share of the microbatches."""
+        p = pp or self.pp
+        mine = slice(r * p, (r + 1) * p)
         return Scenario(
             seed=self.seed,
             workload=self.workload,
-            stages=self.pp,
-            microbatches=self.microbatches,
+            stages=p,
+            microbatches=self.total // (self.world // p),
             steps=self.steps,
             events=self.events[mine],
             noise=self.noise[mine],
@@ -178,31 +193,42 @@ class _Config:
 
 
 class _ReplicaTruth:
-    """True step times of a replica scenario: one ``_Truth`` per replica (its devices), at
-    whatever share of microbatches it runs."""
+    """True step times of a replica scenario: one ``_Truth`` per replica (its devices) of
+    each shape the run may take, at whatever share of microbatches it runs. A configuration
+    of ``p``-stage splits is one of ``world / p`` replicas (the shape follows the split)."""
 
     def __init__(self, sc: ReplicaScenario, w: Workload, traces: Sequence[NoiseTrace]) -> None:
-        self.sc, self.w = sc, w
-        self.replicas = [_Truth(sc.replica(r), w, traces) for r in range(sc.dp)]
+        self.sc, self.w, self._traces = sc, w, traces
+        self._replicas: dict[tuple[int, int], _Truth] = {}
         self._pipes: dict[tuple[int, int, Bounds], np.ndarray] = {}
         self._tails: dict[Bounds, float] = {}
         self._jobs: dict[_Config, np.ndarray] = {}
 
-    def truth(self, r: int, m: int) -> _Truth:
-        return self.replicas[r].at_microbatches(m)
+    def replicas(self, pp: int) -> list[_Truth]:
+        """Every replica of the shape of ``pp`` stages."""
+        return [self.truth(r, None, pp) for r in range(self.sc.world // pp)]
+
+    def truth(self, r: int, m: int | None, pp: int) -> _Truth:
+        """Replica ``r`` of the shape of ``pp`` stages, running ``m`` microbatches (None:
+        its even share)."""
+        if (pp, r) not in self._replicas:
+            self._replicas[pp, r] = _Truth(self.sc.replica(r, pp), self.w, self._traces)
+        got = self._replicas[pp, r]
+        return got if m is None else got.at_microbatches(m)
 
     def pipe(self, r: int, m: int, bounds: Bounds) -> np.ndarray:
         """``[T]`` replica ``r``'s pipeline step running ``m`` microbatches of ``bounds``."""
         key = (r, m, bounds)
         if key not in self._pipes:
-            self._pipes[key] = self.truth(r, m).step_ms(bounds)
+            self._pipes[key] = self.truth(r, m, len(bounds)).step_ms(bounds)
         return self._pipes[key]
 
     def tail(self, bounds: Bounds) -> float:
         """What the stages' gradient all-reduce adds past the slowest pipeline."""
         if bounds not in self._tails:
-            reduce, lead, _ = tail_parts(self.w.base, bounds=bounds, replicas=self.sc.dp)
-            self._tails[bounds] = max(float(np.max(reduce - lead)), 0.0) if self.sc.dp > 1 else 0
+            d = self.sc.world // len(bounds)
+            reduce, lead, _ = tail_parts(self.w.base, bounds=bounds, replicas=d)
+            self._tails[bounds] = max(float(np.max(reduce - lead)), 0.0) if d > 1 else 0.0
         return self._tails[bounds]
 
     def step_ms(self, cfg: _Config) -> np.ndarray:
@@ -213,67 +239,85 @@ class _ReplicaTruth:
         return self._jobs[cfg]
 
 
-def _low(sc: ReplicaScenario) -> list[int]:
-    return [sc.pp] * sc.dp  # 1F1B runs at least a microbatch per stage
+def _shapes(sc: ReplicaScenario, reshape: bool, num_layers: int) -> list[tuple[int, int]]:
+    """The shapes a run may hold: the scenario's, or with ``reshape`` every shape the
+    replica policy weighs (``replicas.shape_options``)."""
+    if not reshape:
+        return [(sc.dp, sc.pp)]
+    return shape_options(sc.world, total=sc.total, schedule="1f1b", num_layers=num_layers)
 
 
-def _oracle(sc: ReplicaScenario, truth: _ReplicaTruth) -> np.ndarray:
+def _oracle(sc: ReplicaScenario, truth: _ReplicaTruth, *, reshape: bool = False) -> np.ndarray:
     """Per step, the job's step under the configuration best over that step's phase (see
-    the module docstring)."""
-    n, total = truth.w.num_layers, sc.dp * sc.microbatches
-    even_shares = (sc.microbatches,) * sc.dp
+    the module docstring); ``reshape``: over every shape, else the scenario's."""
+    n = truth.w.num_layers
     out = np.empty(sc.steps)
     for a, b in sc.phases():
-
-        def cost(cfg: _Config, a: int = a, b: int = b) -> float:
-            return float(truth.step_ms(cfg)[a:b].mean())
-
-        def best_for(bounds: Bounds, a: int = a, b: int = b) -> tuple[float, _Config]:
-            shares, _ = best_shares(
-                lambda r, m: float(truth.pipe(r, m, bounds)[a:b].mean()),
-                total=total,
-                low=_low(sc),
-            )
-            cfgs = {_Config(bounds, shares), _Config(bounds, even_shares)}
-            return min((cost(c), c) for c in cfgs)
-
-        seen: dict[Bounds, tuple[float, _Config]] = {}
-        if sc.pp == 1:
-            splits: list[Bounds] = [((0, n),)]
-        elif sc.pp == 2:
-            splits = [((0, k), (k, n)) for k in range(1, n)]
-        else:
-            splits = [_even(n, sc.pp), *_planned(sc, truth, a, b)]
-        for bounds in splits:
-            if bounds not in seen:
-                seen[bounds] = best_for(bounds)
-        best = min(seen, key=lambda x: seen[x][0])
-        while sc.pp > 2:  # a local search around the best planned split
-            around = [x for x in neighbours(best, n) if x not in seen]
-            for x in around:
-                seen[x] = best_for(x)
-            nxt = min(neighbours(best, n), key=lambda x: seen[x][0], default=best)
-            if seen[nxt][0] >= seen[best][0]:
-                break
-            best = nxt
-        out[a:b] = truth.step_ms(seen[best][1])[a:b]
+        best = min(
+            (_best_of_shape(sc, truth, d, p, a, b) for d, p in _shapes(sc, reshape, n)),
+            key=lambda x: x[0],
+        )
+        out[a:b] = truth.step_ms(best[1])[a:b]
     return out
 
 
-def _planned(sc: ReplicaScenario, truth: _ReplicaTruth, a: int, b: int) -> list[Bounds]:
-    """The exact plan of each replica's true mean costs over ``[a, b)`` and of their
-    element-wise worst."""
-    fwd = [t.fwd[:, a:b].mean(axis=1) for t in truth.replicas]
-    bwd = [t.bwd[:, a:b].mean(axis=1) for t in truth.replicas]
-    over = [t.overhead[:, a:b].mean(axis=1) for t in truth.replicas]
+def _best_of_shape(
+    sc: ReplicaScenario, truth: _ReplicaTruth, d: int, p: int, a: int, b: int
+) -> tuple[float, _Config]:
+    """The configuration of ``d`` replicas of ``p`` stages best over steps ``[a, b)``, with
+    its mean step: every split (up to 2 stages), or the exact plans and a local search
+    around the best of them; each split with its best batch shares and with even ones."""
+    n, total = truth.w.num_layers, sc.total
+    even = (total // d,) * d
+
+    def cost(cfg: _Config) -> float:
+        return float(truth.step_ms(cfg)[a:b].mean())
+
+    def best_for(bounds: Bounds) -> tuple[float, _Config]:
+        shares, _ = best_shares(
+            lambda r, m: float(truth.pipe(r, m, bounds)[a:b].mean()),
+            total=total,
+            low=[p] * d,  # 1F1B runs at least a microbatch per stage
+        )
+        return min((cost(c), c) for c in {_Config(bounds, shares), _Config(bounds, even)})
+
+    seen: dict[Bounds, tuple[float, _Config]] = {}
+    if p == 1:
+        splits: list[Bounds] = [((0, n),)]
+    elif p == 2:
+        splits = [((0, k), (k, n)) for k in range(1, n)]
+    else:
+        splits = [_even(n, p), *_planned(truth, p, total // d, a, b)]
+    for bounds in splits:
+        if bounds not in seen:
+            seen[bounds] = best_for(bounds)
+    best = min(seen, key=lambda x: seen[x][0])
+    while p > 2:  # a local search around the best planned split
+        for x in neighbours(best, n):
+            if x not in seen:
+                seen[x] = best_for(x)
+        nxt = min(neighbours(best, n), key=lambda x: seen[x][0], default=best)
+        if seen[nxt][0] >= seen[best][0]:
+            break
+        best = nxt
+    return seen[best]
+
+
+def _planned(truth: _ReplicaTruth, p: int, m: int, a: int, b: int) -> list[Bounds]:
+    """The exact ``p``-stage plan of each replica's true mean costs over ``[a, b)`` (``m``
+    microbatches) and of their element-wise worst."""
+    mine = truth.replicas(p)
+    fwd = [t.fwd[:, a:b].mean(axis=1) for t in mine]
+    bwd = [t.bwd[:, a:b].mean(axis=1) for t in mine]
+    over = [t.overhead[:, a:b].mean(axis=1) for t in mine]
     rows = [*zip(fwd, bwd, over, strict=True)]
     rows.append((np.max(fwd, axis=0), np.max(bwd, axis=0), np.max(over, axis=0)))
     out = []
     for f, bw, o in rows:
         cm = dataclasses.replace(
-            truth.w.base.for_devices(sc.pp), fwd_ms=f, bwd_ms=bw, stage_fwd_ms=o, stage_bwd_ms=o
+            truth.w.base.for_devices(p), fwd_ms=f, bwd_ms=bw, stage_fwd_ms=o, stage_bwd_ms=o
         )
-        res = plan_partition(cm, num_stages=sc.pp, microbatches=sc.microbatches)
+        res = plan_partition(cm, num_stages=p, microbatches=m)
         out.append(tuple((int(x), int(y)) for x, y in res.bounds))
     return out
 
@@ -290,10 +334,9 @@ def _run(
     and how many moves it made."""
     w = truth.w
     cfg = _Config(_even(w.num_layers, sc.pp), (sc.microbatches,) * sc.dp)
-    ranks = tuple(range(sc.pp))
     out = np.empty(sc.steps)
     pause, moves = 0.0, 0
-    wins: list[list[tuple[float, np.ndarray, np.ndarray]]] = [[] for _ in range(sc.dp)]
+    wins: list[list[tuple[float, np.ndarray, np.ndarray]]] = [[] for _ in cfg.shares]
     jobs: list[float] = []
     for step in range(sc.steps):
         t = float(truth.step_ms(cfg)[step])
@@ -302,8 +345,9 @@ def _run(
         if policy is None:
             continue
         jobs.append(t)
+        ranks = tuple(range(len(cfg.bounds)))
         for r, m in enumerate(cfg.shares):
-            tr = truth.truth(r, m)
+            tr = truth.truth(r, m, len(cfg.bounds))
             f, b = tr.stage_loads(cfg.bounds, step, ranks, timed=True)
             meas = tr.meas[list(ranks), step]
             sf, sb = f * m * meas, b * m * meas
@@ -311,21 +355,47 @@ def _run(
         if (step + 1) % every or step + 1 == sc.steps:
             continue
         window = _replicated_window(sc, truth, cfg, wins, jobs, step, rng)
-        wins, jobs = [[] for _ in range(sc.dp)], []
+        wins, jobs = [[] for _ in cfg.shares], []
         d = policy.observe(window)
         if d is None or not d.repartition:
             continue
         new = _Config(d.bounds or cfg.bounds, tuple(d.shares or cfg.shares))
         if new == cfg:
             continue
-        # The replicas copy their layers at once: one replica's bytes cross each link.
-        nbytes = moved_bytes(w.base.state_bytes, cfg.bounds, new.bounds, ranks)
-        cost = sc.pause_fixed_ms + nbytes / sc.link_bytes_per_ms
+        wire, nbytes = _copies(sc, w, cfg, new)
+        cost = sc.pause_fixed_ms + wire
+        # The first step after a move runs slower (new buffers, kernel tuning); after a
+        # reshape about 4x a step (new communicators: gpt 12 x 2048 from one pipeline to
+        # 2 x 2 on 4 x H200, 558 ms against 145 after it).
+        first = 3.0 if len(new.bounds) != len(cfg.bounds) else 0.3
         cfg = new
+        wins = [[] for _ in cfg.shares]  # a reshape changes the replicas
         moves += 1
-        pause = cost + 0.3 * float(truth.step_ms(cfg)[min(step + 1, sc.steps - 1)])
-        policy.applied(step=step + 1, pause_ms=cost, moved_bytes=sc.dp * nbytes)
+        pause = cost + first * float(truth.step_ms(cfg)[min(step + 1, sc.steps - 1)])
+        policy.applied(step=step + 1, pause_ms=cost, moved_bytes=nbytes)
     return out, moves
+
+
+def _copies(sc: ReplicaScenario, w: Workload, old: _Config, new: _Config) -> tuple[float, int]:
+    """A move's time on the wire (ms) and its bytes: under one shape every replica moves
+    its own layers at once, one replica's bytes over each link; a reshape copies every
+    layer a rank lacks from a holder (``autodp.copy_plan``), the busiest rank's bytes in
+    and out over its link."""
+    if len(new.bounds) == len(old.bounds):
+        ranks = tuple(range(len(old.bounds)))
+        one = moved_bytes(w.base.state_bytes, old.bounds, new.bounds, ranks)
+        return one / sc.link_bytes_per_ms, len(old.shares) * one
+
+    def held(c: _Config) -> list[tuple[int, int]]:
+        return [c.bounds[g % len(c.bounds)] for g in range(sc.world)]
+
+    plan = copy_plan(held(old), held(new), names=w.base.layer_names, sizes=w.base.state_bytes)
+    per_rank: dict[int, float] = {}
+    for t in plan:
+        for g in (t.src, t.dst):
+            per_rank[g] = per_rank.get(g, 0.0) + float(t.nbytes or 0)
+    total = int(sum(t.nbytes or 0 for t in plan))
+    return max(per_rank.values(), default=0.0) / sc.link_bytes_per_ms, total
 
 
 def _replicated_window(sc, truth, cfg, wins, jobs, step, rng):
@@ -333,10 +403,12 @@ def _replicated_window(sc, truth, cfg, wins, jobs, step, rng):
     stages, sampled layers and telemetry; ``step_ms`` its busiest stage's compute), the
     job's step times on top."""
     subs = []
-    ranks = tuple(range(sc.pp))
+    p = len(cfg.bounds)
+    ranks = tuple(range(p))
     for r, m in enumerate(cfg.shares):
-        one = dataclasses.replace(sc.replica(r), microbatches=m)
-        subs.append(_window(one, truth.w, truth.truth(r, m), cfg.bounds, ranks, wins[r], step, rng))
+        one = dataclasses.replace(sc.replica(r, p), microbatches=m)
+        tr = truth.truth(r, m, p)
+        subs.append(_window(one, truth.w, tr, cfg.bounds, ranks, wins[r], step, rng))
     k = len(jobs)
     return dataclasses.replace(
         subs[0],
@@ -344,7 +416,7 @@ def _replicated_window(sc, truth, cfg, wins, jobs, step, rng):
         replicas=tuple(subs),
         shares=cfg.shares,
         dropped=(),
-        reduce_ms=np.full((k, sc.dp), truth.tail(cfg.bounds)),
+        reduce_ms=np.full((k, len(cfg.shares)), truth.tail(cfg.bounds)),
     )
 
 
@@ -379,14 +451,17 @@ def simulate_replicas(
     modes: Sequence[str] = ("measured",),
     factory: ReplicaFactory | None = None,
     monitor_every: int = 5,
+    reshape: bool = False,
 ) -> list[ScenarioResult]:
-    """Run every mode on every scenario; the same truth and noise for every system."""
+    """Run every mode on every scenario; the same truth and noise for every system.
+    ``reshape``: the oracle weighs every shape (the policies' ``factory`` should allow
+    them too: ``replica_factory(reshape=True)``)."""
     factory = factory or replica_factory()
     by_name = {w.name: w for w in workloads}
     out = []
     for sc in scenarios:
         truth = _ReplicaTruth(sc, by_name[sc.workload], traces)
-        oracle = _oracle(sc, truth)
+        oracle = _oracle(sc, truth, reshape=reshape)
         static, _ = _run(sc, truth, None, every=monitor_every, rng=np.random.default_rng(0))
         ms, moves = {}, {}
         for mode in modes:
@@ -418,6 +493,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--per-scenario", default=None, help="write every scenario's ms per system here (JSONL)"
     )
+    ap.add_argument(
+        "--reshape",
+        action="store_true",
+        help="the policies may change the data x pipeline shape live, and the oracle weighs "
+        "every shape",
+    )
     args = ap.parse_args(argv)
     workloads = load_workloads(args.profiles)
     traces = noise_from_logs(args.logs)
@@ -429,7 +510,8 @@ def main(argv: list[str] | None = None) -> int:
         workloads=workloads,
         traces=traces,
         modes=args.modes,
-        factory=replica_factory(args.predictor),
+        factory=replica_factory(args.predictor, reshape=args.reshape),
+        reshape=args.reshape,
     )
     if args.per_scenario:
         with open(args.per_scenario, "w") as fh:
