@@ -258,8 +258,7 @@ class ReplicaPolicy:
         # model's recent misses (``tracking_error``), as the Controller keeps them.
         self._seen: tuple[ReplicaConfig, float, float] | None = None
         self._misses: list[float] = []
-        # A model-proposed move waiting for its verdict: (regime, promised ratio of the
-        # time per batch after to before, before); and how far recent moves fell short.
+        # A model-proposed move waiting for its verdict, once applied (``_Promise``).
         self._promise: _Promise | None = None
         self._pending: _Promise | None = None
         # Model-proposed moves measured slower than the configuration they left:
@@ -581,8 +580,8 @@ class ReplicaPolicy:
         # A gain the estimates' own noise could make is no gain (the ``Controller``'s rule):
         # where stage timers swing on their own, the options that look best are those that
         # favour the devices whose timers read low. In the replica simulator a 4 x 2 resnet50
-        # run whose loader-bound timers swung 2x took a 24% promise to uneven shares that
-        # ran 6% slower than the even split, and held them. Every device one standard error
+        # run on loader-bound timers took a 19% promise to uneven shares, held them, and ran
+        # 6% slower than static. Every device one standard error
         # against the move, but the one bounding the job's step where the steps moved as
         # the estimates did, beyond what they swing against the model on their own (an
         # onset is then acted on at once).
@@ -644,7 +643,7 @@ class ReplicaPolicy:
         """The relative gain per counted batch of ``pick`` over ``cur`` with every device's
         estimate one standard error against the move (``CostEstimates.uncertainty``): its
         costs lowered under ``cur``, raised under ``pick``. ``vouched``: the busiest stage
-        stage of each replica that bounds the step is taken as it is."""
+        of each replica that bounds the step is taken as it is."""
         subs = w.replicas or ()
         sds = [self.est[r].uncertainty()[list(sub.ranks)] for r, sub in enumerate(subs)]
         if vouched:
