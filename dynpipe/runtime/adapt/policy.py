@@ -709,10 +709,10 @@ class Controller:
         """The plan measured fastest in ``regime`` (among its ``recent`` windows) and its step
         time, if it beats ``here``, this plan's step time, beyond the two plans' noise
         (``PlanMemory.faster``; ``here_windows``: this plan's windows, if not the memory's)
-        and pays the pause back within the horizon. No ``min_gain`` here: that floor is for the model's
-        promises; two measurements of one regime need only beat their own noise (a split
-        measured 3.6% slower than the one it left, beyond 0.5% of noise, was otherwise kept
-        for 55 steps: vgg16 256 under ``gemm`` on 2 x H200)."""
+        and pays the pause back within the horizon. No ``min_gain`` here: that floor is for
+        the model's promises; two measurements of one regime need only beat their own noise
+        (a split measured 3.6% slower than the one it left, beyond 0.5% of noise, was
+        otherwise kept for 55 steps: vgg16 256 under ``gemm`` on 2 x H200)."""
         best = self.memory.faster(
             key,
             here,

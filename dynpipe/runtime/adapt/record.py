@@ -120,7 +120,9 @@ class PlanMemory(Generic[K]):
         return best
 
     def state(self) -> list:
-        return [[list(map(list, b)), g, t] for b, g, t in self.entries]  # type: ignore[call-overload]
+        # Bounds as lists (JSON); a memory keyed otherwise is saved by its owner.
+        rows: list[Any] = self.entries
+        return [[[list(r) for r in b], g, t] for b, g, t in rows]
 
     def load_state(self, entries: list) -> None:
         self.entries = [(self._key(b), int(g), float(t)) for b, g, t in entries]

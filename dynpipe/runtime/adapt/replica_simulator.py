@@ -516,8 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.per_scenario:
         with open(args.per_scenario, "w") as fh:
             for r in res:
-                sc = r.scenario
-                row = {"seed": sc.seed, "shape": [sc.dp, sc.pp], "workload": sc.workload}  # type: ignore[attr-defined]
+                sc: Any = r.scenario  # a ReplicaScenario
+                row = {"seed": sc.seed, "shape": [sc.dp, sc.pp], "workload": sc.workload}
                 row |= {"oracle": r.oracle_ms, "static": r.static_ms}
                 fh.write(json.dumps({**row, **r.policy_ms, "moves": r.moves}) + "\n")
     summary = summarise(res, args.modes, traces)
