@@ -377,10 +377,14 @@ class ReplicaPolicy:
         per-layer costs measured so far (a device slowed now then shows as slowed, not as
         its clean speed). What was measured under the conditions in force carries over (the
         reshape changed the shape, not the devices), unless they were changing: a device's
-        change not yet confirmed when the reshape was decided (an onset acted on in its
-        first window) makes every earlier measurement one of other conditions."""
+        change not yet confirmed when the model's reshape was decided (an onset acted on in
+        its first window) makes every earlier measurement one of other conditions. Not for
+        a reshape to a shape measured under these conditions (the memory's move, no
+        promise of the model's): that move is itself the reading that they hold, and
+        wiping what it read let a 2 x 2 run on swinging timers in the replica simulator go
+        to 4 x 1 and back 9 times, each time forgetting that 4 x 1 had measured slower."""
         calibrated = all(e.calibrated for e in self.est)
-        changing = any(e.changing for e in self.est)
+        changing = any(e.changing for e in self.est) and self._promise is not None
         carry: dict[str, Any] = {
             "clean_f": np.median([e.clean_f for e in self.est], axis=0).tolist(),
             "clean_b": np.median([e.clean_b for e in self.est], axis=0).tolist(),
