@@ -339,7 +339,8 @@ class ReplicaPolicy:
             and shape != (self.dp, self.num_stages)
             and shape[0] * shape[1] == self.world
         ):
-            self._reshaped(*shape)  # a reshape this policy asked for took effect
+            # A reshape this policy asked for took effect (the model's if it awaits a verdict).
+            self._reshaped(*shape, model=self._promise is not None)
         if window.replicas is None or len(window.replicas) != self.dp:
             raise ValueError(
                 f"the replica policy needs a window of {self.dp} replicas, got {window!r}"
@@ -371,7 +372,7 @@ class ReplicaPolicy:
             dropped=tuple(window.dropped),
         )
 
-    def _reshaped(self, dp: int, num_stages: int) -> None:
+    def _reshaped(self, dp: int, num_stages: int, *, model: bool = True) -> None:
         """The run now has ``dp`` replicas of ``num_stages`` stages (a reshape this policy
         asked for): per-replica estimates for the new places, starting from the clean
         per-layer costs measured so far (a device slowed now then shows as slowed, not as
@@ -379,12 +380,12 @@ class ReplicaPolicy:
         reshape changed the shape, not the devices), unless they were changing: a device's
         change not yet confirmed when the model's reshape was decided (an onset acted on in
         its first window) makes every earlier measurement one of other conditions. Not for
-        a reshape to a shape measured under these conditions (the memory's move, no
-        promise of the model's): that move is itself the reading that they hold, and
+        a reshape to a shape measured under these conditions (``model`` False: the
+        memory's move): that move is itself the reading that they hold, and
         wiping what it read let a 2 x 2 run on swinging timers in the replica simulator go
         to 4 x 1 and back 9 times, each time forgetting that 4 x 1 had measured slower."""
         calibrated = all(e.calibrated for e in self.est)
-        changing = any(e.changing for e in self.est) and self._promise is not None
+        changing = any(e.changing for e in self.est) and model
         carry: dict[str, Any] = {
             "clean_f": np.median([e.clean_f for e in self.est], axis=0).tolist(),
             "clean_b": np.median([e.clean_b for e in self.est], axis=0).tolist(),
