@@ -260,6 +260,7 @@ class ReplicaPolicy:
         self._misses: list[float] = []
         # A model-proposed move waiting for its verdict, once applied (``_Promise``).
         self._promise: _Promise | None = None
+        self._held_move = False  # the last move was the memory's under held conditions
         self._pending: _Promise | None = None
         # Model-proposed moves measured slower than the configuration they left:
         # (from, to, time per batch before, after, the before window's step noise).
@@ -339,8 +340,8 @@ class ReplicaPolicy:
             and shape != (self.dp, self.num_stages)
             and shape[0] * shape[1] == self.world
         ):
-            # A reshape this policy asked for took effect (the model's if it awaits a verdict).
-            self._reshaped(*shape, model=self._promise is not None)
+            # A reshape this policy asked for took effect.
+            self._reshaped(*shape, held=self._held_move)
         if window.replicas is None or len(window.replicas) != self.dp:
             raise ValueError(
                 f"the replica policy needs a window of {self.dp} replicas, got {window!r}"
@@ -372,20 +373,19 @@ class ReplicaPolicy:
             dropped=tuple(window.dropped),
         )
 
-    def _reshaped(self, dp: int, num_stages: int, *, model: bool = True) -> None:
+    def _reshaped(self, dp: int, num_stages: int, *, held: bool = False) -> None:
         """The run now has ``dp`` replicas of ``num_stages`` stages (a reshape this policy
         asked for): per-replica estimates for the new places, starting from the clean
         per-layer costs measured so far (a device slowed now then shows as slowed, not as
         its clean speed). What was measured under the conditions in force carries over (the
         reshape changed the shape, not the devices), unless they were changing: a device's
-        change not yet confirmed when the model's reshape was decided (an onset acted on in
-        its first window) makes every earlier measurement one of other conditions. Not for
-        a reshape to a shape measured under these conditions (``model`` False: the
-        memory's move): that move is itself the reading that they hold, and
-        wiping what it read let a 2 x 2 run on swinging timers in the replica simulator go
+        change not yet confirmed when the reshape was decided (an onset acted on in its
+        first window) makes every earlier measurement one of other conditions. Not for the
+        memory's reshape to a shape measured faster under these conditions (``held``):
+        that move is itself the reading that they hold, and wiping what it read let a 2 x 2 run on swinging timers in the replica simulator go
         to 4 x 1 and back 9 times, each time forgetting that 4 x 1 had measured slower."""
         calibrated = all(e.calibrated for e in self.est)
-        changing = any(e.changing for e in self.est) and model
+        changing = any(e.changing for e in self.est) and not held
         carry: dict[str, Any] = {
             "clean_f": np.median([e.clean_f for e in self.est], axis=0).tolist(),
             "clean_b": np.median([e.clean_b for e in self.est], axis=0).tolist(),
@@ -454,9 +454,11 @@ class ReplicaPolicy:
             proposed: float = model_now,
             to: ReplicaConfig | None = None,
             promise: float | None = None,
+            held: bool = False,
         ):
             """``promise``: a model-proposed move's predicted ratio of the time per batch
-            after it to before it (judged on the next trusted window)."""
+            after it to before it (judged on the next trusted window); ``held``: a move to
+            what was measured faster under the conditions in force (they held)."""
             nbytes = 0
             if to is not None and to.shape != cur.shape:
                 nbytes = self._copies(w, to)[1]
@@ -464,6 +466,7 @@ class ReplicaPolicy:
                 ranks = tuple(range(self.num_stages))
                 nbytes = self.dp * moved_bytes(self.base.state_bytes, cur.bounds, to.bounds, ranks)
             if to is not None:
+                self._held_move = held
                 # The next window checks the model's promise against the steps.
                 self._seen = (to, model_now, w.median_step_ms)
                 self._pending = (
@@ -546,6 +549,7 @@ class ReplicaPolicy:
                 f"against {level:.2f} now",
                 proposed=model_now * best[1] / level,
                 to=best[0],
+                held=True,
             )
         if prev is None or prev[0] != cur:
             return verdict("the model has not yet predicted a window of this configuration")
