@@ -382,8 +382,9 @@ class ReplicaPolicy:
         change not yet confirmed when the reshape was decided (an onset acted on in its
         first window) makes every earlier measurement one of other conditions. Not for the
         memory's reshape to a shape measured faster under these conditions (``held``):
-        that move is itself the reading that they hold, and wiping what it read let a 2 x 2 run on swinging timers in the replica simulator go
-        to 4 x 1 and back 9 times, each time forgetting that 4 x 1 had measured slower."""
+        that move is itself the reading that they hold, and wiping what it read let a
+        2 x 2 run on swinging timers in the replica simulator go to 4 x 1 and back 9 times,
+        each time forgetting that 4 x 1 had measured slower."""
         calibrated = all(e.calibrated for e in self.est)
         changing = any(e.changing for e in self.est) and not held
         carry: dict[str, Any] = {
