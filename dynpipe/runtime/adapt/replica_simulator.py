@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -46,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from dynpipe.planner.dp import plan_partition
-from dynpipe.planner.shape import tail_parts
+from dynpipe.planner.shape import reduce_tail_ms
 from dynpipe.runtime.adapt.config import AdaptConfig
 from dynpipe.runtime.adapt.policy import Policy, moved_bytes
 from dynpipe.runtime.adapt.record import Bounds
@@ -60,12 +59,13 @@ from dynpipe.runtime.adapt.simulator import (
     Workload,
     _even,
     _load_coefficients,
+    _phases,
     _Truth,
     _window,
+    descend,
     draw_events,
     draw_noise,
     load_workloads,
-    neighbours,
     noise_from_logs,
     predictor_for,
     summarise,
@@ -136,13 +136,6 @@ class ReplicaScenario:
             untimed=self.untimed,
             load_c=self.load_c[mine] if self.load_c else (),
         )
-
-    def phases(self) -> list[tuple[int, int]]:
-        marks = {0, self.steps}
-        for ev in self.events:
-            for a, b, _ in ev:
-                marks |= {min(a, self.steps), min(b, self.steps)}
-        return [(a, b) for a, b in itertools.pairwise(sorted(marks)) if b > a]
 
 
 def random_replica_scenarios(
@@ -227,8 +220,7 @@ class _ReplicaTruth:
         """What the stages' gradient all-reduce adds past the slowest pipeline."""
         if bounds not in self._tails:
             d = self.sc.world // len(bounds)
-            reduce, lead, _ = tail_parts(self.w.base, bounds=bounds, replicas=d)
-            self._tails[bounds] = max(float(np.max(reduce - lead)), 0.0) if d > 1 else 0.0
+            self._tails[bounds] = reduce_tail_ms(self.w.base, bounds=bounds, replicas=d)
         return self._tails[bounds]
 
     def step_ms(self, cfg: _Config) -> np.ndarray:
@@ -252,7 +244,7 @@ def _oracle(sc: ReplicaScenario, truth: _ReplicaTruth, *, reshape: bool = False)
     the module docstring); ``reshape``: over every shape, else the scenario's."""
     n = truth.w.num_layers
     out = np.empty(sc.steps)
-    for a, b in sc.phases():
+    for a, b in _phases(sc):
         best = min(
             (_best_of_shape(sc, truth, d, p, a, b) for d, p in _shapes(sc, reshape, n)),
             key=lambda x: x[0],
@@ -273,15 +265,21 @@ def _best_of_shape(
     def cost(cfg: _Config) -> float:
         return float(truth.step_ms(cfg)[a:b].mean())
 
-    def best_for(bounds: Bounds) -> tuple[float, _Config]:
+    cfgs: dict[Bounds, _Config] = {}
+
+    def best_for(bounds: Bounds) -> float:
         shares, _ = best_shares(
             lambda r, m: float(truth.pipe(r, m, bounds)[a:b].mean()),
             total=total,
             low=[p] * d,  # 1F1B runs at least a microbatch per stage
         )
-        return min((cost(c), c) for c in {_Config(bounds, shares), _Config(bounds, even)})
+        ms, cfgs[bounds] = min(
+            ((cost(c), c) for c in {_Config(bounds, shares), _Config(bounds, even)}),
+            key=lambda x: x[0],
+        )
+        return ms
 
-    seen: dict[Bounds, tuple[float, _Config]] = {}
+    seen: dict[Bounds, float] = {}
     if p == 1:
         splits: list[Bounds] = [((0, n),)]
     elif p == 2:
@@ -291,16 +289,10 @@ def _best_of_shape(
     for bounds in splits:
         if bounds not in seen:
             seen[bounds] = best_for(bounds)
-    best = min(seen, key=lambda x: seen[x][0])
-    while p > 2:  # a local search around the best planned split
-        for x in neighbours(best, n):
-            if x not in seen:
-                seen[x] = best_for(x)
-        nxt = min(neighbours(best, n), key=lambda x: seen[x][0], default=best)
-        if seen[nxt][0] >= seen[best][0]:
-            break
-        best = nxt
-    return seen[best]
+    best = min(seen, key=seen.__getitem__)
+    if p > 2:  # a local search around the best planned split
+        best = descend(best, n, best_for, seen)
+    return seen[best], cfgs[best]
 
 
 def _planned(truth: _ReplicaTruth, p: int, m: int, a: int, b: int) -> list[Bounds]:

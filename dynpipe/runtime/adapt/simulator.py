@@ -551,7 +551,9 @@ def _even(n: int, s: int) -> tuple[tuple[int, int], ...]:
     return tuple(itertools.pairwise(cuts))
 
 
-def _phases(sc: Scenario) -> list[tuple[int, int]]:
+def _phases(sc: Any) -> list[tuple[int, int]]:
+    """The stretches of constant conditions of a scenario (anything with ``events`` per
+    device and ``steps``)."""
     marks = {0, sc.steps}
     for ev in sc.events:
         for a, b, _ in ev:
@@ -629,7 +631,14 @@ def _oracle_under_load(
             break
         seen[nxt] = cost(nxt)
         pick = nxt
-    best = min(seen, key=seen.__getitem__)
+    return descend(min(seen, key=seen.__getitem__), n, cost, seen)
+
+
+def descend(
+    best: Bounds, n: int, cost: Callable[[Bounds], float], seen: dict[Bounds, float]
+) -> Bounds:
+    """From ``best``, move one boundary one layer at a time while that lowers ``cost``
+    (memoised in ``seen``, which holds ``best``'s): a local optimum around it."""
     while True:
         around = neighbours(best, n)
         for bounds in around:
