@@ -51,6 +51,7 @@ from dynpipe.runtime.adapt.window import Window
 __all__ = [
     "Controller",
     "Decision",
+    "NoiseRules",
     "Policy",
     "SweepPolicy",
     "layer_classes",
@@ -204,7 +205,64 @@ _SHORTFALLS = 3  # moves whose shortfall against their promise is remembered
 _SLOWER = 8  # moves judged slower remembered (see ``Controller._slower``)
 
 
-class Controller:
+class NoiseRules:
+    """How far measured steps move on their own, shared by the policies that read them
+    (``Controller``, ``replicas.ReplicaPolicy``): from ``config`` (``jump``, ``min_gain``)
+    and the model's recent misses (``_misses``: log of its predicted window-to-window
+    change over the measured one)."""
+
+    config: AdaptConfig
+    _misses: list[float]
+
+    def tracking_error(self) -> float:
+        """Relative standard deviation of the model's misses: how far, window to window,
+        the change of its predicted step time differed from the change of the measured one
+        (robust; 0 until a few windows are known)."""
+        if len(self._misses) < 3:
+            return 0.0
+        x = np.asarray(self._misses)
+        return float(np.expm1(1.4826 * np.median(np.abs(x - np.median(x)))))
+
+    def _swing(self) -> float:
+        """How far the median step moves on its own from one window to the next: ``jump``,
+        or twice the model's tracking error (steps that swing against it), whichever is
+        more."""
+        return max(self.config.jump, 2.0 * self.tracking_error())
+
+    def _step_noise_limit(self, w: Window) -> float:
+        """A change of the window's median step that is more than noise: ``_swing``, or
+        three standard errors of the median (from the spread of the window's steps),
+        whichever is more."""
+        k = len(w.step_ms)
+        med = float(np.median(w.step_ms))
+        mad = float(np.median(np.abs(w.step_ms - med)))
+        steps = 3.0 * 1.25 * 1.4826 * mad / max(med, 1e-9) / np.sqrt(k)
+        return max(self._swing(), steps)
+
+    def _tolerance(self, w: Window) -> float:
+        """How far model and steps may disagree in one window: ``jump``, three tracking
+        errors, or three standard errors of the window's median step (from its steps'
+        spread), whichever is most."""
+        k = len(w.step_ms)
+        med = float(np.median(w.step_ms))
+        mad = float(np.median(np.abs(w.step_ms - med)))
+        steps = 3.0 * 1.25 * 1.4826 * mad / max(med, 1e-9) / np.sqrt(k)
+        return max(self.config.jump, 3.0 * self.tracking_error(), steps)
+
+    def _as_then(self, now_ms: float, then_ms: float, then_noise: float, now_noise: float) -> bool:
+        """Whether a plan measured ``now_ms`` runs as it did at ``then_ms``, by a move's
+        verdict rule (``MoveRecord.judge``): within ``min_gain`` and three standard errors
+        of the two windows' difference (``*_noise``: ``Window.step_noise``)."""
+        tol = self._as_then_tol(then_noise, now_noise)
+        return bool(abs(np.log(now_ms / max(then_ms, 1e-9))) <= tol)
+
+    def _as_then_tol(self, then_noise: float, now_noise: float) -> float:
+        """How far (log ratio) two windows' step times may differ and still be the same:
+        ``min_gain`` or three standard errors of their difference, whichever is more."""
+        return max(self.config.min_gain, 3.0 * float(np.hypot(then_noise, now_noise)))
+
+
+class Controller(NoiseRules):
     """The default policy: plans from measured per-layer costs (see the module docstring).
 
     base: the model's cost model (one device row): layer names, state bytes, links, and the
@@ -662,13 +720,6 @@ class Controller:
         if move.verdict == "slower":
             self._slower_held = (move.src, move.dst, move.before_ms, after_ms, move.before_noise)
 
-    def _as_then(self, now_ms: float, then_ms: float, then_noise: float, now_noise: float) -> bool:
-        """Whether a plan measured ``now_ms`` runs as it did at ``then_ms``, by a move's
-        verdict rule (``MoveRecord.judge``): within ``min_gain`` and three standard errors
-        of the two windows' difference (``*_noise``: ``Window.step_noise``)."""
-        tol = max(self.config.min_gain, 3.0 * float(np.hypot(then_noise, now_noise)))
-        return bool(abs(np.log(now_ms / max(then_ms, 1e-9))) <= tol)
-
     def _moved_from(self, w: Window, ms: float) -> bool:
         """Whether ``w``'s median step is beyond a change of conditions from ``ms``
         (``_step_noise_limit``)."""
@@ -739,41 +790,6 @@ class Controller:
             return lambda b: not holding(b) & self.excluded
         active = set(w.ranks)
         return lambda b: holding(b) == active
-
-    def tracking_error(self) -> float:
-        """Relative standard deviation of the model's misses: how far, window to window,
-        the change of its predicted step time differed from the change of the measured one
-        (robust; 0 until a few windows are known)."""
-        if len(self._misses) < 3:
-            return 0.0
-        x = np.asarray(self._misses)
-        return float(np.expm1(1.4826 * np.median(np.abs(x - np.median(x)))))
-
-    def _swing(self) -> float:
-        """How far the median step moves on its own from one window to the next: ``jump``,
-        or twice the model's tracking error (steps that swing against it), whichever is
-        more."""
-        return max(self.config.jump, 2.0 * self.tracking_error())
-
-    def _step_noise_limit(self, w: Window) -> float:
-        """A change of the window's median step that is more than noise: ``_swing``, or
-        three standard errors of the median (from the spread of the window's steps),
-        whichever is more."""
-        k = len(w.step_ms)
-        med = float(np.median(w.step_ms))
-        mad = float(np.median(np.abs(w.step_ms - med)))
-        steps = 3.0 * 1.25 * 1.4826 * mad / max(med, 1e-9) / np.sqrt(k)
-        return max(self._swing(), steps)
-
-    def _tolerance(self, w: Window) -> float:
-        """How far model and steps may disagree in one window: ``jump``, three tracking
-        errors, or three standard errors of the window's median step (from its steps'
-        spread), whichever is most."""
-        k = len(w.step_ms)
-        med = float(np.median(w.step_ms))
-        mad = float(np.median(np.abs(w.step_ms - med)))
-        steps = 3.0 * 1.25 * 1.4826 * mad / max(med, 1e-9) / np.sqrt(k)
-        return max(self.config.jump, 3.0 * self.tracking_error(), steps)
 
     def required_gain(self) -> float:
         """The relative gain a model-proposed move needs: ``min_gain``, or what the last

@@ -77,6 +77,7 @@ from dynpipe.runtime.adapt.config import AdaptConfig
 from dynpipe.runtime.adapt.estimates import CostEstimates
 from dynpipe.runtime.adapt.policy import (
     Decision,
+    NoiseRules,
     layer_classes,
     moved_bytes,
     planner_costs,
@@ -215,7 +216,7 @@ class _Steps:
         return got
 
 
-class ReplicaPolicy:
+class ReplicaPolicy(NoiseRules):
     """The policy for ``dp`` replicas of an ``S``-stage pipeline (module docstring).
 
     base: the model's cost model (one device row): the prior per-layer costs, state and
@@ -687,46 +688,12 @@ class ReplicaPolicy:
         pipes = _Steps(costs, window.schedule)
         return self._scored(window, costs, pipes, cur)
 
-    def tracking_error(self) -> float:
-        """As ``Controller.tracking_error``: the robust spread of how far the model's
-        window-to-window change missed the measured one."""
-        if len(self._misses) < 3:
-            return 0.0
-        x = np.asarray(self._misses)
-        return float(np.expm1(1.4826 * np.median(np.abs(x - np.median(x)))))
-
     def required_gain(self) -> float:
         """``min_gain``, or what the last model-proposed moves under the current conditions
         fell short of their promise by on average, whichever is more."""
         mine = self._shortfalls.get(self.regime)
         short = float(np.expm1(np.mean(mine))) if mine else 0.0
         return max(self.config.min_gain, short)
-
-    def _tolerance(self, w: Window) -> float:
-        """How far model and steps may disagree in one window (``Controller._tolerance``)."""
-        return max(self.config.jump, 3.0 * self.tracking_error(), 3.0 * w.step_noise)
-
-    def _swing(self) -> float:
-        """How far the step moves on its own from one window to the next
-        (``Controller._swing``)."""
-        return max(self.config.jump, 2.0 * self.tracking_error())
-
-    def _step_noise_limit(self, w: Window) -> float:
-        """A change of the window's median step that is more than noise
-        (``Controller._step_noise_limit``)."""
-        return max(self._swing(), 3.0 * w.step_noise)
-
-    def _as_then_tol(self, then_noise: float, now_noise: float) -> float:
-        """How far (log ratio) two windows' times per batch may differ and still be the
-        same: ``min_gain`` or three standard errors of their difference (``Window.step_noise``
-        each), whichever is more (a move's verdict, ``Controller._as_then``)."""
-        return max(self.config.min_gain, 3.0 * float(np.hypot(then_noise, now_noise)))
-
-    def _as_then(self, now_ms: float, then_ms: float, then_noise: float, now_noise: float) -> bool:
-        """Whether a configuration measured ``now_ms`` runs as it did at ``then_ms``."""
-        return bool(
-            abs(np.log(now_ms / max(then_ms, 1e-9))) <= self._as_then_tol(then_noise, now_noise)
-        )
 
     def _beyond_noise(self, w: Window, here: float, ms: float) -> bool:
         """Whether ``here`` (``w``'s time per batch) is beyond a change of conditions from
