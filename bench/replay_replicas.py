@@ -178,7 +178,10 @@ def replay(
         replicas=True,
         link_bandwidth=links[0]["bandwidth_gbs"] * 1e9 / wire if links else None,
     )
-    logged = {e["window_step"]: e.to_dict() for e in log.events("decision")}
+    # Decisions logged before they named their window carry no timing to set beside ours.
+    logged = {
+        e["window_step"]: e.to_dict() for e in log.events("decision") if "window_step" in e.fields
+    }
     moves = {e.step: e for e in log.events(*_MOVES)}
     out: list[Replayed] = []
     for w, last in windows(path, device_mib=device_mib):

@@ -96,3 +96,32 @@ def test_the_oracle_over_every_shape_is_no_slower_than_over_the_scenarios_own() 
         every = rs._oracle(sc, truth, reshape=True)
         assert every.mean() <= own.mean() + 1e-9
         assert len(rs._shapes(sc, True, truth.w.num_layers)) > 1
+
+
+def test_an_interferers_end_after_reshapes_returns_to_the_shape_measured_clean() -> None:
+    """Clean conditions read alike in every shape: a 2 x 2 resnet50 run (seed 7's scenario
+    37, ``--reshape``) went to 4 x 1 clean, to one pipeline of 4 stages under a ``train``
+    onset at step 85 and, once the interferer left at 120, held that pipeline to the end
+    (1.7x the 4 x 1 measured clean before): every reshape had set what was measured
+    before it aside. It goes back to 4 x 1 in the first window after the end."""
+    workloads = sim.load_workloads()
+    traces = sim.noise_from_logs()
+    sc = rs.random_replica_scenarios(38, workloads=workloads, traces=traces, seed=7)[37]
+    assert (sc.dp, sc.pp, sc.events[2]) == (2, 2, ((85, 120, "train@1x2"),))
+    truth = rs._ReplicaTruth(sc, {w.name: w for w in workloads}[sc.workload], traces)
+    policy = rs.replica_factory("predictor/h200.json.gz", reshape=True)(truth.w, sc, "measured")
+    shapes: list[tuple[int, tuple[int, int]]] = []
+    observe = policy.observe
+
+    def recorded(window):
+        d = observe(window)
+        if d is not None and d.repartition:
+            shapes.append((d.step, (len(d.shares), len(d.bounds))))
+        return d
+
+    policy.observe = recorded
+    steps, _ = rs._run(sc, truth, policy, every=5, rng=np.random.default_rng(sc.seed))
+    after = [(step, shape) for step, shape in shapes if step > 120]
+    assert after and after[0][1] == (4, 1) and after[0][0] <= 130, shapes
+    oracle = rs._oracle(sc, truth, reshape=True)
+    assert steps[130:].mean() <= 1.05 * oracle[130:].mean(), (steps[130:].mean(), shapes)
