@@ -410,8 +410,8 @@ class ReplicaPolicy(NoiseRules):
         # window held one pipeline of 4 stages from the end on, 1.7x the 4 x 1 it had
         # measured clean before. Not needed where the clean conditions are those in force
         # and carry over as such.
-        seed = clean is not None and (changing or clean != before)
-        if seed:
+        seed = clean if clean is not None and (changing or clean != before) else None
+        if seed is not None:
             carry.update(regimes=2, regime_loads={1: [[1.0] * num_stages, 1]})
         self.dp, self.num_stages = dp, num_stages
         self.est = [self._estimates(num_stages) for _ in range(dp)]
@@ -420,10 +420,9 @@ class ReplicaPolicy(NoiseRules):
         self._regimes = {}  # the new estimates' regimes name other places' conditions
         now = self.regime
         relabel: dict[int, int] = {} if changing else {before: now}
-        if seed:
-            assert clean is not None
-            relabel[clean] = clean
-            self._regimes[(1,) * dp] = clean
+        if seed is not None:
+            relabel[seed] = seed
+            self._regimes[(1,) * dp] = seed
 
         def label(g: int) -> int:
             if g not in relabel:
