@@ -227,7 +227,11 @@ def _run(tmp_path, name: str, *extra: str) -> subprocess.CompletedProcess:
 def test_restart_baseline_relaunches_under_new_plan_bit_identically(tmp_path) -> None:
     from dynpipe.runtime.records import read_log
 
-    scenario = _scenario(tmp_path / "s.toml", 20, 1000)
+    # The onset at a window's first step (windows end at steps 11, 16, 21) and 5x: the
+    # window that decides the restart sees it in every step. At step 20 and 3x, that
+    # window held it in two steps of five, and beside a busy loop on a 2-core machine its
+    # other steps read stage 0 slower: the restart moved a layer onto stage 1.
+    scenario = _scenario(tmp_path / "s.toml", 17, 1000, factor=5.0)
     proc = _run(tmp_path, "restart", "--adapt", "restart", "--scenario", scenario)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = read_log(tmp_path / "restart" / "log.jsonl")
