@@ -233,21 +233,13 @@ class NoiseRules:
         """A change of the window's median step that is more than noise: ``_swing``, or
         three standard errors of the median (from the spread of the window's steps),
         whichever is more."""
-        k = len(w.step_ms)
-        med = float(np.median(w.step_ms))
-        mad = float(np.median(np.abs(w.step_ms - med)))
-        steps = 3.0 * 1.25 * 1.4826 * mad / max(med, 1e-9) / np.sqrt(k)
-        return max(self._swing(), steps)
+        return max(self._swing(), 3.0 * w.step_noise)
 
     def _tolerance(self, w: Window) -> float:
         """How far model and steps may disagree in one window: ``jump``, three tracking
         errors, or three standard errors of the window's median step (from its steps'
-        spread), whichever is most."""
-        k = len(w.step_ms)
-        med = float(np.median(w.step_ms))
-        mad = float(np.median(np.abs(w.step_ms - med)))
-        steps = 3.0 * 1.25 * 1.4826 * mad / max(med, 1e-9) / np.sqrt(k)
-        return max(self.config.jump, 3.0 * self.tracking_error(), steps)
+        spread: ``Window.step_noise``), whichever is most."""
+        return max(self.config.jump, 3.0 * self.tracking_error(), 3.0 * w.step_noise)
 
     def _as_then(self, now_ms: float, then_ms: float, then_noise: float, now_noise: float) -> bool:
         """Whether a plan measured ``now_ms`` runs as it did at ``then_ms``, by a move's
