@@ -817,13 +817,14 @@ def test_a_return_the_steps_refuted_is_not_taken_again_from_that_plan() -> None:
     assert d is not None and d.bounds == BEST, d
 
 
-def _slower_and_back(back_ms: float | None = None):
+def _slower_and_back(back_ms: float | None = None, after: float | None = None, **cfg):
     """Stage 0's timers read 0.6x while the steps do not move (a launch-bound GPU): the
-    model promises 5 | 5, which measures 15% slower, and the run goes back to 3 | 7, whose
-    first window after the way back runs ``back_ms`` (as before: None). The controller,
-    the two plans and 3 | 7's steps before the move."""
+    model promises 5 | 5, which measures 15% slower (``after`` times 3 | 7's steps: that),
+    and the run goes back to 3 | 7, whose first window after the way back runs ``back_ms``
+    (as before: None). The controller (``cfg``: its settings), the two plans and 3 | 7's
+    steps before the move."""
     a, b = ((0, 3), (3, 10)), ((0, 5), (5, 10))
-    ctl = _controller()
+    ctl = _controller(**cfg)
     for s in range(3):
         ctl.observe(_window(4 + 5 * s, a, TRUE))
     steady = _window(0, a, TRUE).median_step_ms
@@ -831,8 +832,10 @@ def _slower_and_back(back_ms: float | None = None):
         d = ctl.observe(_window(19 + 5 * s, a, TRUE, spike=(0.6, 1.0), step_ms=steady))
     assert d.repartition and d.bounds == b, d
     ctl.applied(step=d.step, pause_ms=1.0, moved_bytes=1)
-    d = ctl.observe(_window(d.step + 4, b, TRUE, spike=(0.6, 1.0)))
-    assert d.judged["verdict"] == "slower" and d.bounds == a, d
+    measured = None if after is None else after * steady
+    d = ctl.observe(_window(d.step + 4, b, TRUE, spike=(0.6, 1.0), step_ms=measured))
+    assert d.judged["verdict"] == ("slower" if after is None else "no better"), d
+    assert d.repartition and d.bounds == a, d
     assert ctl._slower == []  # held until the way back vouches for it
     ctl.applied(step=d.step, pause_ms=1.0, moved_bytes=1)
     d = ctl.observe(_window(d.step + 4, a, TRUE, spike=(0.6, 1.0), step_ms=back_ms or steady))
@@ -857,6 +860,21 @@ def test_a_move_measured_slower_is_not_taken_again_while_its_plan_runs_as_then()
     other = _controller()
     other.load_state(json.loads(json.dumps(ctl.state())))
     assert other._slower == ctl._slower == [(a, b, steady, _window(0, b, TRUE).median_step_ms, 0.0)]
+
+
+def test_a_move_measured_no_better_and_undone_is_not_taken_again_while_its_plan_runs_as_then() -> (
+    None
+):
+    # 5 | 5 measures 3.6% slower: within min_gain, "no better", and the run goes back on
+    # the measurement. The model promising it again is a promise already measured empty.
+    ctl, a, b, steady = _slower_and_back(after=1.036, min_gain=0.05)
+    assert [p[:2] for p in ctl._slower] == [(a, b)]
+    for s in range(2):
+        ctl.observe(_window(44 + 5 * s, a, TRUE, spike=(0.6, 1.0), step_ms=steady))
+    for s in range(3):
+        d = ctl.observe(_window(54 + 5 * s, a, TRUE, spike=(0.7, 1.2), step_ms=steady))
+        assert not d.repartition, d
+    assert d.proposed_ms < 0.95 * d.current_ms and "when it ran as now" in d.reason, d
 
 
 def test_a_move_slower_only_across_a_change_the_way_back_shows_is_not_filed() -> None:
