@@ -862,9 +862,7 @@ def test_a_move_measured_slower_is_not_taken_again_while_its_plan_runs_as_then()
     assert other._slower == ctl._slower == [(a, b, steady, _window(0, b, TRUE).median_step_ms, 0.0)]
 
 
-def test_a_move_measured_no_better_and_undone_is_not_taken_again_while_its_plan_runs_as_then() -> (
-    None
-):
+def test_a_move_measured_no_better_and_undone_is_not_taken_again_while_as_then() -> None:
     # 5 | 5 measures 3.6% slower: within min_gain, "no better", and the run goes back on
     # the measurement. The model promising it again is a promise already measured empty.
     ctl, a, b, steady = _slower_and_back(after=1.036, min_gain=0.05)
