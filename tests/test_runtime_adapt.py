@@ -239,10 +239,17 @@ def test_restart_baseline_relaunches_under_new_plan_bit_identically(tmp_path) ->
     restart = recs.events("restart")
     resumed = recs.events("resumed")
     assert restart and resumed, [e.event for e in recs.events()]
-    assert resumed[0].step == restart[0].step and resumed[0]["pause_ms"] > 0
-    # The relaunched workers run the plan the controller decided before exiting.
-    assert len(headers) >= 2 and headers[1].plan["stages"] == restart[0]["new_plan"]["stages"]
-    assert restart[0]["new_plan"]["stages"][1]["start"] > headers[0].plan["stages"][1]["start"]
+    assert [e.step for e in resumed] == [e.step for e in restart]
+    assert all(e["pause_ms"] > 0 for e in resumed)
+    # Each relaunch runs the plan the controller decided before exiting.
+    assert len(headers) == len(restart) + 1, (len(headers), len(restart))
+    for header, event in zip(headers[1:], restart, strict=True):
+        assert header.plan["stages"] == event["new_plan"]["stages"]
+    # The run ends with fewer layers on the slowed stage than it began with. Not asserted of
+    # the first restart: on a loaded 2-core machine a window before the onset can read stage 0
+    # slower, and the restart it decides moves a layer onto stage 1 (CI saw 5|5 -> 4|6 once).
+    assert headers[-1].plan["stages"][1]["start"] > headers[0].plan["stages"][1]["start"]
+    assert any(e.step > 17 for e in restart), [e.step for e in restart]
     steps = sorted(r.step for r in recs.steps)
     assert steps == list(range(60)), "every step ran exactly once across the relaunch"
 
