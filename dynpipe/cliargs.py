@@ -70,7 +70,10 @@ def _dest(cls: type, name: str) -> str:
 
 
 def _default(f: dataclasses.Field, defaults: object | None) -> Any:
-    if defaults is not None:
+    # A field declared None is resolved by its config from the others (OptimConfig.lr from
+    # the optimizer): an instance's resolved value as the flag's default would pin it
+    # (``--optimizer sgd`` would train at AdamW's rate).
+    if defaults is not None and f.default is not None:
         return getattr(defaults, f.name)
     if f.default is not dataclasses.MISSING:
         return f.default

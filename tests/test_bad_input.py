@@ -46,6 +46,8 @@ def _one_line(capsys, argv: list[str], *needles: str) -> str:
         (["--resume", "auto"], ["--resume auto needs --save-dir"]),
         (["--adapt", "measured", "--predictor", "p.json"], ["--predictor is read only by"]),
         (["--predictor", "p.json"], ["--adapt static"]),
+        (["--model", "gpt", "--data", "text"], ["--data text needs --data-path FILE"]),
+        (["--model", "vgg16", "--data", "cifar10"], ["--data cifar10 needs --data-path DIR"]),
     ],
 )
 def test_bad_train_arguments(capsys, args: list[str], needles: list[str]) -> None:
@@ -180,13 +182,21 @@ def test_resume_with_other_layer_shapes(tmp_path, capsys) -> None:
 
 
 def test_resume_with_another_optimizer(tmp_path, capsys) -> None:
-    """An AdamW checkpoint resumed with the default SGD would drop its moments silently."""
-    saved = {"name": "adamw", "lr": 3e-4, "clip_grad": 1.0}
+    """An SGD checkpoint resumed with the default AdamW would start its moments from zero
+    and drop its momentum silently."""
+    saved = {"name": "sgd", "lr": 0.02, "clip_grad": 1.0}
     ckpt = _checkpoint(tmp_path / "ck", meta={"config": {"optim": saved}})
     argv = ["train", "--nproc", "2", *MLP, "--resume", str(ckpt)]
-    _one_line(
-        capsys, argv, "trained with --optimizer adamw (lr 0.0003)", "asks for --optimizer sgd"
-    )
+    _one_line(capsys, argv, "trained with --optimizer sgd (lr 0.02)", "asks for --optimizer adamw")
+
+
+def test_resume_from_a_checkpoint_at_the_last_step_or_past_it(tmp_path, capsys) -> None:
+    """A run that would train no step says so, rather than exit 0 with a log whose end
+    precedes its start."""
+    ckpt = _checkpoint(tmp_path / "ck")
+    for steps in ("3", "2"):
+        argv = ["train", "--nproc", "2", *MLP, "--resume", str(ckpt), "--steps", steps]
+        _one_line(capsys, argv, f"is at step 3 and --steps is {steps}", "--steps above 3")
 
 
 def test_resumed_optimizer_settings_that_differ_are_listed() -> None:

@@ -17,7 +17,7 @@ from dynpipe.cliargs import add_config_args, config_kwargs, field_help
 from dynpipe.runtime.adapt.config import AdaptConfig
 from dynpipe.runtime.cli import config_from_args
 from dynpipe.runtime.config import TrainConfig
-from dynpipe.runtime.optim import OptimConfig
+from dynpipe.runtime.optim import DEFAULT_LR, OptimConfig
 
 ROOT = Path(__file__).parents[1]
 
@@ -53,7 +53,9 @@ def test_train_help_shows_the_dataclass_defaults(capsys, monkeypatch) -> None:
     run, optim, adapt = TrainConfig(), TrainConfig().optim, TrainConfig().adapt
     assert _shown_default(text, "--steps") == str(run.steps)
     assert _shown_default(text, "--log-every") == str(run.log_every)
-    assert _shown_default(text, "--lr") == str(optim.lr)
+    # The learning rate's default is the optimizer's own.
+    assert all(str(DEFAULT_LR[o]) in _shown_default(text, "--lr") for o in DEFAULT_LR)
+    assert optim.lr == DEFAULT_LR[optim.name]
     assert _shown_default(text, "--optimizer") == optim.name
     assert _shown_default(text, "--betas") == str(optim.betas)
     assert _shown_default(text, "--adapt") == adapt.mode == "static"
@@ -69,6 +71,18 @@ def test_train_without_flags_is_the_default_config() -> None:
     assert cfg == dataclasses.replace(
         default, optim=dataclasses.replace(default.optim, total_steps=default.steps)
     )
+
+
+def test_the_default_learning_rate_follows_the_optimizer() -> None:
+    # An instance's resolved rate must not become the flag's default: --optimizer sgd
+    # alone once trained at AdamW's 0.001.
+    for name, lr in DEFAULT_LR.items():
+        cfg = config_from_args(build_parser().parse_args(["train", "--optimizer", name]))
+        assert (cfg.optim.name, cfg.optim.lr) == (name, lr)
+    cfg = config_from_args(
+        build_parser().parse_args(["train", "--optimizer", "sgd", "--lr", "0.2"])
+    )
+    assert cfg.optim.lr == 0.2
 
 
 def test_every_config_field_has_a_train_flag_that_sets_it() -> None:

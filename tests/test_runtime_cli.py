@@ -103,6 +103,26 @@ def test_non_finite_loss_stops_every_worker_with_one_line(tmp_path) -> None:
     assert "--lr" in lines[0]
 
 
+def test_a_run_with_a_save_folder_ends_on_a_checkpoint_and_says_where(tmp_path) -> None:
+    """--save-dir alone (no --save-every) once saved nothing, and a run of 5 steps saving
+    every 3 left steps 4-5 to train again."""
+    from dynpipe.runtime.checkpoint import list_checkpoints
+
+    for every, saves in (("0", [5]), ("3", [3, 5])):
+        ck = tmp_path / f"ck{every}"
+        cmd = [sys.executable, "-m", "dynpipe", "train", "--nproc", "2", "--steps", "5"]
+        cmd += ["--no-progress", "--save-dir", str(ck), "--save-every", every]
+        cmd += ["--log", str(tmp_path / f"log{every}.jsonl")]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        done, _ = list_checkpoints(ck)
+        assert [c.step for c in done] == saves
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("dynpipe train: done")]
+        assert len(lines) == 1 and "steps 0-5" in lines[0], proc.stdout
+        assert str(done[-1].path) in lines[0] and f"log{every}.jsonl" in lines[0], lines[0]
+
+
 def _train_two_stages(rank: int, world: int, log: str) -> dict:
     from dynpipe.runtime.config import TrainConfig
     from dynpipe.runtime.optim import OptimConfig

@@ -183,6 +183,11 @@ def preflight(cfg, model, plan, *, check_resume: bool = True) -> None:
             for k, v in layer.state_dict().items()
         }
         info = check_checkpoint(cfg.resume, model_shapes=shapes)
+        if info.step >= cfg.steps:
+            raise UserError(
+                f"checkpoint {info.path} is at step {info.step} and --steps is {cfg.steps}: "
+                f"nothing to train; give --steps above {info.step}"
+            )
         if info.meta.get("model_fingerprint") not in (None, model.fingerprint()):
             raise UserError(
                 f"checkpoint {info.path} is for a different layer list of "

@@ -27,6 +27,10 @@ __all__ = [
 ]
 
 OPTIMIZERS = ("sgd", "adamw")
+# Each optimizer's learning rate where none is given. AdamW is the default optimizer: plain
+# SGD at any one rate leaves the default 10-layer MLP at chance on its synthetic task (loss
+# ln 10 after 300 steps at 0.01, 0.05 and 0.2), AdamW at 1e-3 takes it to 99% held out.
+DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
 LR_SCHEDULES = ("constant", "cosine", "linear")
 
 
@@ -34,8 +38,9 @@ LR_SCHEDULES = ("constant", "cosine", "linear")
 class OptimConfig:
     """Optimizer and learning-rate schedule.
 
-    name: ``sgd`` (with momentum) or ``adamw``.
-    lr: peak learning rate, reached after ``warmup_steps`` of linear warm-up.
+    name: ``adamw`` or ``sgd`` (with momentum).
+    lr: peak learning rate, reached after ``warmup_steps`` of linear warm-up (default: the
+        optimizer's own: AdamW 0.001, SGD 0.05, ``DEFAULT_LR``).
     momentum: SGD momentum.
     weight_decay: decoupled weight decay (AdamW) or L2 penalty (SGD).
     betas: AdamW's moment decay rates.
@@ -48,8 +53,8 @@ class OptimConfig:
     clip_grad: clip the global gradient norm (across all stages) to this value; 0 = off.
     """
 
-    name: str = field(default="sgd", metadata={"choices": OPTIMIZERS})
-    lr: float = 0.05
+    name: str = field(default="adamw", metadata={"choices": OPTIMIZERS})
+    lr: float | None = None
     momentum: float = 0.9
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -67,6 +72,8 @@ class OptimConfig:
             raise UserError(
                 f"unknown lr schedule {self.schedule!r}; use one of {', '.join(LR_SCHEDULES)}"
             )
+        if self.lr is None:
+            object.__setattr__(self, "lr", DEFAULT_LR[self.name])
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise UserError(f"learning rate must be a positive number, got {self.lr}")
         if self.clip_grad < 0:

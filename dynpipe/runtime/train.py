@@ -79,7 +79,7 @@ def build_model_and_data(cfg: TrainConfig) -> tuple[LayeredModel, Any]:
     """The model and its data source, with the model configured to match the data."""
     from dynpipe.data import get_data
 
-    probe = get_data(cfg.data, path=cfg.data_path, seed=cfg.seed)
+    probe = get_data(cfg.data, path=cfg.data_path, seed=cfg.seed, model_args=cfg.model_args)
     kwargs = {**probe.model_kwargs(cfg.model.rpartition(":")[2] or cfg.model), **cfg.model_args}
     kwargs.setdefault("seed", cfg.seed)
     model = get_model(cfg.model, **kwargs)
@@ -851,6 +851,7 @@ def train(
     if adapter is not None:
         adapter.beat = beat
     losses: list[float] = []
+    step_ms: list[float] = []
     step = start
 
     # Middle stages never read a batch: they do not load one either. Under plans of every
@@ -945,6 +946,7 @@ def train(
             except Exception as exc:
                 raise _failure(exc, engine=engine, topo=topo, step=step, beat=beat) from exc
             losses.append(res.loss)
+            step_ms.append(res.step_ms)
             steplog.add(res)
             if on_step is not None:
                 on_step(engine, res)
@@ -997,12 +999,23 @@ def train(
                 saved = step + 1
             if ckpt is not None:
                 _log_saves(log, ckpt.drain())
+        if cfg.save_dir and ckpt is not None and saved != cfg.steps:
+            # A run with a save folder ends on a checkpoint of its last step, whatever
+            # --save-every says: 25 steps saving every 10 left steps 21-25 to train again,
+            # and --save-dir alone saved nothing.
+            save(step=cfg.steps, reason="final")
+            saved = cfg.steps
         if stop is not None and stop.requested:
             _stop(stop, ckpt, save, log, step=cfg.steps, saved=saved)
+        final = None
         if ckpt is not None:
-            _log_saves(log, ckpt.wait())
+            records = ckpt.wait()
+            _log_saves(log, records)
+            final = str(records[-1].path) if records else None
         if log is not None:
             log.event("end", step=cfg.steps, plan=engine.plan.to_dict())
+        if writer:
+            _say_done(start, cfg.steps, step_ms, losses, engine.plan, log, final)
     finally:
         collector.close()
         if stream is not None and stream is not kept:
@@ -1211,6 +1224,34 @@ def _save(
         meta=meta,
         block=block,
     )
+
+
+def _say_done(
+    start: int,
+    steps: int,
+    step_ms: list[float],
+    losses: list[float],
+    plan: Plan,
+    log: RunLog | None,
+    checkpoint: str | None,
+) -> None:
+    """One line on the writing rank once the run is done: what ran, how fast, where the
+    records are (nothing else says so with --no-progress)."""
+    if not step_ms:
+        print(f"dynpipe train: nothing to train: the run starts at step {start} of {steps}")
+        return
+    parts = [
+        f"steps {start}-{steps}",
+        f"median step {statistics.median(step_ms):.1f} ms",
+        f"last loss {losses[-1]:.4f}",
+        f"split {'|'.join(str(len(st)) for st in plan.stages)}"
+        + (f" x {plan.dp} replicas" if plan.dp > 1 else ""),
+    ]
+    if log is not None:
+        parts.append(f"log {log.path}")
+    if checkpoint is not None:
+        parts.append(f"checkpoint {checkpoint}")
+    print("dynpipe train: done: " + ", ".join(parts), flush=True)
 
 
 def _log_saves(log: RunLog | None, records: list[SaveRecord]) -> None:

@@ -139,6 +139,13 @@ class Adapter:
             # Every pair of ranks exchanges a layer-sized message through the transfer path
             # now, so no repartition pays for setting up a link.
             warm_ms = round(warm_links(topo, warm_bytes=warm_bytes) * 1e3, 3)
+        if mode == "adaptive" and policy.mode_used != mode and topo.rank == 0:
+            print(
+                f"dynpipe train: --adapt adaptive plans as {policy.mode_used}: it needs "
+                "--predictor (a fitted predictor, e.g. predictor/h200.json.gz)",
+                file=sys.stderr,
+                flush=True,
+            )
         if log is not None:
             log.event(
                 "adapt_mode",
