@@ -1006,6 +1006,24 @@ def test_emulated_interference_is_refused_on_cuda_in_one_line(tmp_path) -> None:
     assert "\n" not in str(err.value) and "gemm" in str(err.value)
 
 
+def test_an_interferer_the_device_cannot_run_is_refused_before_any_worker(tmp_path) -> None:
+    """A GPU interferer in a CPU run once failed only at its step, on its rank, and reached
+    the user as a lost peer."""
+    from dynpipe.errors import UserError
+    from dynpipe.runtime.scenario import load_scenario
+
+    path = tmp_path / "s.toml"
+    for kind, device, fits in (("gemm", "cpu", "spin"), ("spin", "cuda:0", "gemm")):
+        path.write_text(f'[[events]]\nstep = 3\naction = "start"\nkind = "{kind}"\nstage = 1\n')
+        with pytest.raises(UserError, match=f"kind '{kind}'") as err:
+            load_scenario(path, num_stages=2, device=device)
+        assert "\n" not in str(err.value) and fits in str(err.value)
+    for kind, devices in (("gemm", ["cuda:0"]), ("spin", ["cpu"]), ("train", ["cpu", "cuda:0"])):
+        path.write_text(f'[[events]]\nstep = 3\naction = "start"\nkind = "{kind}"\nstage = 1\n')
+        for device in devices:
+            assert load_scenario(path, num_stages=2, device=device).events[0].kind == kind
+
+
 def test_the_planner_keeps_each_stage_within_its_free_device_memory() -> None:
     import dataclasses
 

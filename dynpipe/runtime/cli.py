@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     return _launcher(cfg, args)
 
 
-def preflight(cfg, model, plan, *, check_resume: bool = True) -> None:
+def preflight(cfg, model, plan, *, check_resume: bool = True, device: str = "cpu") -> None:
     """Check every input a run reads besides the model and plan before any process group
     exists: the predictor and its feature schema, the scenario, the checkpoint to resume."""
     if cfg.predictor:
@@ -171,7 +171,7 @@ def preflight(cfg, model, plan, *, check_resume: bool = True) -> None:
     if cfg.scenario:
         from dynpipe.runtime.scenario import load_scenario
 
-        load_scenario(cfg.scenario, num_stages=plan.num_stages, dp=plan.dp)
+        load_scenario(cfg.scenario, num_stages=plan.num_stages, dp=plan.dp, device=device)
     if check_resume and cfg.resume and cfg.resume != "auto":
         from dynpipe.errors import UserError
         from dynpipe.runtime.checkpoint import check_checkpoint
@@ -224,7 +224,12 @@ def _launcher(cfg, args: argparse.Namespace) -> int:
         else:
             nproc = (cfg.stages or 1) * (cfg.dp or 1)
     plan = resolve_plan(cfg, model, nproc)  # a mismatch is reported here, before any worker
-    preflight(cfg, model, plan)
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    preflight(cfg, model, plan, device=device)
     if args.device.startswith("cuda"):
         import torch
 
@@ -297,7 +302,7 @@ def _worker(cfg, args: argparse.Namespace) -> int:
     try:
         model, _ = build_model_and_data(cfg)
         plan = resolve_plan(cfg, model, topo.world_size)  # before any collective
-        preflight(cfg, model, plan, check_resume=False)
+        preflight(cfg, model, plan, check_resume=False, device=str(topo.device))
         init_distributed(topo)
         train(cfg, topo=topo, stop=stop)
         return 0

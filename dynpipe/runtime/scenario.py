@@ -155,6 +155,19 @@ def load_scenario(
                 "kernel launches on a GPU); on CUDA use a real interferer: "
                 f"{', '.join(k for k in KINDS if k not in ('spin', 'membw'))}"
             )
+        if kind != "emulate" and action == "start":
+            from dynpipe.devices.interfere import CPU_KINDS, GPU_KINDS
+
+            # Said before any worker starts (the interferer itself refuses it only once its
+            # step comes, and its rank's failure then reaches the others as a lost peer).
+            gpu = device.startswith("cuda")
+            if kind not in (GPU_KINDS if gpu else CPU_KINDS):
+                what, use = (
+                    ("runs on CPU", f"on CUDA use one of {', '.join(GPU_KINDS)}")
+                    if gpu
+                    else ("needs a GPU", f"on CPU use emulate or one of {', '.join(CPU_KINDS)}")
+                )
+                raise UserError(f"scenario {p} event {i}: interferer kind {kind!r} {what}; {use}")
         events.append(
             ScenarioEvent(
                 step=step,
