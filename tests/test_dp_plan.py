@@ -81,13 +81,13 @@ def test_mesh_arithmetic_and_dp_dividing_the_gpus() -> None:
     assert m.global_rank(0, replica=0) == 0 and m.replica_ranks(1) == [3, 4, 5]
     assert m.pp_group is None and m.dp_group is None  # no groups without a device mesh
     assert check_dp(2, world_size=4) == 2
-    with pytest.raises(UserError, match=r"--dp 3 does not divide 4 GPUs.*--dp 1 or 2 or 4"):
+    with pytest.raises(UserError, match=r"--dp 3 does not divide 4 workers.*--dp 1 or 2 or 4"):
         check_dp(3, world_size=4)
 
 
 # ---- the command line: bad input before any process starts ---------------------------------
 def test_dp_not_dividing_the_gpus(capsys) -> None:
-    _one_line_error(capsys, ["train", "--nproc", "4", "--dp", "3"], "--dp 3", "4 GPUs")
+    _one_line_error(capsys, ["train", "--nproc", "4", "--dp", "3"], "--dp 3", "4 workers")
 
 
 def test_plan_whose_replicas_miss_a_layer(tmp_path, capsys) -> None:

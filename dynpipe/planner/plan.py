@@ -345,7 +345,9 @@ class Plan:
         if self.model != model.name:
             raise PlanError(
                 f"plan is for model {self.model!r} but the model is {model.name!r}; "
-                f"regenerate it with `dynpipe plan --model {model.name} --stages {self.num_stages}`"
+                f"train it with --model {self.model} (and the --model-arg it was planned "
+                f"for), or make one for {model.name} with `dynpipe plan --model {model.name} "
+                f"--stages {self.num_stages}`"
             )
         if self.num_layers != len(model):
             raise PlanError(

@@ -38,7 +38,7 @@ def check_dp(dp: int, *, world_size: int) -> int:
     if world_size % dp:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise UserError(
-            f"--dp {dp} does not divide {world_size} GPUs into equal pipelines; use --dp "
+            f"--dp {dp} does not divide {world_size} workers into equal pipelines; use --dp "
             f"{' or '.join(map(str, divisors))}, or --nproc a multiple of {dp}"
         )
     return world_size // dp
