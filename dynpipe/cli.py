@@ -32,6 +32,9 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise _Terminated(signum)
 
 
+# 128 + SIGPIPE (13), as a shell reports a C tool stopped by a closed pipe (`cat | head`).
+_EXIT_SIGPIPE = 141
+
 # Order is the order shown in --help.
 _SUBCOMMANDS = (
     "dynpipe.demo.cli",
@@ -66,6 +69,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _dispatch(argv)
+        finally:
+            # Flushed here so that a reader that closed early (`dynpipe ... | head -1`) fails
+            # inside this try rather than at interpreter exit, where it would be a traceback.
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's note on SIGPIPE: point stdout at devnull so the flush at exit succeeds,
+        # and never restore SIG_DFL (that would also kill a run writing to a lost socket).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return _EXIT_SIGPIPE
+
+
+def _dispatch(argv: list[str] | None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)

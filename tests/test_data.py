@@ -238,6 +238,41 @@ def test_text_errors_name_the_numbers(text_file, tmp_path) -> None:
         get_data("text", path=str(text_file)).model_kwargs("resnet50")
 
 
+def test_a_probe_cuts_windows_of_the_seq_len_the_model_will_have(tmp_path) -> None:
+    # 201 bytes: 181 to train on, too few for the default seq_len (256), plenty for 32.
+    short = tmp_path / "t2.txt"
+    short.write_bytes(b"x" * 201)
+    probe = get_data("text", path=str(short), model_args={"seq_len": 32, "depth": 2})
+    assert probe.seq_len == 32 and probe.num_samples == (181 - 33) // 32 + 1
+    assert get_data("text", path=str(short), model_args={}, seq_len=16).seq_len == 16
+    # A value the model will refuse is left to the model to name.
+    with pytest.raises(UserError, match="seq_len=256 needs 257"):
+        get_data("text", path=str(short), model_args={"seq_len": "abc"})
+
+
+def test_train_builds_text_data_at_the_model_arg_seq_len(tmp_path) -> None:
+    from dynpipe.runtime.config import TrainConfig
+    from dynpipe.runtime.train import build_model_and_data
+
+    short = tmp_path / "t2.txt"
+    short.write_bytes(b"x" * 201)
+    args = {"depth": 1, "width": 32, "heads": 2, "seq_len": 32}
+    cfg = TrainConfig(model="gpt", model_args=args, data="text", data_path=str(short))
+    model, data = build_model_and_data(cfg)
+    assert model.input_spec.shape == (32,) and data.sample_shape == (32,)
+
+
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [("text", "FILE"), ("cifar10", "DIR (a folder holding"), ("imagefolder", "DIR (one sub")],
+)
+def test_a_source_read_from_disk_without_a_path_names_the_flag(name: str, needle: str) -> None:
+    with pytest.raises(UserError) as info:
+        get_data(name)
+    assert str(info.value).startswith(f"--data {name} needs --data-path {needle}")
+    assert "\n" not in str(info.value) and "None" not in str(info.value)
+
+
 # -- images ----------------------------------------------------------------------------------
 
 

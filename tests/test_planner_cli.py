@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -244,3 +246,15 @@ def test_package_exports_resolve_lazily() -> None:
         assert getattr(planner, name) is not None
     with pytest.raises(AttributeError):
         _ = planner.nothing_here
+
+
+def test_help_names_a_json_predictor_and_files_the_repo_has(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = capsys.readouterr().out
+    assert "--predictor JSON" in text and "JOBLIB" not in text
+    root = Path(__file__).resolve().parents[1]
+    # Inputs the examples read must be files a checkout has; -o names outputs.
+    inputs = re.findall(r"(?<!-o )\b((?:profiles|predictor|partitions)/[\w./-]+)", text)
+    assert {"profiles/h200-bs32.parquet", "predictor/h200.json.gz"} <= set(inputs)
+    assert [p for p in inputs if not (root / p).is_file()] == []

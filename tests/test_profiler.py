@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -241,6 +243,21 @@ def test_cli_unknown_kind_exits_2_with_one_line(tmp_path, capsys):
     assert not (tmp_path / "x.parquet").exists()
 
 
+@pytest.mark.parametrize(("sizes", "bad"), [("-3", "-3"), ("0", "0"), ("8,0", "0")])
+def test_cli_batch_size_below_one_exits_2_with_one_line(tmp_path, capsys, sizes, bad):
+    smoke = ROOT / "recipes" / "sweeps" / "smoke.toml"
+    out = tmp_path / "y.parquet"
+    argv = ["profile", "--model", "mlp", "--batch-size", sizes, "--sweep", str(smoke)]
+    rc = main([*argv, "-o", str(out), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert err.splitlines() == [
+        f"dynpipe profile: error: --batch-size {bad}: batch sizes must be >= 1; "
+        "give e.g. --batch-size 32 or 32,64"
+    ]
+    assert not out.exists()
+
+
 def test_shipped_sweeps_parse():
     for name in ("cpu", "smoke"):
         sw = load_sweep(ROOT / "recipes" / "sweeps" / f"{name}.toml", device="cpu", cores=[0])
@@ -316,6 +333,26 @@ intensity = [0.5, 1.0]
     assert main(["profile", "summary", str(out)]) == 0
     text = capsys.readouterr().out
     assert "Slowdown per condition" in text and "spin@1x1" in text
+
+
+def test_summary_into_a_closed_pipe_exits_quietly():
+    # `dynpipe profile summary X | head -1`: the reader is gone once it has its line. Closing
+    # the read end before the command starts makes that race certain.
+    read, write = os.pipe()
+    os.close(read)
+    profile = ROOT / "profiles" / "cpu-xeon-2c.parquet"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "dynpipe", "profile", "summary", str(profile)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        os.close(write)
+    assert proc.stderr == ""
+    assert proc.returncode == 141  # 128 + SIGPIPE, as for `cat FILE | head -1`
 
 
 def test_resume_measures_only_missing_windows(tmp_path):

@@ -18,7 +18,7 @@ Each has a ``train`` and a held-out ``test`` split (``get_data(..., split="test"
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from dynpipe.data.base import SPLITS, BatchSource, IndexedSource, derive_seed, generator
@@ -39,6 +39,13 @@ __all__ = [
 def _no_path(name: str, path: str | None) -> None:
     if path is not None:
         raise UserError(f"{name} data is not read from disk; drop the data path {path!r}")
+
+
+def _need_path(name: str, path: str | None, what: str) -> None:
+    # Checked here, before the source looks at the path, so that a forgotten --data-path
+    # names the flag instead of complaining that None is not a file.
+    if path is None:
+        raise UserError(f"--data {name} needs --data-path {what}; nothing is downloaded")
 
 
 def _token_task(model: LayeredModel | None, default: str) -> str:
@@ -128,6 +135,7 @@ def _cifar10(
 ) -> BatchSource:
     from dynpipe.data.vision import Cifar10Source
 
+    _need_path("cifar10", path, "DIR (a folder holding cifar-10-batches-py/)")
     size = image_size or _image_size(model, 32)
     return Cifar10Source(path=path, split=split, image_size=size, augment=augment, seed=seed)
 
@@ -143,6 +151,7 @@ def _imagefolder(
 ) -> BatchSource:
     from dynpipe.data.vision import ImageFolderSource
 
+    _need_path("imagefolder", path, "DIR (one sub-folder of images per class)")
     size = image_size or _image_size(model, 224)
     return ImageFolderSource(path=path, split=split, image_size=size, augment=augment, seed=seed)
 
@@ -171,6 +180,7 @@ def _text(
 ) -> BatchSource:
     from dynpipe.data.text import TextSource
 
+    _need_path("text", path, "FILE (a local text file, one token per byte)")
     return TextSource(
         path=path,
         split=split,
@@ -208,6 +218,10 @@ SOURCES: dict[str, Callable[..., BatchSource]] = {
 }
 
 
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def _check_fits(source: Any, model: LayeredModel) -> None:
     spec = model.input_spec
     shape = getattr(source, "sample_shape", None)
@@ -236,11 +250,14 @@ def get_data(
     path: str | None = None,
     seed: int = 0,
     split: str = "train",
+    model_args: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> BatchSource:
     """The data source ``name``, shaped to ``model`` when given (shapes are checked).
 
     split: ``train``, or ``test`` for the held-out samples evaluation reads.
+    model_args: the keyword config the model will be built with, for a source made before
+    its model (to ask it for ``model_kwargs``): a ``seq_len`` there sizes token windows.
     """
     if name not in SOURCES:
         raise UserError(f"unknown data {name!r}; choose one of {', '.join(SOURCES)}")
@@ -260,6 +277,11 @@ def get_data(
         raise UserError(
             f"{name} data has splits {', '.join(SPLITS)} (test: held out); got split={split!r}"
         )
+    seq_len = (model_args or {}).get("seq_len")
+    if model is None and "seq_len" in allowed and _positive_int(seq_len):
+        # Without this a probe cuts windows of the default seq_len and may call a corpus
+        # too short that fits the model asked for (a bad value is left to the model to name).
+        options.setdefault("seq_len", seq_len)
     source = factory(model=model, path=path, seed=seed, split=split, **options)
     if model is not None:
         _check_fits(source, model)

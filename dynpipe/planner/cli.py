@@ -1,11 +1,13 @@
 """``dynpipe plan``: the step-time-optimal split of a model over pipeline stages.
 
-    dynpipe plan --model gpt --stages 4 -o partitions/gpt-4.json        # analytic costs
+    dynpipe plan --model gpt --stages 4 -o gpt-4.json                   # analytic costs
     dynpipe plan --model vgg16 --stages 2 --slowdown 1,2.4               # device 1 2.4x slower
-    dynpipe plan --model gpt --stages 4 --profile profiles/h100.parquet \\
-        --conditions none,none,gemm@0.5x2,none --memory-gb 16
-    dynpipe plan --model gpt --stages 4 --profile profiles/h100.parquet \\
-        --predictor predictor/xgb.json.gz --telemetry now.json            # predicted slowdowns
+    dynpipe plan --model gpt --set seq_len=512 --stages 4 \\
+        --profile profiles/h200-bs32.parquet --conditions none,none,gemm@0.5x1,none \\
+        --memory-gb 16                 # measured costs (seq_len=512: the gpt that was profiled)
+    dynpipe plan --model gpt --set seq_len=512 --stages 4 \\
+        --profile profiles/h200-bs32.parquet --predictor predictor/h200.json.gz \\
+        --telemetry now.json           # predicted slowdowns; now.json: a tel_* window per stage
     dynpipe plan --model gpt --stages 4 --slowdown 2:3 \\
         --current partitions/gpt-4.json --migration-ms-per-gb 5         # pay for moving layers
     dynpipe plan --model vgg16 --gpus 4 --batch-size 256 --link-gbs 300 \\
@@ -75,7 +77,9 @@ def register(subparsers: Any) -> None:
         help="profiled condition per stage device (default none = clean)",
     )
     p.add_argument(
-        "--predictor", metavar="JOBLIB", help="learned slowdown predictor; needs --telemetry"
+        "--predictor",
+        metavar="JSON",
+        help="learned slowdown predictor, e.g. predictor/h200.json.gz; needs --telemetry",
     )
     p.add_argument(
         "--telemetry",

@@ -114,6 +114,12 @@ def run_profile(args: argparse.Namespace) -> int:
                 sizes.append(int(b))
             except ValueError:
                 raise UserError(f"--batch-size {item!r}: give integers like 32 or 32,64") from None
+    bad = [b for b in sizes if b < 1]
+    if bad:
+        # Checked before the sweep starts interferers; the layer statistics would raise later.
+        raise UserError(
+            f"--batch-size {bad[0]}: batch sizes must be >= 1; give e.g. --batch-size 32 or 32,64"
+        )
     cores = parse_cores(args.cores)
     if args.device == "cuda":
         args.device = "cuda:0"  # one name per device in the dataset and its interferers
