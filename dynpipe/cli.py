@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import select
 import signal
 import sys
 import threading
@@ -77,11 +78,24 @@ def main(argv: list[str] | None = None) -> int:
             # inside this try rather than at interpreter exit, where it would be a traceback.
             sys.stdout.flush()
     except BrokenPipeError:
+        if not _stdout_lost():
+            raise  # another pipe or socket (a training peer's): not ours to hide
         # Python's note on SIGPIPE: point stdout at devnull so the flush at exit succeeds,
         # and never restore SIG_DFL (that would also kill a run writing to a lost socket).
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return _EXIT_SIGPIPE
+
+
+def _stdout_lost() -> bool:
+    """Whether standard output is a pipe whose reader has gone (poll reports an error on
+    its write end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll here, or stdout is no file
+        return False
 
 
 def _dispatch(argv: list[str] | None) -> int:

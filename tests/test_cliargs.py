@@ -190,3 +190,16 @@ def test_replay_tool_takes_its_flags_from_adapt_config() -> None:
     assert given == {"horizon_steps": 3, "jump": 0.2}
     fields = {f.name for f in dataclasses.fields(AdaptConfig)} - {"mode"}
     assert set(config_kwargs(args, AdaptConfig)) == fields
+
+
+def test_a_broken_pipe_that_is_not_standard_output_is_not_hidden(monkeypatch) -> None:
+    """Only a reader of stdout gone (`dynpipe ... | head`) exits quietly: a socket or pipe
+    of a training peer that breaks must still fail loudly."""
+    import dynpipe.cli as cli
+
+    def broken(argv):
+        raise BrokenPipeError("a peer's socket")
+
+    monkeypatch.setattr(cli, "_dispatch", broken)
+    with pytest.raises(BrokenPipeError):
+        main([])
