@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -1022,6 +1023,27 @@ def test_an_interferer_the_device_cannot_run_is_refused_before_any_worker(tmp_pa
         path.write_text(f'[[events]]\nstep = 3\naction = "start"\nkind = "{kind}"\nstage = 1\n')
         for device in devices:
             assert load_scenario(path, num_stages=2, device=device).events[0].kind == kind
+
+
+def test_a_scenario_without_events_or_with_a_stop_before_its_start_is_refused(tmp_path) -> None:
+    from dynpipe.errors import UserError
+    from dynpipe.runtime.scenario import load_scenario
+
+    path = tmp_path / "s.toml"
+    start = '[[events]]\nstep = {}\naction = "start"\nstage = {}\n'
+    stop = '[[events]]\nstep = {}\naction = "stop"\nstage = {}\n'
+    for text, needle in (
+        ('name = "empty"\n', "has no [[events]]"),
+        (stop.format(5, 1), "stop at step 5 (stage 1) follows no start"),
+        (start.format(5, 1) + stop.format(4, 1), "stop at step 4 (stage 1)"),
+        (start.format(2, 0) + stop.format(4, 1), "stop at step 4 (stage 1)"),
+    ):
+        path.write_text(text)
+        with pytest.raises(UserError, match=re.escape(needle)) as err:
+            load_scenario(path, num_stages=2)
+        assert "\n" not in str(err.value)
+    path.write_text(start.format(2, 1) + stop.format(4, 1) + start.format(4, 1))
+    assert len(load_scenario(path, num_stages=2).events) == 3  # a stop and a restart
 
 
 def test_the_planner_keeps_each_stage_within_its_free_device_memory() -> None:

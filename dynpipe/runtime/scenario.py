@@ -181,6 +181,24 @@ def load_scenario(
                 rank=rank,
             )
         )
+    if not events:
+        raise UserError(f"scenario {p} has no [[events]]; see recipes/scenarios/ for examples")
+    running: set[tuple[int, int]] = set()
+    for ev in sorted(events, key=lambda e: e.step):  # stable: a file's order within a step
+        if ev.action == "start":
+            running.add(ev.target)
+        elif ev.target in running:
+            running.discard(ev.target)
+        else:
+            # A stop with nothing to stop is a typo in the step or the target, and the
+            # interference it was meant to end would run to the end of the run.
+            what = f"rank {ev.rank}" if ev.rank is not None else f"stage {ev.stage}"
+            if ev.rank is None and dp > 1:
+                what += f" of replica {ev.replica}"
+            raise UserError(
+                f"scenario {p}: the stop at step {ev.step} ({what}) follows no start there; "
+                "start it at an earlier step or remove the stop"
+            )
     return Scenario(name=str(doc.get("name", p.stem)), events=tuple(events))
 
 
