@@ -246,3 +246,18 @@ def replica_window(step: int, cfg, slow, cf, cb, *, k: int = 5, extra: float = 1
         dropped=(),
         reduce_ms=np.zeros((k, dp)),
     )
+
+
+def stopped_after(save_dir: str | Path, step: int) -> None:
+    """Make a run that ended at ``step`` look like one stopped (killed) after it: a run
+    with a save folder ends on a checkpoint of its last step, a killed one does not, so
+    that final checkpoint is removed and the newest is the last periodic one."""
+    import shutil
+
+    from dynpipe.runtime.checkpoint import list_checkpoints
+
+    done, _ = list_checkpoints(save_dir)
+    final = [c for c in done if c.step == step]
+    assert final, f"no checkpoint of step {step} in {save_dir}: {[c.step for c in done]}"
+    for c in final:
+        shutil.rmtree(c.path)

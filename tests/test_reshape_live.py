@@ -22,6 +22,7 @@ from distutil import (
     merged_state,
     replica_window,
     run_ranks,
+    stopped_after,
 )
 
 from dynpipe.models import get_model
@@ -398,6 +399,7 @@ def test_a_checkpoint_after_a_live_reshape_resumes_in_the_new_shape(tmp_path) ->
     kw = {"save_every": 4, "save_dir": str(tmp_path / "ckpt"), "resume": "auto"}
     # Stopped after step 4 (its checkpoint is of step 4, in 4 x 1 since step 3).
     run_ranks(_live, 4, _cfg(str(tmp_path), 5, **kw), {1: MOVES[1]}, timeout_s=120)
+    stopped_after(kw["save_dir"], 5)
     again = _cfg(str(tmp_path), 7, **kw)
     res = run_ranks(_live, 4, again, {}, timeout_s=120)
     for got in res:

@@ -21,6 +21,7 @@ from distutil import (
     merged_state,
     replica_window,
     run_ranks,
+    stopped_after,
 )
 from test_reshape_live import TOL, _cfg, _Forced, _live, _reference
 
@@ -184,6 +185,7 @@ def test_a_checkpoint_taken_as_one_pipeline_resumes_as_one_pipeline(tmp_path) ->
     kw = {"save_every": 4, "save_dir": str(tmp_path / "ckpt"), "resume": "auto"}
     # Stopped after step 4: its checkpoint is of step 4, in 1 x 4 since step 3.
     run_ranks(_live, 4, _cfg(str(tmp_path), 5, **kw), {1: MOVES[1]}, timeout_s=120)
+    stopped_after(kw["save_dir"], 5)
     again = _cfg(str(tmp_path), 10, **kw)
     res = run_ranks(_live, 4, again, {}, timeout_s=120)
     for got in res:

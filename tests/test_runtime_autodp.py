@@ -11,7 +11,7 @@ Checkpoints taken after the reshape resume in the new shape; bad input fails in 
 from __future__ import annotations
 
 import pytest
-from distutil import assert_same_tensors, merged_state, run_ranks
+from distutil import assert_same_tensors, merged_state, run_ranks, stopped_after
 
 MODEL = {"depth": 6, "width": 32}  # 8 layers
 # 6 microbatches of 4 samples: 1 x 4 (1F1B needs >= 4 per replica) and 2 x 2 (3 each) run
@@ -156,8 +156,10 @@ def test_a_checkpoint_after_the_reshape_resumes_in_the_new_shape(tmp_path) -> No
     kw = {"save_every": 15, "save_dir": str(tmp_path / "ckpt"), "resume": "auto"}
     # Stopped after step 16; its newest checkpoint is of step 15: 2 x 2, 6 layers frozen.
     run_ranks(_run, 4, _cfg(str(tmp_path / "a"), 17, **kw), timeout_s=500)
+    stopped_after(kw["save_dir"], 17)
     again = _cfg(str(tmp_path / "a"), STEPS, **kw)
     res = run_ranks(_run, 4, again, timeout_s=500)
+    stopped_after(kw["save_dir"], STEPS)  # the one-pipeline run below resumes step 15 too
     for got in res:
         assert got["value"]["start"] == 15
         assert {(d, p) for _, d, p in got["value"]["shapes"]} == {(2, 2)}
