@@ -1015,6 +1015,8 @@ def train(
         if log is not None:
             log.event("end", step=cfg.steps, plan=engine.plan.to_dict())
         if writer:
+            if bar is not None:
+                bar.close()  # its last line first (closing twice is harmless)
             _say_done(start, cfg.steps, step_ms, losses, engine.plan, log, final)
     finally:
         collector.close()
