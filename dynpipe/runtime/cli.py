@@ -224,12 +224,9 @@ def _launcher(cfg, args: argparse.Namespace) -> int:
         else:
             nproc = (cfg.stages or 1) * (cfg.dp or 1)
     plan = resolve_plan(cfg, model, nproc)  # a mismatch is reported here, before any worker
-    device = args.device
-    if device == "auto":
-        import torch
+    from dynpipe.runtime.topology import resolve_device
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    preflight(cfg, model, plan, device=device)
+    preflight(cfg, model, plan, device=resolve_device(args.device))
     if args.device.startswith("cuda"):
         import torch
 

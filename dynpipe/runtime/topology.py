@@ -17,7 +17,14 @@ import torch.distributed as dist
 
 from dynpipe.errors import UserError
 
-__all__ = ["Topology", "destroy", "init_distributed", "wait_all"]
+__all__ = ["Topology", "destroy", "init_distributed", "resolve_device", "wait_all"]
+
+
+def resolve_device(device: str) -> str:
+    """``--device`` as the run will use it: ``auto`` is the GPUs when there are some."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
 
 
 @dataclass(frozen=True)
@@ -77,8 +84,7 @@ class Topology:
         world = int(env.get("WORLD_SIZE", "1"))
         local = int(env.get("LOCAL_RANK", "0"))
         port = env.get("MASTER_PORT")
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = resolve_device(device)
         if device.startswith("cuda"):
             if not torch.cuda.is_available():
                 raise UserError(

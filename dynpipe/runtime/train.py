@@ -23,7 +23,7 @@ from dynpipe.data.loader import BatchStream, CyclicBatches
 from dynpipe.errors import UserError
 from dynpipe.models import LayeredModel, get_model
 from dynpipe.planner.diff import diff
-from dynpipe.planner.plan import Plan
+from dynpipe.planner.plan import Plan, split_label
 from dynpipe.runtime.adapt.loop import Adapter
 from dynpipe.runtime.adapt.make import activation_bytes, make_policy, warm_bytes
 from dynpipe.runtime.adapt.policy import Policy
@@ -1246,8 +1246,7 @@ def _say_done(
         f"steps {start}-{steps}",
         f"median step {statistics.median(step_ms):.1f} ms",
         f"last loss {losses[-1]:.4f}",
-        f"split {'|'.join(str(len(st)) for st in plan.stages)}"
-        + (f" x {plan.dp} replicas" if plan.dp > 1 else ""),
+        f"split {split_label(plan.bounds)}" + (f" x {plan.dp} replicas" if plan.dp > 1 else ""),
     ]
     if log is not None:
         parts.append(f"log {log.path}")
