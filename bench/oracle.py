@@ -71,6 +71,12 @@ CONFIGS: dict[str, list[str]] = {
     "bert-w1024-b128": ["--model", "bert", "--model-arg", "depth=12", "--model-arg",
                         "width=1024", "--model-arg", "heads=16", "--model-arg", "seq_len=512",
                         "--batch-size", "128", "--microbatches", "8"],
+    # 32 sequences a microbatch: at 16 (b128) a clean launch of 7|7 on 2 x H200 ran 118-160 ms
+    # a step, the stages' forward times trading 30 <-> 58 ms from step to step while one
+    # interferer held them steady (177-182), and launches of one split differed by 8-10%.
+    "bert-w1024-b256": ["--model", "bert", "--model-arg", "depth=12", "--model-arg",
+                        "width=1024", "--model-arg", "heads=16", "--model-arg", "seq_len=512",
+                        "--batch-size", "256", "--microbatches", "8"],
     "mlp-cpu": ["--model", "mlp", "--model-arg", "depth=8", "--model-arg", "width=384",
                 "--model-arg", "in_features=384", "--batch-size", "64", "--microbatches", "4"],
 }  # fmt: skip
