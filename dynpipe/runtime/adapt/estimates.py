@@ -393,10 +393,15 @@ class CostEstimates:
             old = float((self.run_f[held] + self.run_b[held])[stay].sum())
             old += self.over_f[r] + self.over_b[r]
             ratio = new / old if stay.any() and old > 0 else 1.0
-            if stay.any() and ratio > 0 and moved and not changed and r not in light:
-                clean = float((self.clean_f[held] + self.clean_b[held])[stay].sum())
+            if stay.any() and moved and not changed and r not in light:
+                # The stage's whole reading over the clean cost of what it holds, before the
+                # move (``load``, the last window's) and now: window medians, not the sampled
+                # step's split into layers (``_learn_load``).
+                clean = float((self.clean_f[held] + self.clean_b[held]).sum())
                 clean += self.clean_of[r] + self.clean_ob[r]
-                self._learn_load(r, float(u[s]), old / max(clean, 1e-12), ratio, limit[r])
+                s_now = float(busy[s]) / w.microbatches / max(clean, 1e-12)
+                s_then = float(self.load[r])
+                self._learn_load(r, float(u[s]), s_then, s_now / max(s_then, 1e-12), limit[r])
             self.busy[r] = float(u[s])
             history = list(self.steps[r])
             if stay.all() and ratio > 0 and r not in light:
@@ -968,11 +973,19 @@ class CostEstimates:
 
     def _learn_load(self, r: int, u_now: float, s_then: float, ratio: float, limit: float) -> None:
         """Learn rank ``r``'s load coefficient from a move's first window: its busy fraction
-        went from ``busy[r]`` to ``u_now``, and the reading of the layers it kept from
-        ``s_then`` times their clean cost to ``ratio`` times that. Only a device read
+        went from ``busy[r]`` to ``u_now``, and its stage's reading over the clean cost of
+        what the stage holds from ``s_then`` to ``ratio`` times that. Only a device read
         slowed by twice its change threshold (``limit``, a log ratio: ``jump``, or three
         standard deviations of its noise) says anything: in the controller simulator,
         swinging timers that read clean devices 1.3-1.8x taught them coefficients of 0.1.
+
+        The whole stage, not the layers it kept: on a time-sliced device a layer's sampled
+        time is either its clean time or that plus a slice of the interferer's (bert under
+        ``gemm`` on 2 x H200: a block's forward read 1.1 or 2.9 ms from one layer to the
+        next), so the kept layers' share of one sampled step moved the coefficient by 0.3-0.6
+        between two launches of one configuration (0.29 and 0.89 from readings 1% apart;
+        the sweep's readings say 0.7). The stage's medians over the window do not depend on
+        which layers a slice fell in.
 
         A slowed device's excess over clean scales with ``g(u) = c + (1 - c) u``: on 2 x
         H200 under ``gemm``, gpt's slowed stage ran 1.7x its clean time when a split kept it
@@ -1060,16 +1073,30 @@ class CostEstimates:
         predicted per-layer slowdowns ``predicted = (fwd [R, L], bwd [R, L])`` scaled per
         rank so that they reproduce what the rank's held layers measure (a light rank's:
         what its probe measures, ``_read_light``).
+
+        The slowdown counts the stage's time between its layers beyond its clean overhead
+        as the layers' own: a time-sliced device's interference lands largely there, so a
+        layer moved onto it brings its share of that excess. vgg16 256 under ``gemm`` on 2 x
+        H200 read stage 1's layers at 0.93x clean and the stage at 1.91x; priced at 0.93x,
+        6|10 promised 6% over 7|9, and the sweep timed it 4% slower. (Until this, a load
+        coefficient near 0 learned from the layers' own readings hid that error.)
         """
         n_r = len(self.slow)
         fwd = np.empty((n_r, self.num_layers))
         bwd = np.empty((n_r, self.num_layers))
         for (a, b), r in zip(bounds, ranks, strict=True):
+            # The stage's time over clean beyond its layers' timers (between them, where a
+            # time-sliced device's interference lands) goes with the work.
+            excess = self.over_f[r] + self.over_b[r] - self.clean_of[r] - self.clean_ob[r]
+            if self._light_n[r] > 0:
+                excess = 0.0  # read by its probe (below), not by its stage's time
+            clean_held = self.clean_f[a:b].sum() + self.clean_b[a:b].sum()
             if predicted is None:
-                fwd[r], bwd[r] = self.clean_f * self.slow[r], self.clean_b * self.slow[r]
+                s_eff = self.slow[r] + excess / max(clean_held, 1e-12)
+                fwd[r], bwd[r] = self.clean_f * s_eff, self.clean_b * s_eff
             else:
                 pf, pb = predicted[0][r], predicted[1][r]
-                held = self.run_f[a:b].sum() + self.run_b[a:b].sum()
+                held = self.run_f[a:b].sum() + self.run_b[a:b].sum() + excess
                 guess = (self.clean_f[a:b] * pf[a:b]).sum() + (self.clean_b[a:b] * pb[a:b]).sum()
                 if self._light_n[r] > 0:
                     # A light rank's layers cannot show its device: its probe layer does.
