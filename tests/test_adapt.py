@@ -313,6 +313,42 @@ def test_identical_layers_share_a_clean_cost_and_interference_at_start_is_seen()
     assert est.slow[0] > 2.0 and est.slow[1] == pytest.approx(1.0)
 
 
+def test_identical_layers_on_a_slowed_device_are_priced_at_their_mean_reading() -> None:
+    """A time-sliced device's slices land on some kernels of the sampled step and not on
+    others: its identical layers read short and long in turn. A split is priced on what the
+    layers it keeps cost, so the readings of identical layers there are pooled; on a device
+    that runs as clean they are not, and the plan in force is priced as measured either way."""
+    classes = np.array([0] + [1] * 8 + [2])
+    est = CostEstimates(
+        prior_fwd=np.ones(L), prior_bwd=2 * np.ones(L), classes=classes, num_ranks=2,
+        window=8, jump=0.1,
+    )  # fmt: skip
+    for s in range(2):
+        est.update(_window(4 + 5 * s, EVEN, np.ones(L)))
+    # Rank 1 slowed 2x on average: its layers 5-8 read 1.2x and 2.8x in turn.
+    slices = np.array([1.0] * 5 + [1.2, 2.8, 1.2, 2.8, 2.0])
+    for s in range(2):
+        w = _window(14 + 5 * s, EVEN, np.ones(L) * slices)
+        est.update(w)
+    assert est.load[1] > 1.5
+    fwd, bwd = est.costs(EVEN, (0, 1))
+    assert np.allclose(fwd[1, 5:9], 2.0) and np.allclose(bwd[1, 5:9], 4.0)
+    assert fwd[1, 9] == pytest.approx(est.run_f[9])  # a layer of its own kind: as read
+    assert (fwd[1, 5:] + bwd[1, 5:]).sum() == pytest.approx((est.run_f + est.run_b)[5:].sum())
+    # A split that keeps layers 6-9 on rank 1 is priced on their mean, not on 2.8 + 1.2 + 2.8.
+    assert fwd[1, 6:9].sum() == pytest.approx(6.0)
+    # The same alternation on a device that reads clean is left as read.
+    est2 = CostEstimates(
+        prior_fwd=np.ones(L), prior_bwd=2 * np.ones(L), classes=classes, num_ranks=2,
+        window=8, jump=0.1,
+    )  # fmt: skip
+    even = np.array([1.0] * 5 + [0.9, 1.1, 0.9, 1.1, 1.0])
+    for s in range(4):
+        est2.update(_window(4 + 5 * s, EVEN, even))
+    fwd2, _ = est2.costs(EVEN, (0, 1))
+    assert np.allclose(fwd2[1, 5:9], est2.run_f[5:9]) and not np.allclose(fwd2[1, 5:9], 1.0)
+
+
 def test_a_device_slowed_from_the_start_is_seen_once_a_layer_runs_elsewhere() -> None:
     # Layers of different shapes share no clean cost: a device slowed from the run's start
     # gives its layers their slowed times as clean costs and reads 1.0x. A layer moved to
