@@ -1,6 +1,6 @@
 """A shipped predictor on profiles it was not trained on, no refit: the tables of a report.
 
-    python predictor/h100q_report/transfer.py predictor/h200q.json.gz \\
+    python bench/predictor_transfer.py predictor/h200q.json.gz \\
         profiles/h100q-bs64.parquet profiles/h100q-bs128.parquet \\
         -o predictor/h100q_report/h200_transfer/h200q
 
