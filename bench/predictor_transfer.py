@@ -47,12 +47,12 @@ def _scored(df: pd.DataFrame, pred_ms: np.ndarray, stage_ids: dict, name: str):
     return lay, stg.assign(split="condition", estimator=name)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("predictor")
     ap.add_argument("profiles", nargs="+")
     ap.add_argument("-o", "--output", required=True)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     pred = load_predictor(args.predictor)
     df = load_profiles(args.profiles).reset_index(drop=True)
