@@ -30,6 +30,7 @@ from dynpipe.predictor.crossval import (
     _layer_frame,
     _measured_frames,
     _summarise,
+    data_summary,
 )
 from dynpipe.predictor.io import dataset_fingerprint, load_predictor
 from dynpipe.predictor.report import plot_pred_vs_measured, render_markdown
@@ -78,15 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     stages = pd.concat([f[1] for f in frames.values()], ignore_index=True)
     conditions = sorted(map(str, df["condition"].unique()))
     summary = {
-        "data": {
-            "rows": len(df),
-            "interfered_rows": int((df["interferer"] != "none").sum()),
-            "devices": sorted(map(str, df["device_name"].unique())),
-            "models": sorted(map(str, df["model"].unique())),
-            "conditions": conditions,
-            "layer_kinds": list(pred.schema.kinds),
-            "features": pred.schema.names,
-        },
+        "data": data_summary(df, pred.schema),
         "splits": {
             "condition": {
                 "n_folds": 1,

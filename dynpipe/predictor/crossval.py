@@ -39,7 +39,7 @@ from sklearn.model_selection import GridSearchCV, GroupKFold, LeaveOneGroupOut
 
 from dynpipe.errors import UserError
 from dynpipe.predictor.estimator import StageMean
-from dynpipe.predictor.features import extract_features
+from dynpipe.predictor.features import FeatureSchema, extract_features
 from dynpipe.predictor.floor import sibling_floor
 from dynpipe.predictor.stages import (
     assign_stages,
@@ -195,6 +195,20 @@ def _breakdown(frame: pd.DataFrame, by: str) -> dict:
     }
 
 
+def data_summary(df: pd.DataFrame, schema: FeatureSchema) -> dict[str, object]:
+    """What a report's ``data`` block says of the profiles it scored: rows, devices, models,
+    conditions, and the feature schema's layer kinds and features."""
+    return {
+        "rows": len(df),
+        "interfered_rows": int((df["interferer"] != "none").sum()),
+        "devices": sorted(map(str, df["device_name"].unique())),
+        "models": sorted(map(str, df["model"].unique())),
+        "conditions": sorted(map(str, df["condition"].unique())),
+        "layer_kinds": list(schema.kinds),
+        "features": schema.names,
+    }
+
+
 def _summarise(layers: pd.DataFrame, stages: pd.DataFrame) -> dict:
     lay = layers[layers["interferer"] != "none"].dropna(subset=["predicted_ms"])
     stg = stages[stages["interferer"] != "none"]
@@ -341,15 +355,7 @@ def evaluate(
         )
     layers_all = pd.concat(layer_frames, ignore_index=True)
     summary = {
-        "data": {
-            "rows": len(df),
-            "interfered_rows": int((df["interferer"] != "none").sum()),
-            "devices": sorted(map(str, df["device_name"].unique())),
-            "models": sorted(map(str, df["model"].unique())),
-            "conditions": sorted(map(str, df["condition"].unique())),
-            "layer_kinds": list(schema.kinds),
-            "features": schema.names,
-        },
+        "data": data_summary(df, schema),
         "splits": split_info,
         "n_stages": sorted(stage_ids),
         "estimators": {
