@@ -1085,7 +1085,8 @@ class CostEstimates:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Per-layer fwd/bwd ms per microbatch of every layer on every rank, ``[R, L]``.
 
-        A layer on the rank that holds it costs what it measures there. Elsewhere it costs
+        A layer on the rank that holds it costs what it measures there (identical layers on
+        a rank that reads slowed beyond its noise: their mean, ``_pooled``). Elsewhere it costs
         its clean cost times that rank's slowdown: uniform (``predicted`` None), or the
         predicted per-layer slowdowns ``predicted = (fwd [R, L], bwd [R, L])`` scaled per
         rank so that they reproduce what the rank's held layers measure (a light rank's:
@@ -1123,6 +1124,8 @@ class CostEstimates:
                     guess = self.clean_f[i] * pf[i] + self.clean_b[i] * pb[i]
                 kappa = held / max(guess, 1e-12)
                 fwd[r], bwd[r] = self.clean_f * pf * kappa, self.clean_b * pb * kappa
+            # Slices land on some kernels and not others only where another process shares
+            # the device: there, identical layers are priced at their mean (``_pooled``).
             if self.load[r] > np.exp(limit[r]):
                 fwd[r, a:b] = _pooled(self.run_f, self.classes, a, b)
                 bwd[r, a:b] = _pooled(self.run_b, self.classes, a, b)
