@@ -242,6 +242,71 @@ def score(df: pd.DataFrame, predicted_ms: np.ndarray, *, n_stages: Sequence[int]
     return _summarise(_layer_frame(df, pred), stages)
 
 
+def _scored_frames(
+    df: pd.DataFrame, pred_ms: np.ndarray, stage_ids: Mapping[int, np.ndarray], **labels
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Layer and stage frames of per-row predicted times, every frame row labelled."""
+    lay = _layer_frame(df, pred_ms, **labels)
+    parts = [
+        stage_sums(df, stage=sid, predicted_ms=pred_ms).assign(n_stages=s)
+        for s, sid in stage_ids.items()
+    ]
+    stg = pd.concat(parts, ignore_index=True) if parts else _empty_stages()
+    return lay, stg.assign(**labels)
+
+
+def evaluate_shipped(
+    df: pd.DataFrame,
+    predicted_ms: np.ndarray,
+    *,
+    schema: FeatureSchema,
+    name: str,
+    n_stages: Sequence[int] = (2, 4),
+) -> Evaluation:
+    """A saved predictor's times on profiles it was not fitted on, scored like ``evaluate``
+    scores its held-out folds: as predicted (``name``), calibrated to the measured current
+    stage (``<name>+measured``), beside ``stage-mean`` and ``none``, with the
+    identical-layer floor. Nothing is fitted, so every interference condition is held out
+    and the split is ``condition`` with one fold."""
+    df = df.reset_index(drop=True)
+    pred = np.asarray(predicted_ms, dtype=np.float64)
+    stage_ids = {s: assign_stages(df, n_stages=s) for s in n_stages}
+    stage_ids = {s: sid for s, sid in stage_ids.items() if (sid >= 0).any()}
+    label = {"split": "condition"}
+    alone = df["time_alone_ms"].to_numpy(dtype=np.float64)
+    frames = {
+        name: _scored_frames(df, pred, stage_ids, **label, estimator=name),
+        f"{name}+measured": tuple(
+            f.assign(**label, estimator=f"{name}+measured")
+            for f in _measured_frames(df, stage_ids, base_ms=pred)
+        ),
+        "stage-mean": tuple(
+            f.assign(**label, estimator="stage-mean") for f in _measured_frames(df, stage_ids)
+        ),
+        "none": _scored_frames(df, alone, stage_ids, **label, estimator="none"),
+    }
+    layers = pd.concat([f[0] for f in frames.values()], ignore_index=True)
+    stages = pd.concat([f[1] for f in frames.values()], ignore_index=True)
+    data = data_summary(df, schema)
+    summary = {
+        "data": data,
+        "splits": {
+            "condition": {
+                "n_folds": 1,
+                "scheme": "shipped predictor, no refit",
+                "held_out": [c for c in data["conditions"] if c != "none"],
+            }
+        },
+        "n_stages": sorted(stage_ids),
+        "estimators": {},
+        "tuned": [],
+        "calibrated": [f"{name}+measured"],
+        "results": {"condition": {k: _summarise(lay, stg) for k, (lay, stg) in frames.items()}},
+        "floor": _floor(df, layers),
+    }
+    return Evaluation(summary=summary, layers=layers, stages=stages)
+
+
 def _empty_stages() -> pd.DataFrame:
     return pd.DataFrame({"interferer": [], "measured_ms": [], "predicted_ms": [], "n_stages": []})
 
@@ -331,13 +396,7 @@ def evaluate(
             else:
                 groups = _inner_groups(df, split) if name in tune else None
                 oof = _fit_predict(est, X, y, folds, tune_groups=groups, runs=runs) * alone
-                lay = _layer_frame(df, oof, split=split, estimator=name)
-                parts = [
-                    stage_sums(df, stage=sid, predicted_ms=oof).assign(n_stages=s)
-                    for s, sid in stage_ids.items()
-                ]
-                stg = pd.concat(parts, ignore_index=True) if parts else _empty_stages()
-                stg = stg.assign(split=split, estimator=name)
+                lay, stg = _scored_frames(df, oof, stage_ids, split=split, estimator=name)
             layer_frames.append(lay)
             stage_frames.append(stg)
             results[split][name] = _summarise(lay, stg)
