@@ -1,25 +1,26 @@
 """The controller simulator: the runtime's policy on 100 random scenarios against the exact
 oracle (the best static split of every phase, from the true per-layer costs, zero pause).
 
-The scenarios (seed 7, never used while the policy was developed) draw true costs from the
+The scenarios (seed 7, drawn before the policy's rules were written; changes since are also
+checked on seed 11) draw true costs from the
 H200 profiles, onsets and ends at random steps on one or two devices of 2, 4 or 8 stages,
 and measurement noise from every recorded static GPU run: runs whose stage timers were sound
 (GPU-bound sizes: ``quiet``) and runs whose timers swung 2x while their steps did not
 (launch- and loader-bound sizes). A scenario's noise is drawn by index into that library,
 so every run committed under ``analysis/logs`` draws the seed's scenarios anew.
 
-Sound timers are held to the adaptation issue's targets: mean ratio to the oracle <= 1.03,
-p95 <= 1.10, none worse than static by more than 2% (here 1.020 / 1.054 / 1.007x in both
-modes). Over every scenario, misleading timers included, the policy is at the mean's
-target and not under it: with the `0860a81` oracle logs in the library, 1.0300 (measured)
-and 1.0306 (adaptive), the draw before them 1.0299 and 1.0280; on 300 other scenarios
-(``bench/results/simulator.json``) some runs are past 2% of static (see the README). The
-test holds those two where they stand, so that a change making them worse fails; p95 is
-held to the target.
+Every scenario is held to the adaptation issue's targets: mean ratio to the oracle <= 1.03,
+p95 <= 1.10, none worse than static by more than 2% (at `f6f306b`: measured 1.0278 / 1.076 /
+1.017x, adaptive 1.0273 / 1.072 / 1.017x; sound timers alone 1.020 / 1.056 / 1.000x in both
+modes). Misleading timers are where the policy is near the targets rather than under them:
+on 300 other scenarios (seed 11, ``bench/results/simulator.json``) the mean is 1.032-1.033
+and 4-5 runs are past 2% of static (see the README), so a change that makes this draw worse
+fails here.
 """
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 
 import numpy as np
@@ -64,13 +65,21 @@ def test_policy_against_the_oracle(mode: str) -> None:
         "worst to static": (to_static[quiet].max(), to_static.max()),
         "past 2% of static": int((to_static > 1.02).sum()),
     }
-    # Sound timers: the issue's targets.
-    assert to_oracle[quiet].mean() <= 1.03, summary
-    assert np.percentile(to_oracle[quiet], 95) <= 1.10, summary
-    assert to_static[quiet].max() <= 1.02, summary
-    # Every scenario, misleading timers included: p95 at the target; the mean and the
-    # worst run against static where the policy stands (the docstring), not at the
-    # issue's 1.03 and 1.02, which this policy does not meet on every draw.
-    assert np.percentile(to_oracle, 95) <= 1.10, summary
-    assert to_oracle.mean() <= 1.035, summary
-    assert to_static.max() <= 1.035, summary
+    # Sound timers: the issue's targets, and so for every scenario, misleading timers
+    # included.
+    for group in (quiet, np.ones_like(quiet)):
+        assert to_oracle[group].mean() <= 1.03, summary
+        assert np.percentile(to_oracle[group], 95) <= 1.10, summary
+        assert to_static[group].max() <= 1.02, summary
+
+
+def test_command_line_summary_names_its_draw(tmp_path) -> None:
+    """A summary written by the command line says which scenarios and code made it: two
+    summaries compare only where the draw (seed, steps, noise library) is the same."""
+    out = tmp_path / "sim.json"
+    assert sim.main(["--scenarios", "2", "--seed", "3", "--modes", "measured", "-o", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["run"]["seed"] == 3 and got["run"]["steps"] == 240
+    assert got["run"]["predictor"] == "predictor/h200.json.gz"
+    assert got["run"]["revision"]  # the checkout's commit (or DYNPIPE_REVISION)
+    assert got["scenarios"] == 2 and set(got["measured"]) >= {"all"}

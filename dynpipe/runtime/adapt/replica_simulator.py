@@ -512,7 +512,11 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"seed": sc.seed, "shape": [sc.dp, sc.pp], "workload": sc.workload}
                 row |= {"oracle": r.oracle_ms, "static": r.static_ms}
                 fh.write(json.dumps({**row, **r.policy_ms, "moves": r.moves}) + "\n")
-    summary = summarise(res, args.modes, traces)
+    from dynpipe.runtime.runlog import code_revision  # torch: only for the command line
+
+    # Which draw and which code: a summary is compared only with one of the same draw.
+    run = {"seed": args.seed, "steps": args.steps, "revision": code_revision()}
+    summary = {"run": run, **summarise(res, args.modes, traces)}
     text = json.dumps(summary, indent=1)
     print(text)
     if args.out:
