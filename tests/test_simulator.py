@@ -2,12 +2,12 @@
 oracle (the best static split of every phase, from the true per-layer costs, zero pause).
 
 The scenarios (seed 7, drawn before the policy's rules were written; changes since are also
-checked on seed 11) draw true costs from the
-H200 profiles, onsets and ends at random steps on one or two devices of 2, 4 or 8 stages,
-and measurement noise from every recorded static GPU run: runs whose stage timers were sound
-(GPU-bound sizes: ``quiet``) and runs whose timers swung 2x while their steps did not
-(launch- and loader-bound sizes). A scenario's noise is drawn by index into that library,
-so every run committed under ``analysis/logs`` draws the seed's scenarios anew.
+checked on seed 11) draw true costs from the H200 profiles, onsets and ends at random steps
+on one or two devices of 2, 4 or 8 stages, and measurement noise from every recorded static
+GPU run: runs whose stage timers were sound (GPU-bound sizes: ``quiet``) and runs whose
+timers swung 2x while their steps did not (launch- and loader-bound sizes). A scenario's
+noise is drawn by index into that library, so every run committed under ``analysis/logs``
+draws the seed's scenarios anew.
 
 Every scenario is held to the adaptation issue's targets: mean ratio to the oracle <= 1.03,
 p95 <= 1.10, none worse than static by more than 2% (at `f6f306b`: measured 1.0278 / 1.076 /
