@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from dynpipe.runtime.adapt import simulator as sim
+from dynpipe.runtime.runlog import code_revision
 
 pytestmark = pytest.mark.slow
 
@@ -81,5 +82,6 @@ def test_command_line_summary_names_its_draw(tmp_path) -> None:
     got = json.loads(out.read_text())
     assert got["run"]["seed"] == 3 and got["run"]["steps"] == 240
     assert got["run"]["predictor"] == "predictor/h200.json.gz"
-    assert got["run"]["revision"]  # the checkout's commit (or DYNPIPE_REVISION)
+    # The checkout's commit (None outside a git checkout, unless DYNPIPE_REVISION names it).
+    assert got["run"]["revision"] == code_revision()
     assert got["scenarios"] == 2 and set(got["measured"]) >= {"all"}
