@@ -228,18 +228,19 @@ def _summarise(layers: pd.DataFrame, stages: pd.DataFrame) -> dict:
     }
 
 
+def _stage_ids(df: pd.DataFrame, n_stages: Sequence[int]) -> dict[int, np.ndarray]:
+    """Per stage count, each row's stage in the balanced split of its run (counts no run can
+    be split into are left out)."""
+    ids = {s: assign_stages(df, n_stages=s) for s in n_stages}
+    return {s: sid for s, sid in ids.items() if (sid >= 0).any()}
+
+
 def score(df: pd.DataFrame, predicted_ms: np.ndarray, *, n_stages: Sequence[int] = (2, 4)) -> dict:
     """Layer and stage errors of given per-row predicted times (e.g. a shipped predictor on
     new data, no refit)."""
     df = df.reset_index(drop=True)
     pred = np.asarray(predicted_ms, dtype=np.float64)
-    parts = []
-    for s in n_stages:
-        sid = assign_stages(df, n_stages=s)
-        if (sid >= 0).any():
-            parts.append(stage_sums(df, stage=sid, predicted_ms=pred).assign(n_stages=s))
-    stages = pd.concat(parts, ignore_index=True) if parts else _empty_stages()
-    return _summarise(_layer_frame(df, pred), stages)
+    return _summarise(*_scored_frames(df, pred, _stage_ids(df, n_stages)))
 
 
 def _scored_frames(
@@ -270,8 +271,7 @@ def evaluate_shipped(
     and the split is ``condition`` with one fold."""
     df = df.reset_index(drop=True)
     pred = np.asarray(predicted_ms, dtype=np.float64)
-    stage_ids = {s: assign_stages(df, n_stages=s) for s in n_stages}
-    stage_ids = {s: sid for s, sid in stage_ids.items() if (sid >= 0).any()}
+    stage_ids = _stage_ids(df, n_stages)
     label = {"split": "condition"}
     alone = df["time_alone_ms"].to_numpy(dtype=np.float64)
     frames = {
@@ -367,8 +367,7 @@ def evaluate(
     y = df["slowdown"].to_numpy(dtype=np.float64)
     alone = df["time_alone_ms"].to_numpy(dtype=np.float64)
     runs = run_ids(df)
-    stage_ids = {s: assign_stages(df, n_stages=s) for s in n_stages}
-    stage_ids = {s: sid for s, sid in stage_ids.items() if (sid >= 0).any()}
+    stage_ids = _stage_ids(df, n_stages)
 
     layer_frames, stage_frames = [], []
     results: dict[str, dict] = {}

@@ -88,16 +88,22 @@ def median_work_layer(cost: np.ndarray) -> int:
     return int(order[min(at, len(order) - 1)])
 
 
+def _twins(classes: np.ndarray, a: int, b: int) -> list[np.ndarray]:
+    """Indices of each class of identical layers with three or more members in ``[a, b)``:
+    enough of them for their middle to say what one of them costs."""
+    groups = [np.flatnonzero(classes[a:b] == c) + a for c in np.unique(classes[a:b])]
+    return [g for g in groups if len(g) >= 3]
+
+
 def _stalls(host: np.ndarray, classes: np.ndarray, a: int, b: int, bar_ms: float) -> None:
     """In place: a host reading of layers ``[a, b)`` above the median of its identical
     layers there (three or more) by more than ``bar_ms`` (the stage's device time for a
     microbatch) is a wait, not the layer's issue time: it takes their median. Identical
     layers issue alike, and a layer whose host took longer over it than the device takes
     over the whole stage was waiting for something else."""
-    for c in np.unique(classes[a:b]):
-        members = np.flatnonzero(classes[a:b] == c) + a
+    for members in _twins(classes, a, b):
         vals = host[members]
-        if len(members) < 3 or not np.isfinite(vals).all():
+        if not np.isfinite(vals).all():
             continue
         med = float(np.median(vals))
         host[members[vals > med + bar_ms]] = med
@@ -112,12 +118,11 @@ def _pooled(run: np.ndarray, classes: np.ndarray, a: int, b: int) -> np.ndarray:
     blocks on the slowed stage read 1.1 or 2.9-3.1 ms forward, alternating, and a split
     that kept the blocks that happened to read short was priced on them. The mean keeps
     the stage's total (the plan in force is priced as before) and spreads it evenly."""
-    out = run[a:b].copy()
-    for c in np.unique(classes[a:b]):
-        idx = np.flatnonzero(classes[a:b] == c)
-        if len(idx) >= 3 and np.isfinite(out[idx]).all():
-            out[idx] = float(out[idx].mean())
-    return out
+    out = run.copy()
+    for members in _twins(classes, a, b):
+        if np.isfinite(out[members]).all():
+            out[members] = float(out[members].mean())
+    return out[a:b]
 
 
 def _load_g(c: Any, u: Any) -> Any:

@@ -478,11 +478,12 @@ class ReplicaPolicy(NoiseRules):
             return
         regime, ratio, before, src, dst, before_noise = promise
         tol = self._as_then_tol(before_noise, noise)
-        if np.log(here / max(before, 1e-9)) > (tol if src.shape == dst.shape else -tol):
+        moved = float(np.log(here / max(before, 1e-9)))  # the steps' change, log ratio
+        if moved > (tol if src.shape == dst.shape else -tol):
             self._slower = [*self._slower, (src, dst, before, here, before_noise)][-_SLOWER:]
         if regime != self.regime:
             return
-        if np.log(here / max(before, 1e-9)) > tol:
+        if moved > tol:
             # Slower beyond the two windows' noise under the same conditions: undone on this
             # window (``_decide``), as the ``Controller`` undoes such a move. The memory's
             # way back needs the configuration left measured under this regime, and a window
@@ -491,7 +492,7 @@ class ReplicaPolicy(NoiseRules):
             # that named new conditions, measured 96 ms per batch against the even shares'
             # 68, and held the shift to the end (1.35x static; undone, 1.04x).
             self._undo = (src, before)
-        short = max(0.0, float(np.log(here / max(before, 1e-9)) - np.log(max(ratio, 1e-9))))
+        short = max(0.0, moved - float(np.log(max(ratio, 1e-9))))
         kept = self._shortfalls.get(regime, [])
         self._shortfalls[regime] = [*kept, short][-_SHORTFALLS:]
 
