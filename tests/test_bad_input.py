@@ -41,6 +41,7 @@ def _one_line(capsys, argv: list[str], *needles: str) -> str:
         (["--model", "usermodel_bad:nothing"], ["returned NoneType"]),
         (["--model", "usermodel_bad:empty"], ["has no layers"]),
         (["--microbatches", "0"], ["--microbatches must be >= 1"]),
+        (["--cpu-threads", "0"], ["--cpu-threads must be >= 1, got 0"]),
         (["--keep-checkpoints", "0"], ["--keep-checkpoints must be >= 1"]),
         (["--max-restarts", "2"], ["--max-restarts 2 needs --save-every K --save-dir DIR"]),
         (["--resume", "auto"], ["--resume auto needs --save-dir"]),

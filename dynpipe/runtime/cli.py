@@ -108,6 +108,15 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         "cores available), one compute thread each",
     )
     g.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="CPU runs: torch compute threads per worker, the same whatever --nproc, so a "
+        "run on N workers is bit-identical to one process; OMP_NUM_THREADS overrides it "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
         "--timeout",
         type=float,
         default=120.0,
@@ -214,6 +223,8 @@ def _launcher(cfg, args: argparse.Namespace) -> int:
     model, _ = build_model_and_data(cfg)
     if args.nproc is not None and args.nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.cpu_threads < 1:
+        raise UserError(f"--cpu-threads must be >= 1, got {args.cpu_threads}")
     nproc = args.nproc
     if nproc is None:
         if cfg.plan:
@@ -276,6 +287,19 @@ def _share_cores() -> None:
     torch.set_num_threads(max(1, (cores or 1) // local))
 
 
+def _pin_threads(threads: int) -> None:
+    """CPU runs: the same number of compute threads in every worker, whatever their count.
+    A matrix product splits its reduction by thread, so one process on every core and two
+    on one core each differ in the last bit (1e-7 relative on mlp from step 3); with the
+    count fixed, a pipelined CPU run is bit-identical to one process. ``OMP_NUM_THREADS``,
+    where set, is the user's choice and is read by torch itself."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def _worker(cfg, args: argparse.Namespace) -> int:
     from dynpipe.errors import UserError
     from dynpipe.runtime.signals import Stopped, StopRequest, bind_to_parent
@@ -294,6 +318,8 @@ def _worker(cfg, args: argparse.Namespace) -> int:
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[topo.local_rank % len(cores)]})
         torch.set_num_threads(1)
+    elif topo.device.type == "cpu":
+        _pin_threads(args.cpu_threads)
     else:
         _share_cores()
     try:

@@ -61,6 +61,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         "numpy": np.__version__,
         "platform": platform.platform(),
         "cpu": platform.processor() or platform.machine(),
+        # CPU results depend on it in the last bit (``runtime.cli._pin_threads``).
+        "torch_threads": torch.get_num_threads(),
     }
     from dynpipe import __version__
 

@@ -44,6 +44,7 @@ real interferer would put it: in the layers, not in the stage's overhead.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -385,7 +386,7 @@ class LayerProbe:
                 b_rows.append([ms(bm[j + 1], bm[j]) for j in range(n)])
         f = np.median(np.array(f_rows), axis=0).tolist()
         b = np.median(np.array(b_rows), axis=0).tolist() if b_rows else [float("nan")] * n
-        return f, b
+        return _readable(f), _readable(b)
 
 
 class StageTimer:
@@ -518,6 +519,15 @@ class StageTimer:
         if self._pool is not None:
             self._pool.reset()
         return out
+
+
+def _readable(ms: list[float]) -> list[float]:
+    """Per-layer readings as the controller may take them: a layer that hands on its input
+    tensor itself (``Identity``, ``Dropout(0)``) has its two boundary hooks on one tensor,
+    which fire in registration order, so its backward reads as a small negative interval;
+    it did no work, and reads 0. A reading that is not finite says nothing: NaN, as an
+    untimed backward."""
+    return [max(x, 0.0) if math.isfinite(x) else float("nan") for x in ms]
 
 
 def _discount_marks(

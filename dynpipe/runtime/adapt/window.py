@@ -220,7 +220,7 @@ class Window:
         def arr(key: str) -> np.ndarray | None:
             if layers is None or layers.get(key) is None:
                 return None
-            return np.array([np.nan if v is None else v for v in layers[key]], float)
+            return _readings([np.nan if v is None else v for v in layers[key]])
 
         return cls(
             step=int(records[-1]["step"]),
@@ -296,3 +296,12 @@ class Window:
                 [[rec["replicas"][r]["reduce_ms"] for r in range(dp)] for rec in records], float
             ),
         )
+
+
+def _readings(values: Sequence[float]) -> np.ndarray:
+    """Logged per-layer times as observations: a reading below zero (timer order on a
+    layer that did no work) is 0, one that is not finite is NaN (no reading). A
+    measurement never stops training; the estimates treat NaN as a layer not timed."""
+    a = np.array(values, float)
+    a[~np.isfinite(a)] = np.nan
+    return np.where(a < 0, 0.0, a)
