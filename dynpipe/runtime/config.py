@@ -52,6 +52,10 @@ class TrainConfig:
     seed: seed of the model's weights and the data.
     log: JSONL run-log path, written by the last stage's rank (unset:
         runs/<model>-<time>/log.jsonl).
+    tensorboard: also write the run's scalars (loss, eval, lr, step time, samples/s, each
+        stage's compute and wait, migrations, each device's slowdown and telemetry) and
+        every adaptation decision as TensorBoard event files in this folder, live, from the
+        rank that writes the run log (needs the tb extra: pip install 'dynpipe[tb]').
     log_every: steps between the gathers of per-stage timings (one small collective).
     save_every: checkpoint every N steps (0: never).
     save_dir: checkpoint folder: every save a fresh ckpt-<step>-<id> subfolder there,
@@ -121,6 +125,7 @@ class TrainConfig:
     timing: bool = True
     seed: int = 0
     log: str | None = None
+    tensorboard: str | None = field(default=None, metadata={"metavar": "DIR"})
     log_every: int = 10
     save_every: int = 0
     save_dir: str | None = None

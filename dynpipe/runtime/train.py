@@ -709,7 +709,14 @@ def train(
         lost = (
             _steps_lost(progress_key, log_path, start, topo=topo) if topo.restart_attempt else None
         )
-        log = RunLog(log_path, append=bool(cfg.resume or topo.restart_attempt or start))
+        sinks = ()
+        if cfg.tensorboard:
+            from dynpipe.analysis.tensorboard import TensorBoardSink
+
+            sinks = (TensorBoardSink(cfg.tensorboard),)
+        log = RunLog(
+            log_path, append=bool(cfg.resume or topo.restart_attempt or start), sinks=sinks
+        )
         log.header(
             config=cfg.to_dict(),
             plan=plan.to_dict(),
