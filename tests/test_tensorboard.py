@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from distutil import run_ranks
 
 pytest.importorskip("tensorboard")
