@@ -4,7 +4,9 @@
     python docs/gen_results.py --check    # exit 1 if a committed page differs
 
 Inputs: ``bench/results/*.json`` (oracle comparisons, controller simulators, pipeline
-overhead, data x pipeline, reliability) and ``predictor/*_report/report.json``. Every row
+overhead, data x pipeline, reliability), ``predictor/*_report/report.json``, and the run
+logs of the elastic and time-to-accuracy experiments in ``analysis/logs/`` (read through
+``read_log``). Every row
 names the card, the code revision and the log folder where the file records them; the
 pages hold no number that is not in those files. The output depends only on the files'
 contents and names (sorted), so the committed pages regenerate byte-identical.
@@ -378,12 +380,145 @@ def predictors_page() -> str:
     return "\n".join(out) + "\n"
 
 
+def _phase_ms(recs: Any, meta: dict[str, Any]) -> list[str]:
+    """Median step ms before, during and after the interference (from the log's first
+    interference events, else the experiment's ``meta.json`` for a run of its length; the
+    first 10 steps of each phase left out, as ``bench/elastic_table.py`` does), with the
+    stage counts seen in each."""
+    steps = {r.step: r for r in recs.steps}
+    if not steps:
+        return ["-", "-", "-"]
+    last = max(steps) + 1
+    starts = [e.step for e in recs.events("interference_start") if e.step is not None]
+    stops = [e.step for e in recs.events("interference_stop") if e.step is not None]
+    if starts:
+        onset = min(starts)
+        end = min([s for s in stops if s > onset], default=last)
+    elif "onset" in meta and last <= meta.get("steps", 0):
+        onset, end = meta["onset"], meta.get("end", last)  # a run the scenario never reached
+    else:
+        onset = end = last  # no interference in this run: all of it is "before"
+    cells = []
+    for a, b in ((10, onset), (onset + 10, end), (end + 10, last)):
+        rows = [steps[s] for s in range(a, b) if s in steps]
+        if not rows:
+            cells.append("-")
+            continue
+        ms = sorted(r.step_ms for r in rows)
+        mid = len(ms) // 2
+        median = ms[mid] if len(ms) % 2 else (ms[mid - 1] + ms[mid]) / 2
+        counts = sorted({sum(1 for st in r.stages if st.layers[1] > st.layers[0]) for r in rows})
+        cells.append(f"{median:.1f} ({'/'.join(map(str, counts))} st)")
+    return cells
+
+
+def _runs_table(folder: Path) -> list[str]:
+    from dynpipe.runtime.records import glob_logs, log_stem, read_log
+
+    meta_path = folder / "meta.json"
+    meta = _load(meta_path) if meta_path.is_file() else {}
+    runs = []
+    for path in glob_logs(folder):
+        name = path.parent.name if log_stem(path) == "log" else log_stem(path)
+        runs.append((name, path, read_log(path)))
+    if not runs:
+        return []
+    _, rev_name = _name_parts(Path(folder.name + ".json"))
+    best = [max((e.accuracy or 0.0) for e in r.evals) for _, _, r in runs if r.evals]
+    target = min(best) if len(best) >= 2 else None
+    header = next((r.headers[0] for _, _, r in runs if r.headers), None)
+    card = (header.env.get("device_name") if header else None) or "-"
+    rev = _revision(header.revision if header else None, _revision(meta.get("revision"), rev_name))
+    out = [
+        f"## `{_rel(folder)}/`",
+        "",
+        f"{card}, revision {_code(rev)}"
+        + (f", scenario `{meta['scenario']}`" if meta.get("scenario") else "")
+        + (f", target accuracy {target:.4f} (the lowest of the runs' best)" if target else "")
+        + ".",
+        "",
+        "| run | GPUs | adapt | steps | before ms | during ms | after ms | moves | "
+        "final accuracy | time to target (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, _, recs in runs:
+        h = recs.headers[0] if recs.headers else None
+        mode = ((h.config.get("adapt") or {}).get("mode") if h else None) or "-"
+        moves = sum(len(recs.events(n)) for n in ("repartition", "reshape", "restart"))
+        acc = recs.evals[-1].accuracy if recs.evals else None
+        hit = "-"
+        if target is not None and recs.evals and h is not None:
+            t = next((e.time - h.time for e in recs.evals if (e.accuracy or 0.0) >= target), None)
+            hit = f"{t:.1f}" if t is not None else "not reached"
+        out.append(
+            f"| {name} | {h.world_size if h else '-'} | {mode} | {len(recs.steps)} | "
+            + " | ".join(_phase_ms(recs, meta))
+            + f" | {moves} | {_f(acc, 4)} | {hit} |"
+        )
+    return [*out, ""]
+
+
+def _runs_page(prefix: str, title: str, intro: list[str]) -> str:
+    out = [
+        f"# {title}",
+        "",
+        _HEAD.format(src=f"the run logs in analysis/logs/{prefix}-*/"),
+        "",
+        *intro,
+        "",
+    ]
+    for folder in sorted((ROOT / "analysis" / "logs").glob(f"{prefix}-*")):
+        if folder.is_dir():
+            out += _runs_table(folder)
+    return "\n".join(out).rstrip() + "\n"
+
+
+_PHASE_NOTE = [
+    "Step times are medians in ms before, during and after the run's interferer (the",
+    "first 10 steps of each phase left out), with the stage counts seen in the phase;",
+    "moves counts repartitions, reshapes and restarts. Time to target is wall seconds from the",
+    "launch to the first held-out evaluation at the target accuracy.",
+]
+
+
+def elastic_page() -> str:
+    return _runs_page(
+        "elastic",
+        "Elastic stage count and freezing",
+        [
+            "Runs of `bench/gpu_elastic.sh`: `keep-static` keeps every stage under the",
+            "interferer, `drop-static` runs without the slowed GPU from the start, `elastic`",
+            "(`--elastic`) may drop and re-add it live, `release` hands a GPU back by",
+            "request; `nofreeze`, `freeze` and `freeze-autodp` train to the end of a",
+            "learning-rate schedule with and without `--freeze` (which changes what",
+            "training computes).",
+            "",
+            *_PHASE_NOTE,
+        ],
+    )
+
+
+def tta_page() -> str:
+    return _runs_page(
+        "tta",
+        "Time to accuracy",
+        [
+            "Runs of `bench/gpu_tta.sh`: the same model trained to the same step count on",
+            "offline data under a long interferer, static and adaptive, on 2 and 4 GPUs.",
+            "",
+            *_PHASE_NOTE,
+        ],
+    )
+
+
 PAGES: dict[str, Callable[[], str]] = {
     "oracle.md": oracle_page,
     "simulator.md": simulator_page,
     "pipeline-overhead.md": pipeline_page,
     "dp-pp.md": dp_pp_page,
     "reliability.md": reliability_page,
+    "elastic.md": elastic_page,
+    "time-to-accuracy.md": tta_page,
     "predictors.md": predictors_page,
 }
 
@@ -414,4 +549,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
     sys.exit(main())
