@@ -481,8 +481,42 @@ _PHASE_NOTE = [
 ]
 
 
+def _freeze_rule_table() -> list[str]:
+    path = RESULTS / "freeze_rule_cpu.json"
+    if not path.is_file():
+        return []
+    d = _load(path)
+    args, where = d.get("args", {}), d.get("where", {})
+    out = [
+        "## The freeze rule on CPU",
+        "",
+        f"`{_rel(path)}` (`bench/freeze_rule.py`): each setting trained in one process on the "
+        f"unsplit model, without freezing (`none`), with a rule that freezes on flat gradient "
+        f"norms alone (`old`) and with `--freeze`'s rule (`new`, which also waits for the loss "
+        f"to plateau); every {args.get('every')} steps, threshold {args.get('threshold')}, "
+        f"alpha {args.get('alpha')}. {where.get('cpus')} CPUs, torch {where.get('torch')}.",
+        "",
+        "| setting | rule | final step | held-out accuracy | backward skipped | froze at (step, layers) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for setting, rules in d.items():
+        if not isinstance(rules, dict) or "none" not in rules:
+            continue
+        for rule, r in rules.items():
+            if not isinstance(r, dict) or "evals" not in r:
+                continue
+            last = r["evals"][-1] if r["evals"] else {}
+            skipped = r.get("skipped_layer_steps", 0) / max(r.get("layer_steps", 1), 1)
+            froze = ", ".join(f"({a}, {b})" for a, b in r.get("timeline", [])) or "-"
+            out.append(
+                f"| {setting} | {rule} | {last.get('step', '-')} | {_f(last.get('acc'), 4)} | "
+                f"{skipped:.1%} | {froze} |"
+            )
+    return [*out, ""]
+
+
 def elastic_page() -> str:
-    return _runs_page(
+    page = _runs_page(
         "elastic",
         "Elastic stage count and freezing",
         [
@@ -496,6 +530,7 @@ def elastic_page() -> str:
             *_PHASE_NOTE,
         ],
     )
+    return page + "\n" + "\n".join(_freeze_rule_table()).rstrip() + "\n"
 
 
 def tta_page() -> str:
