@@ -16,8 +16,6 @@ import pytest
 import torch
 from distutil import run_ranks
 
-pytest.importorskip("tensorboard")
-
 MODEL = {"depth": 2, "width": 32, "in_features": 32, "num_classes": 8}  # 4 layers
 STEPS = 20
 
@@ -108,6 +106,7 @@ def _read(logdir: Path):
 
 @pytest.mark.slow
 def test_live_tensorboard_matches_the_log_and_its_conversion(tmp_path) -> None:
+    pytest.importorskip("tensorboard")
     from dynpipe.runtime.records import read_log
 
     log, live = tmp_path / "run.jsonl", tmp_path / "tb-live"
@@ -177,3 +176,56 @@ def test_missing_tensorboard_is_one_line_before_launch(tmp_path) -> None:
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install 'dynpipe[tb]'" in lines[0], proc.stderr
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_entries_map_each_record_kind() -> None:
+    """The one mapping both paths use: steps, evals, telemetry, decisions and moves."""
+    from dynpipe.analysis.tensorboard import entries
+    from dynpipe.runtime.records import Eval, Event, Header, StageTiming, Step, Telemetry
+
+    st = StageTiming(stage=1, rank=1, layers=(2, 5), fwd_ms=1.5, bwd_ms=2.5, wait_ms=0.25)
+    step = {
+        e.tag: e.value for e in entries(Step(step=7, wall=1.0, step_ms=9.0, loss=0.5, stages=(st,)))
+    }
+    assert step["train/loss"] == 0.5 and step["perf/step_ms"] == 9.0
+    assert step["stage1/compute_ms"] == 4.0 and step["stage1/wait_ms"] == 0.25
+    assert step["stage1/layers"] == 3.0
+    assert "train/lr" not in step and "stage1/update_ms" not in step  # None is not drawn
+    ev = {e.tag: e.value for e in entries(Eval(step=7, loss=1.0, accuracy=0.75))}
+    assert ev == {"eval/loss": 1.0, "eval/accuracy": 0.75}
+    tel = entries(
+        Telemetry(step=9, devices=({"tel_util": 50.0, "tel_power_w": None}, {"tel_util": 10.0}))
+    )
+    assert {(e.tag, e.value) for e in tel} == {("device0/util", 50.0), ("device1/util", 10.0)}
+    dec = entries(
+        Event(
+            event="decision",
+            step=10,
+            fields={
+                "mode": "measured",
+                "slowdown": [1.0, 3.0],
+                "current_ms": 30.0,
+                "proposed_ms": 20.0,
+                "repartition": True,
+                "reason": "predicted 30 -> 20",
+            },
+        )
+    )
+    assert {e.tag: e.value for e in dec if e.text is None}["device1/slowdown"] == 3.0
+    (text,) = [e for e in dec if e.text is not None]
+    assert text.step == 10 and "**move**" in text.text and "predicted 30 -> 20" in text.text
+    plan = {"stages": [{"start": 0, "stop": 2}, {"start": 2, "stop": 4}]}
+    new = {"stages": [{"start": 0, "stop": 3}, {"start": 3, "stop": 4}]}
+    mv = entries(
+        Event(
+            event="repartition",
+            step=11,
+            fields={"old_plan": plan, "new_plan": new, "bytes": 1024, "pause_ms": 5.0},
+        )
+    )
+    assert {e.tag: e.value for e in mv if e.text is None} == {
+        "migration/bytes": 1024.0,
+        "migration/pause_ms": 5.0,
+    }
+    assert any(e.text and "2|2 -> 3|1" in e.text and "1,024 bytes" in e.text for e in mv)
+    assert entries(Header()) == []
