@@ -551,7 +551,7 @@ PAGES: dict[str, Callable[[], str]] = {
     "simulator.md": simulator_page,
     "pipeline-overhead.md": pipeline_page,
     "dp-pp.md": dp_pp_page,
-    "reliability.md": reliability_page,
+    "fault-costs.md": reliability_page,
     "elastic.md": elastic_page,
     "time-to-accuracy.md": tta_page,
     "predictors.md": predictors_page,
