@@ -286,7 +286,7 @@ def _span(rows: list[dict[str, Any]], key: str, digits: int = 1) -> str:
 def reliability_page() -> str:
     path = RESULTS / "reliability-cpu.json"
     out = [
-        "# Reliability",
+        "# Fault costs",
         "",
         _HEAD.format(src="bench/results/reliability-cpu.json"),
         "",
