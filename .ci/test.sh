@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The test command: what the README gives and what CI runs (.ci/run calls this file), on a
-# clean checkout of a CPU-only machine. Installs into .venv, runs the suite, then the tests
-# that assert on wall-clock time (marked `timing`) in a step of their own: a shared or
-# loaded machine can push one past its bounds, so failures there are retried once.
+# clean checkout of a CPU-only machine. Installs into .venv, runs the suite, builds the docs
+# site (mkdocs --strict), then the tests that assert on wall-clock time (marked `timing`) in
+# a step of their own: a shared or loaded machine can push one past its bounds, so failures
+# there are retried once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 . .venv/bin/activate
 pip install -q torch==2.13.0
-pip install -q -e '.[dev]'
+pip install -q -e '.[dev,docs,tb]'
 python -m pytest -q
+# The docs site: every page builds and every link between pages resolves (a few seconds).
+NO_MKDOCS_2_WARNING=1 mkdocs build --strict -q -d "$(mktemp -d)"
 if ! python -m pytest -q -m "timing and not gpu"; then
   echo "timing tests failed; running the failed ones again, once" >&2
   python -m pytest -q -m "timing and not gpu" --last-failed

@@ -57,13 +57,13 @@ case "$DEVICE/$TTA_MODEL" in
            --model-arg seq_len=512 --batch-size 64 --microbatches 8 --bf16)
     EVAL_BATCHES=8 ;;
   cuda/resnet50)
-    # ~110 ms a step on two H100s (README, the oracle table); one evaluation is one batch,
+    # ~110 ms a step on two H100s (docs/results/oracle.md); one evaluation is one batch,
     # 256 of the 359 held-out digits. A loader worker makes a batch on one core (the
     # digit images are generated, not read: bench/bench_loader.py --data digits).
     MODEL=(--model resnet50 --model-arg image_size=224 --batch-size 256 --microbatches 8 --bf16)
     EVAL_BATCHES=1 ;;
   cuda/vgg16)
-    # ~50-65 ms a step on two H100s (README, the oracle table); two batches, 256 digits.
+    # ~50-65 ms a step on two H100s (docs/results/oracle.md); two batches, 256 digits.
     MODEL=(--model vgg16 --model-arg image_size=224 --batch-size 128 --microbatches 8 --bf16) ;;
   cpu/gpt)
     MODEL=(--model gpt --model-arg depth=4 --model-arg width=32 --model-arg heads=2

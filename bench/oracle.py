@@ -43,7 +43,7 @@ import numpy as np
 
 from dynpipe.planner.plan import split_label  # plain data: no torch for the orchestrator
 
-# Sizes at which the GPUs, not kernel launches or the host, bound the step (see README).
+# Sizes at which the GPUs, not kernel launches or the host, bound the step (docs/results/oracle.md).
 CONFIGS: dict[str, list[str]] = {
     "vgg16-b128": ["--model", "vgg16", "--model-arg", "image_size=224", "--model-arg",
                    "num_classes=1000", "--batch-size", "128", "--microbatches", "8"],

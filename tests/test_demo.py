@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-# Adaptive over static during the interference, the margin README.md states for the demo.
+# Adaptive over static during the interference, the margin docs/getting-started.md states for the demo.
 MARGIN = 1.5
 # Other jobs on a shared 2-core machine change how fast each run goes, and a demo measures
 # its two runs one after the other: up to three demo runs, of which one must show every

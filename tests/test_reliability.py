@@ -6,7 +6,7 @@
   relaunch resumes its own run's checkpoint, and no published folder is ever rewritten;
 - SIGTERM to the launcher: one line, exit 143, a final checkpoint, no process left behind;
 - SIGKILL of the launcher: its workers are gone within ``--timeout``;
-- the README's multi-node form (``torchrun ... -m dynpipe -- train ...``) runs.
+- the multi-node form of docs/multi-node.md (``torchrun ... -m dynpipe -- train ...``) runs.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ recorded static GPU run. Held to the adaptation targets: mean ratio to the oracl
 1.03, p95 <= 1.10. The policy before this simulator existed gave 1.0318 and 1.1311 here
 and fails both. Not yet to "none worse than static by more than 2%": one run is 2.9%
 slower (a 2 x 1 gpt run on noisy timers), and on the seeds it was developed on (7, 11,
-23, 101) 0, 2, 0 and 3 runs a seed are (the README's replica simulator section).
+23, 101) 0, 2, 0 and 3 runs a seed are (docs/results/simulator.md).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ p95 <= 1.10, none worse than static by more than 2% (at `f6f306b`: measured 1.02
 1.017x, adaptive 1.0273 / 1.072 / 1.017x; sound timers alone 1.020 / 1.056 / 1.000x in both
 modes). Misleading timers are where the policy is near the targets rather than under them:
 on 300 other scenarios (seed 11, ``bench/results/simulator.json``) the mean is 1.032-1.033
-and 4-5 runs are past 2% of static (see the README), so a change that makes this draw worse
+and 4-5 runs are past 2% of static (docs/results/simulator.md), so a change that makes this draw worse
 fails here.
 """
 

@@ -5,6 +5,7 @@
     dynpipe figures --label static=a.jsonl --label dynpipe=b.jsonl -o figures/
     dynpipe figures -o figures/ --predictor predictor/cpu_report            # eval report
     dynpipe figures -o figures/ --predictor predictor/cpu.json.gz --profiles profiles/cpu.parquet
+    dynpipe figures --tensorboard runs/tb runs/*/log.jsonl                  # TensorBoard files
 
 A figure whose inputs are missing is skipped with a one-line note saying what it needs.
 """
@@ -31,7 +32,20 @@ def register(subparsers: Any) -> None:
         metavar="RUN_LOG",
         help="JSONL run logs (`dynpipe train --log`), folders of them, or globs",
     )
-    p.add_argument("-o", "--output", required=True, metavar="DIR", help="folder for the figures")
+    p.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        metavar="DIR",
+        help="folder for the figures (required unless --tensorboard is given)",
+    )
+    p.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="write each run log's scalars and adaptation events as TensorBoard event files "
+        "under DIR/<log name> (the same as a live run's --tensorboard; needs the tb extra)",
+    )
     p.add_argument(
         "--label",
         action="append",
@@ -119,6 +133,19 @@ def run(args: argparse.Namespace) -> int:
     from dynpipe.errors import UserError
 
     labels = _labels(args.label)
+    if args.tensorboard:
+        from dynpipe.analysis.tensorboard import convert, require_tensorboard
+
+        require_tensorboard()
+        if not (args.logs or labels):
+            raise UserError("--tensorboard needs run logs to convert; give LOG files or folders")
+        paths = logs.expand_log_paths([*args.logs, *labels.values()])
+        for folder in convert(paths, out=args.tensorboard):
+            print(f"tensorboard: {folder}")
+        if not args.output:
+            return 0
+    if not args.output:
+        raise UserError("give -o DIR for the figures (or --tensorboard DIR for event files)")
     if not (args.logs or labels or args.predictor or args.partitions):
         raise UserError(
             "nothing to draw; give run logs (`dynpipe train --log FILE`), --partitions or "

@@ -110,10 +110,8 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--bf16",
         action="store_true",
-        help="the run is `dynpipe train --bf16` (bfloat16 autocast): layers run and keep "
-        "activations in bfloat16 (analytic costs at bfloat16; a profile taken with --dtype "
-        "bfloat16), while weights, gradients and optimizer state stay float32, which the "
-        "memory model and the bytes a move sends count",
+        help="price a `dynpipe train --bf16` run: bfloat16 layers and activations, float32 "
+        "weights, gradients and optimizer state",
     )
     p.add_argument(
         "--device-tflops",

@@ -68,7 +68,7 @@ class Plan:
         on its own ranks: stage ``s`` on rank ``r * num_stages + stages[s].rank`` (a
         ``(dp, pp)`` device mesh); ``stages[s].rank`` is the stage's place in its pipeline.
         Every replica holds the same layers on the same stages (uneven replication of
-        stages is not supported: see the README).
+        stages is not supported: see docs/data-pipeline.md).
     microbatches: microbatches per replica per step when the batch is shared evenly; a step
         has ``dp * microbatches`` microbatches of ``batch_size / (dp * microbatches)``
         samples in all.

@@ -22,7 +22,7 @@ exact planner (``plan_partition``) one boundary move at a time. Splits whose sta
 fit the memory limit are not chosen; a shape none of whose splits fits is reported as such.
 
 Uneven replication (a stage with more replicas than another, as PipeDream's planner
-allows) is not considered: the runtime cannot run it (see the README).
+allows) is not considered: the runtime cannot run it (see docs/data-pipeline.md).
 """
 
 from __future__ import annotations

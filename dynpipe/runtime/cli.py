@@ -42,6 +42,7 @@ _GROUPS = (
         "logs and checkpoints",
         (
             "log",
+            "tensorboard",
             "log_every",
             "save_every",
             "save_dir",
@@ -169,6 +170,10 @@ def run(args: argparse.Namespace) -> int:
 def preflight(cfg, model, plan, *, check_resume: bool = True, device: str = "cpu") -> None:
     """Check every input a run reads besides the model and plan before any process group
     exists: the predictor and its feature schema, the scenario, the checkpoint to resume."""
+    if cfg.tensorboard:
+        from dynpipe.analysis.tensorboard import require_tensorboard
+
+        require_tensorboard()
     if cfg.predictor:
         from dynpipe.devices import TELEMETRY_COLUMNS
         from dynpipe.predictor import load_predictor

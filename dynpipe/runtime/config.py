@@ -52,6 +52,8 @@ class TrainConfig:
     seed: seed of the model's weights and the data.
     log: JSONL run-log path, written by the last stage's rank (unset:
         runs/<model>-<time>/log.jsonl).
+    tensorboard: also write the run log's scalars and adaptation decisions as TensorBoard
+        event files in this folder, live (needs pip install 'dynpipe[tb]').
     log_every: steps between the gathers of per-stage timings (one small collective).
     save_every: checkpoint every N steps (0: never).
     save_dir: checkpoint folder: every save a fresh ckpt-<step>-<id> subfolder there,
@@ -70,21 +72,13 @@ class TrainConfig:
         fit``), for ``--adapt adaptive`` or ``restart``.
     telemetry: device telemetry sampled in a side thread and gathered with stage times.
     gc_every: steps between Python garbage collections, made at the same step on every rank
-        with the automatic collector off and start-up objects frozen (0: Python's own
-        collector, at whatever point of a step each rank's allocations trigger it;
-        ``dynpipe.runtime.collect``).
+        so no rank stalls the others mid-step (0: Python's own collector).
     eval_every: evaluate on the held-out split every N steps and after the last (0: never),
         logging ``eval`` records: loss, top-1 accuracy, perplexity for gpt/bert.
     eval_batches: batches (of ``batch_size``) per evaluation (unset: the held-out split
         once, at most 50; 10 for synthetic data).
-    freeze: freeze converged leading layers (PipeTransformer's idea; CHANGES WHAT TRAINING
-        COMPUTES: frozen layers stop learning): every ``freeze_every`` steps, once the
-        training loss has stopped falling (its trend over the last ``freeze_patience``
-        windows under ``freeze_threshold`` of its fastest), leading layers whose gradient
-        norm is flat over those windows are frozen, at most ``freeze_alpha`` of the training
-        layers per check; windows in the learning rate's warm-up do not count; frozen layers
-        skip backward and hold no optimizer state, and a stage left with no layers goes idle
-        (one pipeline; replicated, such a freeze is capped instead).
+    freeze: freeze converged leading layers once the loss has stopped falling and their
+        gradient norms are flat (PipeTransformer's idea; CHANGES WHAT TRAINING COMPUTES).
     freeze_every: steps between freeze checks (the window the loss and a layer's gradient
         norm are averaged over).
     freeze_threshold: relative rate per window under which the loss has stopped falling
@@ -94,13 +88,8 @@ class TrainConfig:
         freeze (at least one; the last layer always trains).
     freeze_patience: windows the trends are fitted over (a check decides on the last
         ``freeze_patience + 1`` windows; 1: the last two).
-    autodp: with ``freeze``: at every freeze check, change the run's data x pipeline shape
-        live to more replicas of fewer stages when the frozen prefix makes that predicted
-        faster by the adaptation rule (gain >= ``--min-gain``, paying the pause back within
-        ``--horizon`` steps), hosting the extra replicas on the ranks the shorter pipeline
-        frees (PipeTransformer's AutoDP); a launch with ``dp`` starts from that shape. The
-        step keeps its microbatches, so the batch shares and the gradient averaging are
-        those of ``dp``.
+    autodp: with ``freeze``: host more pipeline replicas on the GPUs a frozen prefix frees,
+        live, when the adaptation rule predicts it pays (PipeTransformer's AutoDP).
     """
 
     model: str = "mlp"
@@ -121,6 +110,7 @@ class TrainConfig:
     timing: bool = True
     seed: int = 0
     log: str | None = None
+    tensorboard: str | None = field(default=None, metadata={"metavar": "DIR"})
     log_every: int = 10
     save_every: int = 0
     save_dir: str | None = None

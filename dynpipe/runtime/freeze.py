@@ -2,7 +2,7 @@
 pipeline onto fewer ranks when the frozen prefix leaves a stage nothing to train.
 
 **This changes what training computes**: frozen layers stop learning. It is opt-in, every
-freeze is logged (``freeze`` events, ``changes_training: true``), and the README says so.
+freeze is logged (``freeze`` events, ``changes_training: true``), and docs/elastic.md says so.
 
 The rule (``loss_plateaued`` and ``frozen_prefix``), checked every ``freeze_every`` steps
 on numbers every rank shares: each window's mean training loss (the global mean every
@@ -57,7 +57,7 @@ step 280 and three at step 340 of that run, on window-to-window noise. So:
 ``patience = 1`` with a huge ``threshold`` freezes as fast as alpha allows from the
 second counted window (what the exactness tests use).
 
-Measured (``bench/freeze_rule.py``, CPU; the README has the table): a gpt trained from
+Measured (``bench/freeze_rule.py``, CPU; docs/results/elastic.md has the table): a gpt trained from
 scratch, or trained on, to the end of a cosine schedule froze nothing and lost nothing
 (the old rule lost 7.6 and 2.6 points of held-out accuracy); on an mlp that converges it
 skipped the backward of 43% of the layer-steps at one held-out sample's difference (the

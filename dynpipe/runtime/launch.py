@@ -2,7 +2,7 @@
 
 ``dynpipe train --nproc N ...`` re-runs the same command line as N workers on this node
 (``python -m dynpipe train ...`` with ``RANK``/``WORLD_SIZE`` set by the agent). For several
-nodes, users call ``torchrun`` themselves with the same arguments (see the README).
+nodes, users call ``torchrun`` themselves with the same arguments (docs/multi-node.md).
 
 The agent relaunches every worker when one dies, up to ``max_restarts`` times; each relaunch
 resumes from the run's newest checkpoint (``dynpipe.runtime.train``). SIGTERM / SIGINT /

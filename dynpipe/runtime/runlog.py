@@ -2,7 +2,8 @@
 
 One file per run, written by a single rank (the last stage, which holds the loss). The
 analysis package draws every figure from these files and nothing else, and reads them
-through ``dynpipe.runtime.records.read_log``.
+through ``dynpipe.runtime.records.read_log``. Sinks (``TensorBoardSink``) see every record
+as it is written, so a live view shows exactly what the log holds.
 """
 
 from __future__ import annotations
@@ -11,13 +12,30 @@ import json
 import platform
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from dynpipe.runtime.records import SCHEMA_VERSION, Event, Header, Record, check_event
+from dynpipe.runtime.records import (
+    SCHEMA_VERSION,
+    Event,
+    Header,
+    Record,
+    check_event,
+    parse_record,
+)
 
-__all__ = ["RunLog", "code_revision", "environment"]
+__all__ = ["RecordSink", "RunLog", "code_revision", "environment"]
+
+
+class RecordSink(Protocol):
+    """Anything that takes run-log records as they are written (``TensorBoardSink``)."""
+
+    def write(self, rec: Record) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def code_revision() -> str | None:
@@ -79,13 +97,23 @@ def environment(device: torch.device) -> dict[str, Any]:
 class RunLog:
     """Append-only JSONL writer of ``dynpipe.runtime.records`` records."""
 
-    def __init__(self, path: str | Path, *, append: bool = False) -> None:
+    def __init__(
+        self, path: str | Path, *, append: bool = False, sinks: tuple[RecordSink, ...] = ()
+    ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = self.path.open("a" if append else "w", buffering=1)
+        self.sinks = tuple(sinks)
 
     def record(self, rec: Record) -> None:
-        self._fh.write(json.dumps(rec.to_dict(), default=_jsonable) + "\n")
+        line = json.dumps(rec.to_dict(), default=_jsonable)
+        self._fh.write(line + "\n")
+        if self.sinks:
+            # Sinks get the record as the log will read back (numbers rounded by JSON the
+            # same way), so a live view equals one converted from the file afterwards.
+            back = parse_record(json.loads(line))
+            for sink in self.sinks:
+                sink.write(back)
 
     def header(self, **fields: Any) -> None:
         """The launch's header, stamped with the schema version this dynpipe writes."""
@@ -99,10 +127,14 @@ class RunLog:
 
     def flush(self) -> None:
         self._fh.flush()
+        for sink in self.sinks:
+            sink.flush()
 
     def close(self) -> None:
         if not self._fh.closed:
             self._fh.close()
+            for sink in self.sinks:
+                sink.close()
 
     def __enter__(self) -> RunLog:
         return self

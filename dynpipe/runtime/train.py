@@ -709,7 +709,14 @@ def train(
         lost = (
             _steps_lost(progress_key, log_path, start, topo=topo) if topo.restart_attempt else None
         )
-        log = RunLog(log_path, append=bool(cfg.resume or topo.restart_attempt or start))
+        sinks = ()
+        if cfg.tensorboard:
+            from dynpipe.analysis.tensorboard import TensorBoardSink
+
+            sinks = (TensorBoardSink(cfg.tensorboard),)
+        log = RunLog(
+            log_path, append=bool(cfg.resume or topo.restart_attempt or start), sinks=sinks
+        )
         log.header(
             config=cfg.to_dict(),
             plan=plan.to_dict(),
@@ -1049,8 +1056,8 @@ def _warm_groups(meshes: dict[int, Mesh], *, topo: Topology) -> None:
     first use (NCCL: tens to hundreds of milliseconds), and a pair's point-to-point channel
     on its first message; a policy that may reshape (--reshape) would otherwise pay both
     inside a reshape's first step. gpt's first step after its first reshape from one
-    pipeline to 2 x 2 on 4 x H200 ran 558-1384 ms against 145 after it (`0c554d8`,
-    `22270b1`): 2 x 2's pipelines are the only groups of that run whose first use is
+    pipeline to 2 x 2 on 4 x H200 ran 558-1384 ms against 145 after it (two runs):
+    2 x 2's pipelines are the only groups of that run whose first use is
     point-to-point."""
     from dynpipe.runtime.topology import wait_all
 

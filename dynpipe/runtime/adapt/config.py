@@ -17,52 +17,32 @@ ADAPT_MODES = ("static", "measured", "adaptive", "restart", "sweep")
 class AdaptConfig:
     """When and how the runtime repartitions.
 
-    mode: ``static`` never; ``measured`` plans from the measured per-layer times, a device's
-        slowdown taken as the same for every layer; ``adaptive`` adds the predictor for how
-        much each layer would slow on a device that does not hold it (falls back to measured
-        without one); ``restart`` takes adaptive's decisions but applies them by checkpoint,
-        exit and relaunch (the original DynPipe's "DynPipe-Re"); ``sweep`` (benchmarks) visits
-        every split in turn for ``sweep_windows`` windows each, so that one launch measures
-        every static plan under the same conditions.
+    Each entry below is the flag's ``--help`` text; docs/adaptation.md gives each default's
+    reason and measurement.
+
+    mode: static never moves; measured plans from measured per-layer times; adaptive adds
+        the predictor for layers a device does not hold; restart applies adaptive's moves
+        by checkpoint and relaunch; sweep (benchmarks) holds every split in turn.
     monitor_every: steps per monitoring window (one all-gather per window); every layer is
         timed on the window's last step.
     settle_windows: windows ignored at the start and after each repartition (allocator
-        warm-up, kernel autotuning for layers new to a device) before times are trusted.
-    average_windows: a layer's running time on its device is the mean of its windows since
-        its conditions last changed, over at most this many (older ones fade).
-    jump: a device whose reading moves by more than this in one window (or by three times
-        its measured window-to-window noise, if that is more) has changed conditions: its
-        layers' averages start afresh, so an onset is seen in one window, and moves are
-        judged, and measured plans compared, only within one set of conditions.
-    min_gain: smallest relative step-time gain the model must promise for a repartition
-        (hysteresis against its errors). Plans measured under one set of conditions are
-        compared on their measurements' noise instead (a move measured slower beyond it
-        is undone). 2%: the model's errors are guarded by measurements too (a gain must
-        hold with every device one standard error against it; the last moves' shortfall
-        raises the bar; a move measured slower is undone), and 5% kept runs a whole phase
-        on splits 4-6% off the best (vgg16 256 under ``gemm`` on 2 x H200: 6|10 at 106.5
-        ms against 7|9 at 102.2, the model promising 4.0-4.7% every window). In the
-        controller simulator 2% came within 0.0001 of the best of 0-5% on every seed tried,
-        with fewer moves than 0-1% (README).
+        warm-up, autotuning of layers new to a device) before times are trusted.
+    average_windows: a layer's time on its device is the mean of its windows since its
+        conditions last changed, over at most this many.
+    jump: relative change of a device's reading in one window (or three times its measured
+        noise, if more) that counts as a change of conditions.
+    min_gain: smallest relative step-time gain the model must promise for a move (the
+        measurements guard the rest: a move measured slower is undone).
     horizon_steps: steps over which a gain must pay back the measured migration pause.
     sweep_windows: windows each split is held in ``sweep`` mode (the first settles).
-    sweep_plans: ``sweep`` mode with more than 2 stages: how many splits to visit (the best
-        under the measured per-layer costs); 2 stages visit every split.
-    partial_reduce: with pipeline replicas, let the policy leave a straggling replica's
-        batch share out of the update (SD-Pipe's partial reduce). This changes what training
-        computes (fewer samples per update while it holds); off, every move is exact.
-    reshape: let the replica policy (``measured``, ``adaptive``) change the data x
-        pipeline shape live, from any starting ``--dp`` (one pipeline over every rank is a
-        run of one replica to it): every other ``dp' x pp'`` of the same ranks (one
-        pipeline and DP only included), each with its best split and batch shares, is predicted from the measured per-layer costs
-        and per-device slowdowns, and moved to by the same rule as any other move; layers
-        and optimizer state are copied point to point between two steps. Exact: the step's
-        microbatches are the same in every shape.
-    elastic: one pipeline (``dp`` 1): the controller may also change the number of stages,
-        leaving a device idle when the pipeline is predicted faster without it and
-        bringing an idle device back when its probe says it recovered, by the same rule
-        (gain at least ``min_gain``, paid back within ``horizon_steps``). Off, plans keep
-        their ranks (a release request still empties one).
+    sweep_plans: ``sweep`` mode with more than 2 stages: how many of the best splits to
+        visit (2 stages visit every split).
+    partial_reduce: with pipeline replicas, may leave a straggling replica's batch share out
+        of the update (SD-Pipe's partial reduce; CHANGES WHAT TRAINING COMPUTES).
+    reshape: with the replica policy, may change the data x pipeline shape live (any
+        dp' x pp' of the same ranks); exact, like every move.
+    elastic: one pipeline: may change the number of stages, leaving a slowed device idle and
+        bringing it back when its probe says it recovered.
     """
 
     mode: str = "adaptive"

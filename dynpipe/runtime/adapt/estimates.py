@@ -1018,10 +1018,10 @@ class CostEstimates:
         it ran 1.81x. The stage's overhead counts with its layers: a time-sliced device's
         interference shows largely there (between the layers). Such a change still counts
         as a change of conditions if the next window confirms it (``update``); the
-        coefficient outlives that. Taking such a change for the load's alone, no change of
-        conditions, was tried: replayed over the 75 committed adaptive logs it changed 34
-        decisions, 12 of them to splits their runs' sweeps timed slower (kept as it is: 14,
-        2 slower), for the regimes it merged mixed the measurements of conditions the
+        coefficient outlives that. Such a change is not taken for the load's alone (no change
+        of conditions): replayed over the 75 committed adaptive logs, doing so changed 34
+        decisions, 12 of them to splits their runs' sweeps timed slower (against 2 of 14
+        with this rule), for the regimes it merged mixed the measurements of conditions the
         timers could not tell apart."""
         u_then = float(self.busy[r])
         if not np.isfinite(u_then) or abs(u_now - u_then) < _LOAD_DU:

@@ -54,9 +54,9 @@ one that outlasts the device's queue delays the step, so every option is priced 
 done once: each split's pipeline step per microbatch count for all replicas together
 (``_Steps``), splits by ``planner.listed.best_bounds`` (``plan_partition``'s split, every
 split scored where they are few), one predictor call over every replica's devices and none
-for replicas of one stage (whose layers are all measured). Over the six 4 x H200 dp x pp
-logs of ``6bdb40a`` (``bench/replay_replicas.py``) that took a window's decision from 16.3
-to 4.2 ms (medians, on a CPU host), with the same decisions.
+for replicas of one stage (whose layers are all measured). Replayed over six committed
+4 x H200 dp x pp logs (``bench/replay_replicas.py``), a window's decision takes 4.2 ms
+(median, on a CPU host) where pricing each option afresh took 16.3, with the same decisions.
 """
 
 from __future__ import annotations
@@ -365,8 +365,8 @@ class ReplicaPolicy(NoiseRules):
         # A window whose change of conditions is not yet confirmed is kept under no regime
         # (the ``Controller``'s rule): an onset's first window measured the configuration
         # under neither the old conditions nor, for sure, the new ones. Filed under the old,
-        # it raised their level and their spread: replayed, a 4 x 1 gpt run on 4 x H200
-        # (``9af2b26``) kept its uneven shares a window past the interferer's end, the
+        # it raises their level and their spread: replayed, a 4 x 1 gpt run on 4 x H200
+        # filed that way kept its uneven shares a window past the interferer's end, the
         # even shares' clean 95 ms read as 117 within a 4.6% spread.
         self.memory.add(cur, -1 if any(e.changing for e in self.est) else self.regime, here)
         self._judge(here, window.step_noise)
@@ -806,7 +806,7 @@ class ReplicaPolicy(NoiseRules):
         for its reduce, then updates: the step ends ``max_s (exposed_s + update_s -
         lead_s)`` past the pipeline. With the updates measured, a stage's reduce is exposed
         only beyond its own last microbatch's backward, which the reduce's buckets overlap
-        (DDP's): gpt 12 x 2048 as DP only on 4 x H200 (`8666f5a`) waited 1.8 ms for a
+        (DDP's): gpt 12 x 2048 as DP only on 4 x H200 waited 1.8 ms for a
         reduce priced 11.8 ms without that overlap. Before any update is measured (logs
         without it) the reduce is priced whole, as the planner does
         (``planner.shape.reduce_tail_ms``), which stood in for the update."""
@@ -832,7 +832,7 @@ class ReplicaPolicy(NoiseRules):
 
         The update of a rank's parameters is one pass over them and their optimizer state,
         so its time is proportional to the bytes it holds: AdamW on gpt 12 x 2048 took
-        12.0 ms a rank in DP only and 6.0 ms in 2 x 2 on 4 x H200 (`8666f5a`). A device's
+        12.0 ms a rank in DP only and 6.0 ms in 2 x 2 on 4 x H200. A device's
         rate is measured on whatever it holds now, so it carries its device's slowdown
         (22.8 and 11.7 ms on the GPU under ``gemm``). A device not yet timed holding
         parameters is priced at the median of the others."""
@@ -1081,7 +1081,7 @@ class ReplicaPolicy(NoiseRules):
         its pause plus what its first step and the stand before it took beyond the others
         (``Window.move_cost_ms``) takes the pause's place in the average of moves' costs.
         The first step of a new shape has run about 4x a step (gpt 12 x 2048 from one pipeline
-        to 2 x 2 on 4 x H200 at `0c554d8`: 558 ms against 145 after it, the pause 239)."""
+        to 2 x 2 on 4 x H200: 558 ms against 145 after it, the pause 239)."""
         if self._moved is None:
             return
         step, p, before = self._moved
@@ -1150,7 +1150,8 @@ class ReplicaPolicy(NoiseRules):
         self._misses = [float(x) for x in state.get("misses", [])]
         self._left_out = int(state.get("left_out", 0))
         saved = state.get("shortfalls") or []
-        # Saved as one list (of no regime) before they were kept per regime: dropped.
+        # A state that holds one list under no regime (an older checkpoint's) cannot be
+        # assigned to a regime, so it is dropped.
         self._shortfalls = (
             {int(g): [float(x) for x in xs] for g, xs in saved}
             if isinstance(saved[0] if saved else None, list)
