@@ -4,8 +4,10 @@
 and returns; a thread then waits for every rank's files, hashes this rank's share of them,
 and rank 0 publishes the folder: rename from its hidden temporary name, then the marker
 ``dynpipe.json`` last (see ``dynpipe.runtime.checkpoint`` for the format and the reading
-side). The saves use a gloo group of their own, so their messages never interleave with the
-training's on the default group, on CPU or beside NCCL.
+side). Whenever a process group exists (one rank included) the saves use a gloo group of
+their own: their messages never interleave with the training's on the default group, and
+``dcp.async_save`` refuses a group without a CPU backend (NCCL's default group, even of one
+rank, where the save itself sends nothing).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from dynpipe.runtime.checkpoint import (
     ONE_PROCESS_WARNING,
     TMP_PREFIX,
     CheckpointError,
+    dcp_kwargs,
     file_sha256,
     list_checkpoints,
 )
@@ -63,7 +66,8 @@ class Checkpointer:
     """Saves of one run into fresh folders of ``directory``, at most one in flight.
 
     Collective: every rank constructs it at the same point (it creates a gloo group for the
-    saves when a process group exists) and calls ``save`` at the same steps.
+    saves when a process group exists, of any size and backend) and calls ``save`` at the
+    same steps.
 
     ``keep``: published checkpoints kept in ``directory`` (older ones are deleted after each
     publication; the newest ``keep`` always stay). ``run_id``: recorded in every marker so a
@@ -89,9 +93,11 @@ class Checkpointer:
         self.run_id = run_id
         self.async_save = async_save
         self.group = None
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.is_available() and dist.is_initialized():
             # The saves' own gloo group: its collectives run in a background thread and must
-            # never interleave with the training's P2P messages on the default group.
+            # never interleave with the training's P2P messages on the default group. Made for
+            # one rank too: async_save checks the group it is given (else the default one)
+            # for a CPU backend before anything else, and one NCCL rank has none.
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -130,14 +136,11 @@ class Checkpointer:
         future = index = None
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=ONE_PROCESS_WARNING)
+            kwargs = {"checkpoint_id": str(tmp), "process_group": self.group}
             if self.async_save and not block:
-                future = dcp.async_save(
-                    sd, checkpoint_id=str(tmp), process_group=self.group, no_dist=no_dist
-                )
+                future = dcp.async_save(sd, **kwargs, **dcp_kwargs(dcp.async_save, no_dist))
             else:
-                index = dcp.save(
-                    sd, checkpoint_id=str(tmp), process_group=self.group, no_dist=no_dist
-                )
+                index = dcp.save(sd, **kwargs, **dcp_kwargs(dcp.save, no_dist))
         stall_ms = (time.perf_counter() - t0) * 1e3
         job = {
             "future": future,
