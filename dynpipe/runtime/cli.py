@@ -328,7 +328,9 @@ def _worker(cfg, args: argparse.Namespace) -> int:
             import traceback
 
             traceback.print_exc()  # not a known failure mode: the stack is what helps
+        if getattr(exc, "quiet", False):
+            return 1  # a peer failed first and printed why
         print(f"dynpipe train: rank {topo.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return int(getattr(exc, "exit_code", 1))
     finally:
         destroy()

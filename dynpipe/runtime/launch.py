@@ -87,6 +87,10 @@ def launch_local(
         # stopping the remaining workers after that.
         if 2 in codes and set(codes) <= {2, -15}:
             return 2
+        from dynpipe.runtime.health import OutOfMemory
+
+        if OutOfMemory.exit_code in codes:
+            return 1  # the rank that ran out of memory said where and what to lower
         tried = f" after {max_restarts} relaunches" if max_restarts else ""
         if failure.exitcode < 0:
             # Killed from outside (the OOM killer, a scheduler, a user): it printed nothing.
