@@ -49,11 +49,13 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from dynpipe.runtime.checkpoint import list_checkpoints, newest_checkpoint  # noqa: E402
+from dynpipe.runtime.checkpointer import STAGING_ENV  # noqa: E402
 from dynpipe.runtime.records import read_dicts  # noqa: E402
 
 # Sizes per mode: (model args, batch size, microbatches, extra flags).
+# Short steps and small saves: the worker is killed between two saves, well before the end.
 _SMALL_GPU = (
-    ["depth=4", "width=512", "heads=8", "seq_len=256", "vocab=8000"],
+    ["depth=4", "width=256", "heads=4", "seq_len=256", "vocab=4096"],
     16,
     4,
     ["--bf16"],
@@ -83,8 +85,8 @@ class Suite:
         self.cpu = args.device == "cpu"
         self.small = _TINY_CPU if self.cpu else _SMALL_GPU
         self.full = _STALL_CPU if self.cpu else _FULL_GPU
-        self.steps = args.steps or (24 if args.quick else 40)
-        self.every = args.save_every or (6 if args.quick else 10)
+        self.steps = args.steps or (24 if args.quick else 200)
+        self.every = args.save_every or (6 if args.quick else 20)
         path = [str(ROOT), str(ROOT / "tests")]
         if os.environ.get("PYTHONPATH"):
             path.append(os.environ["PYTHONPATH"])
@@ -332,12 +334,79 @@ def sigterm(s: Suite, d: Path, state: dict) -> dict:
     return out
 
 
+def staging_exact(s: Suite, d: Path, state: dict) -> dict:
+    """In this process: save after a step, change everything at once (the next forward
+    updates batch-norm statistics, the next optimizer step the parameters and moments), then
+    load the checkpoint: it must hold exactly the state at the save."""
+    from torch import nn
+
+    from dynpipe.runtime.checkpoint import load_checkpoint
+    from dynpipe.runtime.checkpointer import Checkpointer
+    from dynpipe.runtime.optim import export_state
+
+    dev = torch.device(s.args.device)
+    width, depth = (64, 3) if s.cpu else (4096, 8)
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.BatchNorm1d(width)]
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    model = nn.Sequential(*layers).to(dev)
+    named = dict(model.named_parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(256, width, device=dev)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    ckpt = Checkpointer(d / "ck", keep=1)
+    rounds, bad, stalls = 3, [], []
+    for i in range(rounds):
+        model_state = dict(model.state_dict())
+        optim_state = export_state(opt, named)
+        want = {k: v.detach().cpu().clone() for k, v in {**model_state, **optim_state}.items()}
+        t0 = time.perf_counter()
+        ckpt.save(
+            step=i, model_state=model_state, optim_state=optim_state, meta={}, params=set(named)
+        )
+        stalls.append((time.perf_counter() - t0) * 1e3)
+        step()  # changes every saved tensor while the copies may still run
+        (rec,) = ckpt.wait()
+        got = {k: torch.zeros_like(v, device="cpu") for k, v in model_state.items()}
+        opt_got, _ = load_checkpoint(rec.path, model_state=got, held_params=set(named))
+        got.update(opt_got)
+        bad += [f"{i}:{k}" for k in want if k not in got or not torch.equal(got[k].cpu(), want[k])]
+    return {
+        "ok": not bad,
+        "rounds": rounds,
+        "tensors": len(want),
+        "mismatched": bad[:10],
+        "bytes": rec.bytes,
+        "stall_ms": [round(t, 2) for t in stalls],
+    }
+
+
 def save_stall(s: Suite, d: Path, state: dict) -> dict:
+    out = {}
+    modes = s.args.stall_modes or (["pinned"] if s.cpu else ["pinned", "sync"])
+    for mode in modes:
+        s.env[STAGING_ENV] = mode
+        try:
+            out[mode] = _save_stall(s, d / mode, f"save_stall:{mode}")
+        finally:
+            s.env.pop(STAGING_ENV, None)
+    first = out[modes[0]]
+    return {**first, "ok": first.get("ok", False), "staging": modes[0], "modes": out}
+
+
+def _save_stall(s: Suite, d: Path, name: str) -> dict:
     ck, log = d / "ck", d / "run.jsonl"
     every = s.args.stall_every or (8 if s.args.quick else 20)
-    steps = s.args.stall_steps or (3 * every if s.args.quick else 5 * every)
+    steps = s.args.stall_steps or (3 * every if s.args.quick else 4 * every)
     save = ("--save-every", str(every), "--save-dir", str(ck), "--keep-checkpoints", "2")
-    p = s.run("save_stall", s.cmd(s.full, *save, "--log", str(log), steps=steps))
+    p = s.run(name, s.cmd(s.full, *save, "--log", str(log), steps=steps))
     if p.returncode != 0:
         return {"ok": False, "error": f"exit {p.returncode}", "stderr": _tail(p.stderr)}
     step_ms = {r["step"]: r["step_ms"] for r in read_dicts(log) if r["type"] == "step"}
@@ -422,6 +491,7 @@ def oom(s: Suite, d: Path, state: dict) -> dict:
 
 
 CASES = {
+    "staging_exact": staging_exact,
     "save_resume": save_resume,
     "worker_sigkill": worker_sigkill,
     "sigterm": sigterm,
@@ -444,6 +514,16 @@ def summary_rows(result: dict) -> list[tuple[str, str, str]]:
     def rel(v: float | None) -> str:
         return "n/a" if v is None else f"{v:.1e}"
 
+    if "staging_exact" in c:
+        r = c["staging_exact"]
+        rows.append(
+            (
+                "save, then change everything at once",
+                "the checkpoint holds exactly the state at the save (every tensor)",
+                f"{verdict('staging_exact')}: {r.get('rounds')} saves of {r.get('tensors')} "
+                f"tensors, {len(r.get('mismatched') or [])} mismatched",
+            )
+        )
     if "save_resume" in c:
         r = c["save_resume"]
         same = (
@@ -496,6 +576,11 @@ def summary_rows(result: dict) -> list[tuple[str, str, str]]:
                 f"{r['checkpoint_bytes'] / 1e9:.2f} GB, steps meanwhile +"
                 f"{r['extra_ms_during_write_median']} ms"
             )
+            for mode, m in (r.get("modes") or {}).items():
+                if mode != r.get("staging") and "stall_ms_median" in m:
+                    got += (
+                        f"; {mode} staging: {m['stall_ms_median']} ms ({m['stall_pct_of_step']}%)"
+                    )
         else:
             got = f"{verdict('save_stall')}: {r.get('error')}"
         rows.append(
@@ -555,6 +640,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-every", type=int, default=None, help="K of the fault runs")
     p.add_argument("--stall-every", type=int, default=None, help="save period of save_stall")
     p.add_argument("--stall-steps", type=int, default=None)
+    p.add_argument(
+        "--stall-modes",
+        nargs="+",
+        choices=["pinned", "sync"],
+        default=None,
+        help=f"{STAGING_ENV} values to time (default: pinned and sync on GPU, pinned on CPU)",
+    )
     p.add_argument("--stall-goal", type=float, default=0.05, help="stall / step time goal")
     p.add_argument("--tolerance", type=float, default=1e-2, help="max relative loss diff")
     p.add_argument("--timeout", type=float, default=60.0, help="the runs' --timeout")
@@ -583,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
             got = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         got["case_s"] = round(time.time() - t, 1)
         result["cases"][name] = got
-        brief = {k: v for k, v in got.items() if k not in ("saves", "stderr")}
+        brief = {k: v for k, v in got.items() if k not in ("saves", "stderr", "modes")}
         print(f"{name}: {json.dumps(brief)}", flush=True)
     result["wall_s"] = round(time.time() - t0, 1)
     result["commands"] = {k: " ".join(v[1:]) for k, v in suite.commands.items()}

@@ -1262,6 +1262,8 @@ def _save(
         optim_state=engine.optim_state() if mine else {},
         meta=meta,
         block=block,
+        # Only the optimizer step changes these: their copies may finish during the next step.
+        params=set(engine.named_params),
     )
 
 
