@@ -1,11 +1,15 @@
 """Reliability on one GPU, end to end through ``dynpipe train``: one command, one summary.
 
-    python bench/gpu_faults.py "$OUT"                       # one GPU (about 4 minutes on an H100)
+    PYTHONPATH=$PWD python bench/gpu_faults.py "$OUT"       # one GPU (about 5 minutes, H100)
     python bench/gpu_faults.py OUT --device cpu --quick     # the same cases on CPU, tiny model
     python bench/gpu_faults.py OUT --cases save_stall oom   # some cases only
 
-Cases, each one worker (``--nproc 1``), the run's own launcher and agent:
+Cases, each (but the first, in this process) one worker (``--nproc 1``) under the run's
+own launcher and agent:
 
+- ``staging_exact``: a model with a batch-norm layer and AdamW saves after a step and at
+  once runs the next one (which changes every saved tensor); the checkpoint, loaded, must
+  equal the state at the save, tensor for tensor.
 - ``save_resume``: save every K steps (in the background), then resume from the checkpoint of
   step K in a second run; the resumed steps' losses against the first run's.
 - ``worker_sigkill``: the worker SIGKILLed after the checkpoint of step 2K, ``--max-restarts
@@ -24,7 +28,7 @@ Cases, each one worker (``--nproc 1``), the run's own launcher and agent:
 
 Writes ``OUT/gpu_faults.json`` (every number, the machine, the commands) and
 ``OUT/gpu_faults.md`` (the summary table, also printed), and each case's run logs under
-``OUT/<case>/``. ``bench/reliability_table.py`` renders docs/reliability.md's table from
+``OUT/<case>/`` (its checkpoints are deleted after it, unless ``--keep-checkpoints``). ``bench/reliability_table.py`` renders docs/reliability.md's table from
 the committed JSON files.
 """
 
@@ -34,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -45,7 +50,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from dynpipe.runtime.checkpoint import list_checkpoints, newest_checkpoint  # noqa: E402
@@ -155,19 +159,53 @@ def _wait(what: str, pred, proc: subprocess.Popen, timeout_s: float = 300.0):
     raise RuntimeError(f"no {what} within {timeout_s:.0f}s")
 
 
-def _workers(proc: subprocess.Popen) -> list[psutil.Process]:
-    try:
-        kids = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-    out = []
-    for k in kids:
-        try:
-            if "dynpipe" in " ".join(k.cmdline()):
-                out.append(k)
-        except psutil.Error:
-            pass
+def _children(pid: int) -> list[int]:
+    """Descendants of ``pid``, from /proc (psutil may not be installed where this runs)."""
+    parent: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                parent[int(entry.name)] = int(stat.rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
     return out
+
+
+def _workers(proc: subprocess.Popen) -> list[int]:
+    """The launcher's worker processes (``python -m dynpipe train`` started by its agent)."""
+    out = []
+    for pid in _children(proc.pid):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "dynpipe" in cmd:
+            out.append(pid)
+    return out
+
+
+def _alive(pids: list[int], timeout_s: float) -> list[int]:
+    """The processes of ``pids`` still running (zombies count as gone) after ``timeout_s``."""
+    deadline = time.time() + timeout_s
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                alive.append(pid)
+        if not alive or time.time() >= deadline:
+            return alive
+        time.sleep(0.1)
 
 
 def _published(root: Path, min_step: int):
@@ -263,7 +301,7 @@ def worker_sigkill(s: Suite, d: Path, state: dict) -> dict:
         _wait(f"a checkpoint at step {2 * s.every}", lambda: _published(ck, 2 * s.every), proc)
         workers = _wait("the worker", lambda: _workers(proc), proc)
         t_kill = time.time()
-        workers[0].kill()  # SIGKILL: what an OOM killer or a preemption does
+        os.kill(workers[0], signal.SIGKILL)  # what an OOM killer or a preemption does
         _, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
@@ -308,7 +346,7 @@ def sigterm(s: Suite, d: Path, state: dict) -> dict:
     finally:
         if proc.poll() is None:
             proc.kill()
-    _, alive = psutil.wait_procs(workers, timeout=10)
+    alive = _alive(workers, timeout_s=10)
     lines = [ln for ln in err.splitlines() if ln.strip()]
     final = newest_checkpoint(ck)
     stopped = _events(log, "stopped")
@@ -403,7 +441,9 @@ def save_stall(s: Suite, d: Path, state: dict) -> dict:
 
 def _save_stall(s: Suite, d: Path, name: str) -> dict:
     ck, log = d / "ck", d / "run.jsonl"
-    every = s.args.stall_every or (8 if s.args.quick else 20)
+    # On GPU a save of the full model (2.2 GB) takes seconds to write and hash: saves far
+    # enough apart that one never waits for the last.
+    every = s.args.stall_every or (8 if s.args.quick else 40)
     steps = s.args.stall_steps or (3 * every if s.args.quick else 4 * every)
     save = ("--save-every", str(every), "--save-dir", str(ck), "--keep-checkpoints", "2")
     p = s.run(name, s.cmd(s.full, *save, "--log", str(log), steps=steps))
@@ -650,6 +690,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stall-goal", type=float, default=0.05, help="stall / step time goal")
     p.add_argument("--tolerance", type=float, default=1e-2, help="max relative loss diff")
     p.add_argument("--timeout", type=float, default=60.0, help="the runs' --timeout")
+    p.add_argument(
+        "--keep-checkpoints", action="store_true", help="keep each case's checkpoint folders"
+    )
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_faults: no CUDA device here; use --device cpu --quick", file=sys.stderr)
@@ -674,6 +717,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # one case's failure is reported; the others still run
             got = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         got["case_s"] = round(time.time() - t, 1)
+        if not args.keep_checkpoints:  # gigabytes on GPU; the logs and the summary stay
+            for ck in sorted(d.rglob("ck"), reverse=True):
+                shutil.rmtree(ck, ignore_errors=True)
         result["cases"][name] = got
         brief = {k: v for k, v in got.items() if k not in ("saves", "stderr", "modes")}
         print(f"{name}: {json.dumps(brief)}", flush=True)

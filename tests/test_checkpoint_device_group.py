@@ -68,3 +68,17 @@ def test_one_rank_without_a_cpu_backend_saves_and_resumes_bit_identically(tmp_pa
     )
     assert again[0]["value"]["start"] == 4
     assert again[0]["value"]["losses"] == full[0]["value"]["losses"][4:]
+
+
+def test_no_dist_is_passed_only_to_a_dcp_that_takes_it() -> None:
+    from dynpipe.runtime.checkpoint import dcp_kwargs
+
+    def save_before_2_5(state_dict, *, checkpoint_id=None, process_group=None):
+        return None
+
+    def save_from_2_5(state_dict, *, checkpoint_id=None, process_group=None, no_dist=False):
+        return None
+
+    assert dcp_kwargs(save_before_2_5, True) == {}
+    assert dcp_kwargs(save_from_2_5, True) == {"no_dist": True}
+    assert dcp_kwargs(save_from_2_5, False) == {"no_dist": False}
