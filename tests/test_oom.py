@@ -30,6 +30,8 @@ def test_the_error_is_found_under_the_schedules_wrapping() -> None:
     except RuntimeError as wrapped:
         assert find_oom(wrapped) is oom
     assert find_oom(RuntimeError("Connection closed by peer")) is None
+    cublas = RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate`")
+    assert find_oom(cublas) is cublas
     line = str(
         out_of_memory(
             oom,

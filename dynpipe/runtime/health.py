@@ -50,6 +50,9 @@ _WHY = "dynpipe/why/"
 _OOM_TYPES: tuple[type[BaseException], ...] = tuple(
     {t for t in (getattr(torch, "OutOfMemoryError", None), torch.cuda.OutOfMemoryError) if t}
 )
+# Allocation failures outside torch's allocator (a library's workspace, a kernel launch)
+# come as plain RuntimeErrors.
+_OOM_TEXT = re.compile(r"CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC")
 _GIB = float(1 << 30)
 
 
@@ -79,7 +82,9 @@ def find_oom(exc: BaseException) -> BaseException | None:
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
-        if isinstance(e, _OOM_TYPES):
+        if isinstance(e, _OOM_TYPES) or (
+            isinstance(e, RuntimeError) and _OOM_TEXT.search(str(e).split("\n", 1)[0])
+        ):
             return e
         seen.add(id(e))
         e = e.__cause__ or e.__context__
