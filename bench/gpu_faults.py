@@ -351,7 +351,14 @@ def sigterm(s: Suite, d: Path, state: dict) -> dict:
     final = newest_checkpoint(ck)
     stopped = _events(log, "stopped")
     one_line = len(lines) == 1 and "Traceback" not in err
-    final_ok = final is not None and final.meta.get("reason") == "stop:SIGTERM"
+    # The final checkpoint is the stop's own, or a periodic one of the very step it stopped at.
+    final_ok = (
+        final is not None
+        and final.meta.get("reason") in ("stop:SIGTERM", "periodic")
+        and bool(stopped)
+        and stopped[-1]["checkpoint"] == str(final.path)
+        and f"final checkpoint {final.path} (step {final.step})" in (lines or [""])[0]
+    )
     out = {
         "exit": proc.returncode,
         "signal_to_exit_s": round(exit_s, 2),
@@ -363,8 +370,7 @@ def sigterm(s: Suite, d: Path, state: dict) -> dict:
         "ok": proc.returncode == 128 + signal.SIGTERM
         and one_line
         and final_ok
-        and bool(stopped)
-        and stopped[0]["step"] == final.step
+        and stopped[-1]["step"] == final.step
         and not alive,
     }
     if not out["ok"]:

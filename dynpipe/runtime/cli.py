@@ -255,7 +255,11 @@ def _launcher(cfg, args: argparse.Namespace) -> int:
     # The restart baseline relaunches the workers after each decision: let the agent do so.
     restarts = cfg.max_restarts + (max(1, cfg.steps) if cfg.adapt.mode == "restart" else 0)
     return launch_local(
-        words, nproc=nproc, max_restarts=restarts, checkpoint_dir=checkpoint_dir(cfg)
+        words,
+        nproc=nproc,
+        max_restarts=restarts,
+        checkpoint_dir=checkpoint_dir(cfg),
+        log=cfg.log,
     )
 
 
