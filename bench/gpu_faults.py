@@ -723,6 +723,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # one case's failure is reported; the others still run
             got = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         got["case_s"] = round(time.time() - t, 1)
+        if not suite.cpu:
+            torch.cuda.empty_cache()  # staging_exact's memory: the next cases need the card
         if not args.keep_checkpoints:  # gigabytes on GPU; the logs and the summary stay
             for ck in sorted(d.rglob("ck"), reverse=True):
                 shutil.rmtree(ck, ignore_errors=True)

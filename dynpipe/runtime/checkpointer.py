@@ -209,6 +209,23 @@ class Checkpointer:
             for part, k, v in early + late:
                 out[part][k] = v.to("cpu")
             return out, None
+        keep: dict[str, torch.Tensor] = {}
+        try:
+            for part, k, v in early + late:
+                key = f"{part}/{k}"
+                buf = self._pinned.get(key)
+                if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
+                    buf = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+                keep[key] = buf
+        except RuntimeError as exc:  # no page-locked memory to be had: copy before returning
+            warnings.warn(
+                f"checkpoint: no pinned host buffers ({exc}); copying synchronously",
+                stacklevel=3,
+            )
+            self._pinned = {}
+            for part, k, v in early + late:
+                out[part][k] = v.to("cpu")
+            return out, None
         device = (early or late)[0][2].device
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
@@ -216,18 +233,14 @@ class Checkpointer:
         self._stream.wait_stream(training)  # copy what the step wrote
         copied_early = torch.cuda.Event()
         done = torch.cuda.Event()
-        keep: dict[str, torch.Tensor] = {}
         with torch.cuda.stream(self._stream):
             for i, (part, k, v) in enumerate(early + late):
-                key = f"{part}/{k}"
-                buf = self._pinned.get(key)
-                if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
-                    buf = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+                buf = keep[f"{part}/{k}"]
                 buf.copy_(v, non_blocking=True)
                 # The allocator must not hand this memory to the training stream (a layer
                 # that moved away frees it) before the copy has read it.
                 v.record_stream(self._stream)
-                keep[key] = out[part][k] = buf
+                out[part][k] = buf
                 if i + 1 == len(early):
                     copied_early.record(self._stream)
             done.record(self._stream)
