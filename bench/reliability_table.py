@@ -29,7 +29,7 @@ RESULTS = ROOT / "bench" / "results"
 def _column(path: Path) -> tuple[str, dict[str, str], dict[str, str]]:
     """(heading, result per case, what was checked per case) from one summary file."""
     if not path.is_file():
-        return "not run", {}, {}
+        return "not run yet: bench/gpu_faults.py, above", {}, {}
     result = json.loads(path.read_text())
     m = result["machine"]
     name = m["device_name"] if m.get("cuda") else f"{m['cpus']}-core CPU"
