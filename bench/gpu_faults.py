@@ -22,9 +22,9 @@ own launcher and agent:
   microbatches, bf16 on GPU) saving every ``--stall-every`` steps: the training thread's
   stall per save (the run log's ``checkpoint`` events) against the median step time, and
   what the steps that ran while the save was written cost beyond the median.
-- ``oom``: a step that cannot fit (gpt width 4096, batch 512 on GPU; on CPU a layer that
-  raises torch's ``OutOfMemoryError`` at step 3): one stderr line naming the stage, the
-  step, the batch and what to lower, a non-zero exit, no hang.
+- ``oom``: a step that cannot fit (gpt width 4096, batch 512 in one microbatch on GPU; on
+  CPU a layer that raises torch's ``OutOfMemoryError`` at step 3): one stderr line naming
+  the stage, the step, the batch and what to lower, a non-zero exit, no hang.
 
 Writes ``OUT/gpu_faults.json`` (every number, the machine, the commands) and
 ``OUT/gpu_faults.md`` (the summary table, also printed), and each case's run logs under
@@ -70,10 +70,12 @@ _FULL_GPU = (
     4,
     ["--bf16"],
 )
+# One microbatch of 512 x 1024 tokens: its logits alone (fp32 for the loss) are 67 GB, so
+# it cannot fit an H200 (141 GB) either.
 _OOM_GPU = (
     ["depth=4", "width=4096", "heads=32", "seq_len=1024", "vocab=32000"],
     512,
-    4,
+    1,
     ["--bf16"],
 )
 _TINY_CPU = (["depth=2", "width=64", "heads=4", "seq_len=32", "vocab=256"], 8, 4, [])
