@@ -23,7 +23,9 @@ classes, so a crafted ``.metadata`` is refused instead of running code.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import io
 import json
 import pickle
@@ -50,6 +52,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "check_checkpoint",
+    "dcp_kwargs",
     "file_sha256",
     "find_checkpoint",
     "list_checkpoints",
@@ -66,8 +69,22 @@ TMP_PREFIX = ".tmp-ckpt-"
 _HASH_CHUNK = 1 << 22
 # Saving or loading in one process (no process group) is a supported use; DCP warns about it
 # from the background thread too, where a local catch_warnings would not reach.
-ONE_PROCESS_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
+ONE_PROCESS_WARNING = r"torch\.distributed is (disabled, )?unavailable or uninitialized"
 warnings.filterwarnings("ignore", message=ONE_PROCESS_WARNING)
+
+
+def dcp_kwargs(fn: Any, no_dist: bool) -> dict[str, bool]:
+    """``no_dist`` for a DCP entry point, where this torch's has the argument: before 2.5 it
+    had none (one process was assumed exactly when no process group existed)."""
+    return {"no_dist": no_dist} if _takes_no_dist(fn) else {}
+
+
+@functools.cache
+def _takes_no_dist(fn: Any) -> bool:
+    try:
+        return "no_dist" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class CheckpointError(RuntimeError):
@@ -372,7 +389,9 @@ def load_checkpoint(
     assert info is not None and reader is not None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=ONE_PROCESS_WARNING)
-        dcp.load(sd, storage_reader=reader, no_dist=not dist.is_initialized())
+        # One rank reads alone (no collective on a default group that may lack a CPU backend).
+        one = not (dist.is_initialized() and dist.get_world_size() > 1)
+        dcp.load(sd, storage_reader=reader, **dcp_kwargs(dcp.load, one))
     if "rng" in sd:
         torch.set_rng_state(sd["rng"][f"rank{rank}"])
     return {

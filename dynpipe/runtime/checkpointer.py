@@ -1,15 +1,27 @@
 """Writing checkpoints: each save a fresh folder, published atomically, in the background.
 
-``Checkpointer.save`` copies this rank's state (``dcp.async_save`` stages it to CPU memory)
-and returns; a thread then waits for every rank's files, hashes this rank's share of them,
+``Checkpointer.save`` copies this rank's state to host memory and returns; a thread then
+writes it (``dcp.save``), waits for every rank's files, hashes this rank's share of them,
 and rank 0 publishes the folder: rename from its hidden temporary name, then the marker
 ``dynpipe.json`` last (see ``dynpipe.runtime.checkpoint`` for the format and the reading
-side). The saves use a gloo group of their own, so their messages never interleave with the
-training's on the default group, on CPU or beside NCCL.
+side). Whenever a process group exists (one rank included) the saves use a gloo group of
+their own: DCP's messages then run in the background thread without ever interleaving with
+the training's on the default group, and never need a CPU backend the default group may
+lack (NCCL's, even of one rank: ``dcp.async_save`` refuses such a group outright, and a
+torch before 2.5 has no ``no_dist`` to keep one rank's save off it).
+
+The copy is what blocks training. CPU tensors are cloned. GPU tensors are copied into
+pinned host buffers (kept for the next save) on a side stream, so ``save`` returns once
+the copies are queued: parameters and optimizer state are changed again only by the next
+optimizer step, so that step waits (on the device, through a global optimizer pre-hook)
+for the copies to finish; other model tensors (buffers a forward pass may update, such as
+batch-norm statistics) are copied first and the training stream waits for those at once.
+``DYNPIPE_CKPT_STAGING=sync`` copies GPU tensors before ``save`` returns instead.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -18,6 +30,7 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -35,11 +48,14 @@ from dynpipe.runtime.checkpoint import (
     ONE_PROCESS_WARNING,
     TMP_PREFIX,
     CheckpointError,
+    dcp_kwargs,
     file_sha256,
     list_checkpoints,
 )
 
-__all__ = ["Checkpointer", "SaveRecord", "save_checkpoint"]
+__all__ = ["STAGING_ENV", "Checkpointer", "SaveRecord", "save_checkpoint"]
+
+STAGING_ENV = "DYNPIPE_CKPT_STAGING"  # "pinned" (the default) or "sync"
 
 
 def _distributed(group: Any) -> bool:
@@ -63,7 +79,8 @@ class Checkpointer:
     """Saves of one run into fresh folders of ``directory``, at most one in flight.
 
     Collective: every rank constructs it at the same point (it creates a gloo group for the
-    saves when a process group exists) and calls ``save`` at the same steps.
+    saves when a process group exists, of any size and backend) and calls ``save`` at the
+    same steps.
 
     ``keep``: published checkpoints kept in ``directory`` (older ones are deleted after each
     publication; the newest ``keep`` always stay). ``run_id``: recorded in every marker so a
@@ -89,14 +106,20 @@ class Checkpointer:
         self.run_id = run_id
         self.async_save = async_save
         self.group = None
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.is_available() and dist.is_initialized():
             # The saves' own gloo group: its collectives run in a background thread and must
-            # never interleave with the training's P2P messages on the default group.
+            # never interleave with the training's P2P messages on the default group. Made for
+            # one rank too: DCP falls back to the default group, and one NCCL rank's has no
+            # CPU backend.
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._done: list[SaveRecord] = []
         self._pending: dict[str, Any] | None = None
+        self._pinned: dict[str, torch.Tensor] = {}  # host copies of GPU tensors, reused
+        self._stream: Any = None  # the copies' CUDA stream
+        self._fence: Any = None  # CUDA event the next optimizer step waits for
+        self._hook: Any = None
 
     @property
     def in_flight(self) -> bool:
@@ -110,10 +133,13 @@ class Checkpointer:
         optim_state: dict[str, torch.Tensor],
         meta: dict[str, Any],
         block: bool = False,
+        params: set[str] | None = None,
     ) -> Path:
         """Start saving this rank's state for ``step``; returns the folder it will publish.
 
-        The state is copied before this returns, so training may change it at once.
+        The state is copied before training may change it (see the module's docstring):
+        ``params`` names the ``model_state`` entries that only an optimizer step changes
+        (None: every entry may change sooner, in a forward pass).
         """
         t0 = time.perf_counter()
         self._join()
@@ -121,38 +147,35 @@ class Checkpointer:
         self.directory.mkdir(parents=True, exist_ok=True)
         tmp = self.directory / f"{TMP_PREFIX}{step:08d}-{sid}"
         final = self.directory / f"ckpt-{step:08d}-{sid}"
-        sd = {
-            "model": {k: v.detach() for k, v in model_state.items()},
-            "optim": {k: v.detach() for k, v in optim_state.items()},
-            "rng": {f"rank{self.rank}": torch.get_rng_state()},
-        }
-        no_dist = not _distributed(self.group)
-        future = index = None
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=ONE_PROCESS_WARNING)
-            if self.async_save and not block:
-                future = dcp.async_save(
-                    sd, checkpoint_id=str(tmp), process_group=self.group, no_dist=no_dist
-                )
-            else:
-                index = dcp.save(
-                    sd, checkpoint_id=str(tmp), process_group=self.group, no_dist=no_dist
-                )
-        stall_ms = (time.perf_counter() - t0) * 1e3
+        background = self.async_save and not block
+        rng = {f"rank{self.rank}": torch.get_rng_state()}
+        ready = None
+        if background:
+            staged, ready = self._stage(model_state, optim_state, params or set())
+            sd = {"model": staged["model"], "optim": staged["optim"], "rng": rng}
+        else:
+            sd = {
+                "model": {k: v.detach() for k, v in model_state.items()},
+                "optim": {k: v.detach() for k, v in optim_state.items()},
+                "rng": rng,
+            }
         job = {
-            "future": future,
+            "sd": sd,
+            "ready": ready,
             "tmp": tmp,
             "final": final,
             "step": step,
             "sid": sid,
             "meta": meta,
             "t0": t0,
-            "stall_ms": stall_ms,
-            "index": index,
+            "stall_ms": 0.0,
         }
-        if future is None:
+        if not background:
+            self._write(job)
+            job["stall_ms"] = (time.perf_counter() - t0) * 1e3
             self._finish(job)
         else:
+            job["stall_ms"] = (time.perf_counter() - t0) * 1e3  # the thread's start aside
             self._thread = threading.Thread(
                 target=self._run, args=(job,), name="dynpipe-checkpoint", daemon=True
             )
@@ -160,6 +183,76 @@ class Checkpointer:
         if block:
             self._join()
         return final
+
+    def _stage(
+        self,
+        model_state: dict[str, torch.Tensor],
+        optim_state: dict[str, torch.Tensor],
+        params: set[str],
+    ) -> tuple[dict[str, dict[str, torch.Tensor]], Any]:
+        """Host copies of the state; the CUDA event that marks the GPU copies done (None when
+        every copy is done already)."""
+        out: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optim": {}}
+        early, late = [], []  # GPU tensors a forward may change / only an optimizer step
+        for part, tensors in (("model", model_state), ("optim", optim_state)):
+            for k, v in tensors.items():
+                v = v.detach()
+                if not v.is_cuda:
+                    out[part][k] = v.clone()
+                elif part == "optim" or k in params:
+                    late.append((part, k, v))
+                else:
+                    early.append((part, k, v))
+        if not early and not late:
+            return out, None
+        if os.environ.get(STAGING_ENV, "pinned") == "sync":
+            for part, k, v in early + late:
+                out[part][k] = v.to("cpu")
+            return out, None
+        keep: dict[str, torch.Tensor] = {}
+        try:
+            for part, k, v in early + late:
+                key = f"{part}/{k}"
+                buf = self._pinned.get(key)
+                if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
+                    buf = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+                keep[key] = buf
+        except RuntimeError as exc:  # no page-locked memory to be had: copy before returning
+            warnings.warn(
+                f"checkpoint: no pinned host buffers ({exc}); copying synchronously",
+                stacklevel=3,
+            )
+            self._pinned = {}
+            for part, k, v in early + late:
+                out[part][k] = v.to("cpu")
+            return out, None
+        device = (early or late)[0][2].device
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        training = torch.cuda.current_stream(device)
+        self._stream.wait_stream(training)  # copy what the step wrote
+        copied_early = torch.cuda.Event()
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self._stream):
+            for i, (part, k, v) in enumerate(early + late):
+                buf = keep[f"{part}/{k}"]
+                buf.copy_(v, non_blocking=True)
+                # The allocator must not hand this memory to the training stream (a layer
+                # that moved away frees it) before the copy has read it.
+                v.record_stream(self._stream)
+                out[part][k] = buf
+                if i + 1 == len(early):
+                    copied_early.record(self._stream)
+            done.record(self._stream)
+        self._pinned = keep
+        if early:
+            training.wait_event(copied_early)
+        self._fence = done
+        if self._hook is None:
+            self._hook = torch.optim.optimizer.register_optimizer_step_pre_hook(
+                functools.partial(_fence_before_step, weakref.ref(self))
+            )
+        return out, done
 
     def wait(self) -> list[SaveRecord]:
         """Finish the save in flight (re-raising its error); the saves published since the
@@ -184,6 +277,9 @@ class Checkpointer:
 
     def _run(self, job: dict[str, Any]) -> None:
         try:
+            if job["ready"] is not None:
+                job["ready"].synchronize()
+            self._write(job)
             self._finish(job)
         except BaseException as exc:  # surfaced to the training thread by wait()
             self._error = exc
@@ -194,13 +290,21 @@ class Checkpointer:
             dist.broadcast_object_list(sid, src=0, group=self.group)
         return sid[0]
 
+    def _write(self, job: dict[str, Any]) -> None:
+        """DCP writes this rank's files (collective on the saves' group)."""
+        no_dist = not _distributed(self.group)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=ONE_PROCESS_WARNING)
+            job["index"] = dcp.save(
+                job.pop("sd"),
+                checkpoint_id=str(job["tmp"]),
+                process_group=self.group,
+                **dcp_kwargs(dcp.save, no_dist),
+            )
+
     def _finish(self, job: dict[str, Any]) -> None:
         """Hash this rank's share of the files, then rank 0 publishes the folder."""
-        if job["future"] is not None:
-            fut = job["future"]
-            index = fut.result() if hasattr(fut, "result") else fut.upload_completion.result()
-        else:
-            index = job["index"]
+        index = job["index"]
         storage = getattr(index, "storage_data", None)
         if not storage:
             # Some torch releases (2.11) hand back the plan's metadata without its storage
@@ -290,6 +394,14 @@ class Checkpointer:
                 shutil.rmtree(path, ignore_errors=True)
         for tmp in self.directory.glob(f"{TMP_PREFIX}*"):
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fence_before_step(ref: weakref.ref, optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Optimizer pre-hook: the step's updates wait (on the device) for a save's copies."""
+    ckpt = ref()
+    if ckpt is not None and ckpt._fence is not None:
+        torch.cuda.current_stream().wait_event(ckpt._fence)
+        ckpt._fence = None
 
 
 def _fsync_dir(path: Path) -> None:

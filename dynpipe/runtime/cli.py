@@ -271,7 +271,11 @@ def _launcher(cfg, args: argparse.Namespace) -> int:
     # The restart baseline relaunches the workers after each decision: let the agent do so.
     restarts = cfg.max_restarts + (max(1, cfg.steps) if cfg.adapt.mode == "restart" else 0)
     return launch_local(
-        words, nproc=nproc, max_restarts=restarts, checkpoint_dir=checkpoint_dir(cfg)
+        words,
+        nproc=nproc,
+        max_restarts=restarts,
+        checkpoint_dir=checkpoint_dir(cfg),
+        log=cfg.log,
     )
 
 
@@ -359,7 +363,9 @@ def _worker(cfg, args: argparse.Namespace) -> int:
             import traceback
 
             traceback.print_exc()  # not a known failure mode: the stack is what helps
+        if getattr(exc, "quiet", False):
+            return 1  # a peer failed first and printed why
         print(f"dynpipe train: rank {topo.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return int(getattr(exc, "exit_code", 1))
     finally:
         destroy()

@@ -10,29 +10,128 @@ once, and every rank's error names the peer that died.
 The same thread also publishes the run's progress (the last finished step) where a
 relaunched worker can read it (the launcher's store outlives the workers), so a recovery
 can log how many steps it lost, and it notices when that store itself has gone away.
+
+A step that runs out of device memory is not a transport failure: ``out_of_memory`` finds
+torch's error under the schedule's wrapping and turns it into one line that says where
+(rank, stage, step), with what (batch, microbatch size, peak and total memory) and what to
+lower. The failing rank also leaves that line in the store (``Heartbeat.failed``), so the
+peers whose receives then fail name it as the cause instead of a closed connection.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
     from dynpipe.runtime.topology import Topology
 
-__all__ = ["Heartbeat", "StageFailure", "read_progress", "root_store"]
+__all__ = [
+    "Heartbeat",
+    "OutOfMemory",
+    "StageFailure",
+    "find_oom",
+    "out_of_memory",
+    "read_progress",
+    "root_store",
+]
 
 _PREFIX = "dynpipe/hb/"
 _FAILED = "dynpipe/failed/"
+_WHY = "dynpipe/why/"
+# torch >= 2.5 names it at the top level; before, torch.cuda.OutOfMemoryError (the same type).
+_OOM_TYPES: tuple[type[BaseException], ...] = tuple(
+    {t for t in (getattr(torch, "OutOfMemoryError", None), torch.cuda.OutOfMemoryError) if t}
+)
+# Allocation failures outside torch's allocator (a library's workspace, a kernel launch)
+# come as plain RuntimeErrors.
+_OOM_TEXT = re.compile(r"CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC")
+_GIB = float(1 << 30)
 
 
 class StageFailure(RuntimeError):
-    """A step failed on this rank; the message says where and which peers look dead."""
+    """A step failed on this rank; the message says where and which peers look dead.
+
+    ``quiet``: the failure of a peer that reported it itself (``Heartbeat.failed``): this
+    rank's line would only repeat it, so the worker prints none.
+    """
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, quiet: bool = False) -> None:
+        super().__init__(message)
+        self.quiet = quiet
+
+
+class OutOfMemory(StageFailure):
+    """A step ran out of device memory on this rank; the message says what to lower."""
+
+    exit_code = 4  # the launcher prints no summary of its own for it (``launch``)
+
+
+def find_oom(exc: BaseException) -> BaseException | None:
+    """The out-of-memory error in ``exc`` or its causes (torch's pipelining schedule wraps
+    a stage's errors in a ``RuntimeError`` of its own), if there is one."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, _OOM_TYPES) or (
+            isinstance(e, RuntimeError) and _OOM_TEXT.search(str(e).split("\n", 1)[0])
+        ):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def out_of_memory(
+    oom: BaseException,
+    *,
+    rank: int,
+    stage: int,
+    num_stages: int,
+    step: int,
+    batch_size: int,
+    microbatches: int,
+    schedule: str,
+    device: torch.device,
+    lower: tuple[str, ...] = (),
+) -> OutOfMemory:
+    """One line for a step that ran out of memory: where, with what, and what to lower.
+
+    ``lower``: further options that reduce a stage's memory (``--recompute``), named last.
+    """
+    mb = batch_size // max(1, microbatches)
+    asked = re.search(r"Tried to allocate [0-9.]+ [KMGT]?i?B", str(oom))
+    mem = ""
+    if device.type == "cuda" and torch.cuda.is_available():
+        with contextlib.suppress(Exception):
+            peak = torch.cuda.max_memory_allocated(device) / _GIB
+            free, total = (v / _GIB for v in torch.cuda.mem_get_info(device))
+            mem = f"; peak {peak:.1f} GiB allocated of {total:.1f} GiB, {free:.1f} GiB free now"
+    if schedule == "1f1b":
+        fix = "lower --batch-size, or raise --microbatches (smaller microbatches)"
+    else:
+        fix = (
+            "lower --batch-size, or raise --microbatches with --schedule 1f1b (it holds "
+            "fewer microbatches' activations at once)"
+        )
+    if num_stages > 1:
+        fix += ", or give this stage fewer layers (--plan)"
+    if lower:
+        fix += ", or use " + " / ".join(lower)
+    return OutOfMemory(
+        f"stage {stage} of {num_stages} ran out of {device.type.upper()} memory at step {step} "
+        f"(batch {batch_size} as {microbatches} microbatches of {mb}, schedule {schedule}"
+        f"{mem}{'; ' + asked.group(0) if asked else ''}); {fix}"
+    )
 
 
 class Heartbeat:
@@ -88,6 +187,28 @@ class Heartbeat:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.interval_s)
+
+    def failed(self, reason: str) -> None:
+        """Tell the peers this rank is failing and why (one line), before it exits: their
+        receives from it fail next, and their errors name this reason."""
+        if self._store is None:
+            return
+        with contextlib.suppress(Exception):
+            self._store.set(f"{_WHY}{self.rank}", reason)
+            self._store.set(f"{_FAILED}{self.rank}", repr(time.time()))
+
+    def peer_failures(self) -> dict[int, str]:
+        """The reasons peers gave for failing (``failed``), by rank."""
+        out: dict[int, str] = {}
+        if self._store is None:
+            return out
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            with contextlib.suppress(Exception):
+                if self._store.check([f"{_WHY}{r}"]):
+                    out[r] = self._store.get(f"{_WHY}{r}").decode()
+        return out
 
     def progress(self, step: int) -> None:
         """Record that ``step`` steps are done; published by the side thread (never blocks)."""

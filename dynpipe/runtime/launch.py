@@ -14,10 +14,12 @@ launcher then prints one line and exits with 128 + the signal number.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import signal
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -39,13 +41,16 @@ def launch_local(
     nproc: int,
     max_restarts: int = 0,
     checkpoint_dir: str | Path | None = None,
+    log: str | Path | None = None,
 ) -> int:
     """Run ``dynpipe train argv`` as ``nproc`` workers; returns the job's exit status.
 
     The agent's own failure report (a table per failed rank) is replaced by one line: each
     worker already printed its error, and the first failing rank is named here.
-    ``checkpoint_dir``: where the run saves, to name its final checkpoint after a stop.
+    ``checkpoint_dir``: where the run saves, to name its final checkpoint after a stop;
+    ``log``: the run log, whose ``stopped`` event names it.
     """
+    started = time.time()
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -76,7 +81,8 @@ def launch_local(
     except SignalException as exc:
         sig = signal.Signals(exc.sigval)
         print(
-            f"dynpipe train: stopped by {sig.name}; {_final_checkpoint(checkpoint_dir, run_id)}",
+            f"dynpipe train: stopped by {sig.name}; "
+            f"{_final_checkpoint(checkpoint_dir, run_id, log=log, since=started)}",
             file=sys.stderr,
         )
         return 128 + int(sig)
@@ -87,6 +93,10 @@ def launch_local(
         # stopping the remaining workers after that.
         if 2 in codes and set(codes) <= {2, -15}:
             return 2
+        from dynpipe.runtime.health import OutOfMemory
+
+        if OutOfMemory.exit_code in codes:
+            return 1  # the rank that ran out of memory said where and what to lower
         tried = f" after {max_restarts} relaunches" if max_restarts else ""
         if failure.exitcode < 0:
             # Killed from outside (the OOM killer, a scheduler, a user): it printed nothing.
@@ -103,9 +113,20 @@ def launch_local(
     return 0
 
 
-def _final_checkpoint(directory: str | Path | None, run_id: str) -> str:
+def _final_checkpoint(
+    directory: str | Path | None,
+    run_id: str,
+    *,
+    log: str | Path | None = None,
+    since: float = 0.0,
+) -> str:
     if directory is None:
         return "no checkpoint written (no --save-dir)"
+    stopped = _stopped(log, since=since)
+    if stopped is not None and stopped.get("checkpoint"):
+        # What the workers stopped on: a stop at a step a periodic save had just written
+        # makes no second checkpoint of that step, so its marker says "periodic".
+        return f"final checkpoint {stopped['checkpoint']} (step {stopped['step']})"
     from dynpipe.runtime.checkpoint import newest_checkpoint
 
     info = newest_checkpoint(directory, run_id=run_id)
@@ -114,3 +135,25 @@ def _final_checkpoint(directory: str | Path | None, run_id: str) -> str:
     if str(info.meta.get("reason", "")).startswith("stop:"):
         return f"final checkpoint {info.path} (step {info.step})"
     return f"no final checkpoint; the newest is {info.path} (step {info.step})"
+
+
+def _stopped(log: str | Path | None, *, since: float) -> dict | None:
+    """The run log's last ``stopped`` event written after ``since`` (None if there is none).
+    Read as plain JSON lines from the end: a worker killed while writing may leave half a
+    line."""
+    if log is None or not Path(log).is_file():
+        return None
+    try:
+        lines = Path(log).read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if '"stopped"' not in line:
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("event") == "stopped" and float(rec.get("time", 0)) >= since:
+            return rec
+    return None

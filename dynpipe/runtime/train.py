@@ -40,7 +40,13 @@ from dynpipe.runtime.checkpointer import Checkpointer, SaveRecord
 from dynpipe.runtime.collect import StepCollector
 from dynpipe.runtime.config import TrainConfig
 from dynpipe.runtime.engine import EngineConfig, NonFiniteLoss, PipelineEngine, StepResult
-from dynpipe.runtime.health import Heartbeat, StageFailure, read_progress
+from dynpipe.runtime.health import (
+    Heartbeat,
+    StageFailure,
+    find_oom,
+    out_of_memory,
+    read_progress,
+)
 from dynpipe.runtime.mesh import Mesh, init_mesh, init_meshes
 from dynpipe.runtime.records import (
     LayerTimes,
@@ -951,7 +957,9 @@ def train(
             except NonFiniteLoss:
                 raise
             except Exception as exc:
-                raise _failure(exc, engine=engine, topo=topo, step=step, beat=beat) from exc
+                raise _failure(
+                    exc, engine=engine, topo=topo, step=step, beat=beat, cfg=cfg
+                ) from exc
             losses.append(res.loss)
             step_ms.append(res.step_ms)
             steplog.add(res)
@@ -1168,9 +1176,34 @@ def _sampler(cfg: TrainConfig, topo: Topology):
 
 
 def _failure(
-    exc: Exception, *, engine: PipelineEngine, topo: Topology, step: int, beat: Heartbeat
+    exc: Exception,
+    *,
+    engine: PipelineEngine,
+    topo: Topology,
+    step: int,
+    beat: Heartbeat,
+    cfg: TrainConfig,
 ) -> StageFailure:
+    oom = find_oom(exc)
+    if oom is not None:
+        # Not a peer's fault: say what to lower, and tell the peers before they fail too.
+        names = {f.name for f in dataclasses.fields(cfg)}
+        failure = out_of_memory(
+            oom,
+            rank=topo.rank,
+            stage=engine.stage_index,
+            num_stages=engine.plan.num_stages,
+            step=step,
+            batch_size=cfg.batch_size,
+            microbatches=engine.plan.total_microbatches,
+            schedule=engine.plan.schedule,
+            device=topo.device,
+            lower=("--recompute",) if "recompute" in names else (),
+        )
+        beat.failed(str(failure))
+        return failure
     dead = beat.dead_peers()
+    told = beat.peer_failures()
     pp = engine.mesh.pp
     who = (
         ", ".join(
@@ -1182,9 +1215,13 @@ def _failure(
         or "no peer looks dead"
     )
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if told:
+        r = min(told)
+        first_line = f"rank {r} failed first: {told[r].split(' (')[0]}"
     return StageFailure(
         f"rank {topo.rank} (stage {engine.stage_index}) failed at step {step} during the "
-        f"pipeline step of {engine.plan!r}: {who}; cause: {first_line[:300]}"
+        f"pipeline step of {engine.plan!r}: {who}; cause: {first_line[:300]}",
+        quiet=bool(told),
     )
 
 
@@ -1232,6 +1269,8 @@ def _save(
         optim_state=engine.optim_state() if mine else {},
         meta=meta,
         block=block,
+        # Only the optimizer step changes these: their copies may finish during the next step.
+        params=set(engine.named_params),
     )
 
 
