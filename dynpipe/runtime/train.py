@@ -22,6 +22,7 @@ import torch.distributed as dist
 from dynpipe.data.loader import BatchStream, CyclicBatches
 from dynpipe.errors import UserError
 from dynpipe.models import LayeredModel, get_model
+from dynpipe.planner.costs import CostModel
 from dynpipe.planner.diff import diff
 from dynpipe.planner.plan import Plan, split_label
 from dynpipe.runtime.adapt.loop import Adapter
@@ -586,7 +587,13 @@ def _open(
             p,
             topo=topo,
             config=EngineConfig(
-                batch_size=cfg.batch_size, optim=cfg.optim, bf16=cfg.bf16, timing=cfg.timing
+                batch_size=cfg.batch_size,
+                optim=cfg.optim,
+                bf16=cfg.bf16,
+                timing=cfg.timing,
+                fp16=cfg.fp16,
+                recompute=cfg.recompute,
+                memory_bytes=_stage_memory(cfg, topo),
             ),
             mesh=meshes[p.dp] if meshes is not None else mesh,
         )
@@ -615,6 +622,15 @@ def _open(
     if engine is None or engine.plan != plan:
         engine = build(plan)
     return engine, 0, None, skipped
+
+
+def _stage_memory(cfg: TrainConfig, topo: Topology) -> float | None:
+    """What this rank's stage may hold, for --recompute auto (None otherwise)."""
+    if cfg.recompute != "auto":
+        return None
+    from dynpipe.runtime.memory import device_memory_bytes
+
+    return device_memory_bytes(topo.device, memory_gb=cfg.memory_gb)
 
 
 def _holding_prefix(plan: Plan, model: LayeredModel, *, frozen: int, topo: Topology) -> Plan:
@@ -741,6 +757,14 @@ def train(
         replicas, and with --reshape for one pipeline over every rank (a shape among the
         others to it); one pipeline's controller else."""
         replicas = p.dp > 1 or (cfg.adapt.reshape and p.num_stages == topo.world_size)
+        base = None
+        if cfg.recompute == "auto":
+            # Splits are priced with the layers each would have to recompute to fit.
+            links = {} if link_bw is None else {"bandwidth": link_bw}
+            base = dataclasses.replace(
+                CostModel.from_model(model, microbatch_size=mb, num_devices=1, **links),
+                recompute="auto",
+            )
         return make_policy(
             cfg.adapt,
             model=model,
@@ -751,6 +775,7 @@ def train(
             replicas=replicas,
             link_bandwidth=link_bw,
             light_probes=topo.device.type == "cuda",
+            base=base,
         )
 
     if not injected:
@@ -947,6 +972,8 @@ def train(
                 raise _failure(exc, engine=engine, topo=topo, step=step, beat=beat) from exc
             losses.append(res.loss)
             step_ms.append(res.step_ms)
+            if res.skipped and log is not None:
+                log.event("loss_scale_skip", step=step, scale=engine.scaler.scale)
             steplog.add(res)
             if on_step is not None:
                 on_step(engine, res)
@@ -1213,6 +1240,8 @@ def _save(
         "data_position": step,
         "world_size": topo.world_size,
         "frozen": engine.frozen,  # --freeze: layers [0, frozen) train no more
+        # --fp16: the pipeline's one loss scale (equal on every rank).
+        "loss_scale": None if engine.scaler is None else engine.scaler.state_dict(),
         # ... and the freeze rule's memory of the last windows, which the next check uses.
         "freeze_state": None if freezer is None else freezer.history.to_dict(),
     }
@@ -1337,6 +1366,8 @@ def _resume(engine: PipelineEngine, path: str | Path, *, topo: Topology) -> int:
     from dynpipe.runtime.optim import import_state
 
     import_state(engine.optimizer, engine.named_params, opt)
+    if engine.scaler is not None and meta.get("loss_scale"):
+        engine.scaler.load_state_dict(meta["loss_scale"])
     return int(meta["step"])
 
 

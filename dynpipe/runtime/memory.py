@@ -1,0 +1,151 @@
+"""A stage's memory at run time: its device's limit, the memory model, its recomputed layers.
+
+The runtime and the planner price memory with the same model (``CostModel``: parameters,
+gradients, optimizer state and buffers, plus ``act_bytes`` per microbatch in flight), so the
+layers a stage recomputes under ``--recompute auto`` are the planner's choice for its range
+(``dynpipe.planner.recompute``), made again whenever a plan gives the stage other layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+from dynpipe.errors import UserError
+from dynpipe.models.base import LayeredModel
+from dynpipe.planner.costs import CostModel
+from dynpipe.planner.evaluate import in_flight
+from dynpipe.planner.plan import Plan
+from dynpipe.planner.recompute import Recompute, choose_recompute, kept_bytes
+
+__all__ = [
+    "HEADROOM",
+    "check_memory",
+    "check_run_memory",
+    "device_memory_bytes",
+    "memory_costs",
+    "over_memory",
+    "stage_recompute",
+]
+
+# Of the device's free memory at start-up, the share a stage plans to fill: the rest is the
+# allocator's fragmentation, cuBLAS/attention workspaces and the P2P receive buffers.
+HEADROOM = 0.9
+
+_GIB = 1024**3
+
+
+def device_memory_bytes(device: torch.device, *, memory_gb: float | None) -> float | None:
+    """Bytes a stage on ``device`` may plan to occupy: ``memory_gb`` if given, else
+    ``HEADROOM`` of the CUDA device's free memory; None where neither is known (CPU)."""
+    if memory_gb is not None:
+        return float(memory_gb) * _GIB
+    if device.type == "cuda" and torch.cuda.is_available():
+        free, _total = torch.cuda.mem_get_info(device)
+        return float(free) * HEADROOM
+    return None
+
+
+def memory_costs(
+    model: LayeredModel, *, microbatch_size: int, optimizer: str, half: bool, recompute: str
+) -> CostModel:
+    """The model's analytic cost model for one device, its memory as a stage holds it.
+
+    Parameters, gradients and optimizer state stay float32; under bf16 / fp16 autocast the
+    activations autograd keeps are mostly half precision, so their bytes come from the
+    model traced in that dtype (layer norms' float32 copies make this a slight
+    underestimate).
+    """
+    cm = CostModel.from_model(model, microbatch_size=microbatch_size, optimizer=optimizer)
+    if half:
+        lo = CostModel.from_model(
+            model, microbatch_size=microbatch_size, optimizer=optimizer, dtype="bfloat16"
+        )
+        cm = dataclasses.replace(cm, act_bytes=lo.act_bytes, out_bytes=lo.out_bytes)
+    return dataclasses.replace(cm, recompute=recompute)
+
+
+def stage_recompute(
+    costs: CostModel, plan: Plan, stage: int, *, limit: float | None, microbatches: int
+) -> Recompute:
+    """Stage ``stage``'s recomputed layers under ``costs.recompute`` (the plan's own list
+    when it names one), its predicted peak bytes, and whether they fit ``limit``."""
+    st = plan.stages[stage]
+    k = int(in_flight(plan.schedule, num_stages=plan.num_stages, microbatches=microbatches)[stage])
+    lim = float("inf") if limit is None else float(limit)
+    if st.recompute:
+        names = costs.layer_names
+        return _priced(costs, {names.index(n) for n in st.recompute}, st.start, st.stop, k, lim)
+    return choose_recompute(costs, device=0, start=st.start, stop=st.stop, in_flight=k, limit=lim)
+
+
+def _priced(costs: CostModel, chosen: set[int], a: int, b: int, k: int, lim: float) -> Recompute:
+    """A given set of recomputed layers of ``[a, b)``, priced as the planner prices one."""
+    act, kept = costs.act_bytes[a:b], kept_bytes(costs)[a:b]
+    mask = np.array([i in chosen for i in range(a, b)])
+    held = float(np.where(mask, kept, act).sum())
+    rebuilt = float((act - kept)[mask].max()) if mask.any() else 0.0
+    peak = float(costs.static_bytes[a:b].sum()) + k * held + rebuilt
+    return Recompute(
+        layers=tuple(sorted(chosen)),
+        extra_ms=float(costs.fwd_ms[0, a:b][mask].sum()),
+        peak_bytes=peak,
+        fits=peak <= lim,
+    )
+
+
+def over_memory(costs: CostModel, plan: Plan, choices: list[Recompute], limit: float) -> str:
+    """One line: every stage's needed against available GiB, and what to lower."""
+    parts = ", ".join(
+        f"stage {s} {c.peak_bytes / _GIB:.2f}/{limit / _GIB:.2f}" for s, c in enumerate(choices)
+    )
+    return (
+        f"{plan.model} does not fit its devices with --recompute {costs.recompute}: "
+        f"needed/available GiB {parts}; lower --batch-size or raise --microbatches "
+        f"({costs.microbatch_size} samples a microbatch now), use more stages, or give the "
+        "devices' real memory with --memory-gb"
+    )
+
+
+def check_memory(costs: CostModel, plan: Plan, *, limit: float | None) -> list[Recompute]:
+    """Every stage's choice; a one-line ``UserError`` if one does not fit ``limit``."""
+    choices = [
+        stage_recompute(costs, plan, s, limit=limit, microbatches=plan.microbatches)
+        for s in range(plan.num_stages)
+    ]
+    if limit is not None and not all(c.fits for c in choices):
+        raise UserError(over_memory(costs, plan, choices, limit))
+    return choices
+
+
+def check_run_memory(cfg: Any, model: LayeredModel, plan: Plan, *, device: str) -> None:
+    """One-line errors, before any process group, for a run's precision and memory: fp16 on
+    CPU, ``--recompute auto`` with no memory to plan for, a plan that does not fit even
+    recomputing (``cfg``: a ``TrainConfig``; ``device``: the run's resolved device)."""
+    cpu = not str(device).startswith("cuda")
+    if cfg.fp16 and cpu:
+        raise UserError(
+            "--fp16 needs a GPU: float16 autocast on CPU trains slowly with missing kernels and "
+            "its loss scale has nothing to protect; drop --fp16 on CPU (float32), or run on "
+            "--device cuda"
+        )
+    if cfg.recompute != "auto":
+        return
+    if cfg.memory_gb is None and cpu:
+        raise UserError(
+            "--recompute auto fits each stage into its device's memory, and no memory is "
+            "known on CPU; give it with --memory-gb GB (or use --recompute all or none)"
+        )
+    if cfg.memory_gb is None:
+        return  # each GPU worker reads its own free memory and checks its stage
+    costs = memory_costs(
+        model,
+        microbatch_size=cfg.batch_size // plan.total_microbatches,
+        optimizer=cfg.optim.name,
+        half=(cfg.bf16 or cfg.fp16) and not cpu,
+        recompute="auto",
+    )
+    check_memory(costs, plan, limit=cfg.memory_gb * _GIB)
