@@ -229,3 +229,34 @@ def test_recomputed_pipelines_are_bit_identical_to_eager() -> None:
     before, after = results[0]["auto"][3]
     assert before == () and after, (before, after)
     assert results[0]["eager"][3] == [(), ()]
+
+
+# ---- bench/recompute_memory.py on CPU: its fields, not its numbers -----------------------
+@pytest.mark.slow
+def test_recompute_memory_bench_writes_every_field(tmp_path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "r.json"
+    flags = "--width 32 --depth 2 --heads 2 --seq 16 --fits-width 32 --fits-depth 2"
+    flags += " --fits-batch 4 --memory-gb 0.001 --steps 1 --in-process --device cpu"
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(root / "bench" / "recompute_memory.py"), *flags.split()]
+    got = subprocess.run(
+        [*cmd, "-o", str(out)], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert got.returncode == 0, got.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    assert [c["case"] for c in rep["cases"]] == ["none", "auto", "fits"]
+    for c in rep["cases"]:
+        for key in ("batch", "recomputed", "predicted_peak_gib", "measured_peak_gib", "step_ms"):
+            assert key in c, (c["case"], key)
+        assert c["oom"] is None and c["step_ms"] > 0
+    auto = rep["cases"][1]
+    # A 1 MiB stage cannot hold these activations: auto recomputes every block.
+    assert auto["recomputed"] == ["block00", "block01"]
+    assert auto["predicted_peak_gib"] is not None

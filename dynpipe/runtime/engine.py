@@ -409,6 +409,7 @@ class PipelineEngine:
                 optimizer=self.config.optim.name,
                 half=self.config.amp_dtype is not None and self.topo.is_cuda,
                 recompute="auto" if mode == "auto" else "none",
+                device=self.topo.device,
             )
         costs = self._mem_costs
         got = stage_recompute(

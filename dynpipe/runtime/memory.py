@@ -28,6 +28,7 @@ __all__ = [
     "device_memory_bytes",
     "memory_costs",
     "over_memory",
+    "saved_activation_bytes",
     "stage_recompute",
 ]
 
@@ -50,22 +51,85 @@ def device_memory_bytes(device: torch.device, *, memory_gb: float | None) -> flo
 
 
 def memory_costs(
-    model: LayeredModel, *, microbatch_size: int, optimizer: str, half: bool, recompute: str
+    model: LayeredModel,
+    *,
+    microbatch_size: int,
+    optimizer: str,
+    half: bool,
+    recompute: str,
+    device: torch.device | None = None,
 ) -> CostModel:
     """The model's analytic cost model for one device, its memory as a stage holds it.
 
-    Parameters, gradients and optimizer state stay float32; under bf16 / fp16 autocast the
-    activations autograd keeps are mostly half precision, so their bytes come from the
-    model traced in that dtype (layer norms' float32 copies make this a slight
-    underestimate).
+    Parameters, gradients and optimizer state are float32. Under bf16 / fp16 autocast on a
+    GPU (``device``) the bytes autograd keeps per layer are measured there, one sample
+    through each layer under the stage's own autocast (``saved_activation_bytes``), and
+    scaled by the microbatch: the meta trace would price attention by its math fallback
+    (a float32 ``heads x seq x seq`` matrix) where the GPU's flash kernel keeps none, and
+    would miss the float32 copies that autocast's layer norms keep. Elsewhere the
+    activations come from the meta trace in the run's dtype (``layer_stats``).
     """
     cm = CostModel.from_model(model, microbatch_size=microbatch_size, optimizer=optimizer)
-    if half:
+    if half and device is not None and device.type == "cuda":
+        act, out = saved_activation_bytes(model, device=device, dtype=torch.bfloat16)
+        cm = dataclasses.replace(
+            cm, act_bytes=act * microbatch_size, out_bytes=out * microbatch_size
+        )
+    elif half:
         lo = CostModel.from_model(
             model, microbatch_size=microbatch_size, optimizer=optimizer, dtype="bfloat16"
         )
         cm = dataclasses.replace(cm, act_bytes=lo.act_bytes, out_bytes=lo.out_bytes)
     return dataclasses.replace(cm, recompute=recompute)
+
+
+def saved_activation_bytes(
+    model: LayeredModel, *, device: torch.device, dtype: torch.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer, the bytes autograd keeps for one sample (parameters excluded) and the bytes
+    of its output, measured by running each layer once on ``device`` under ``dtype``
+    autocast. Layers of one spec and input (a transformer's blocks) are measured once."""
+    from torch.autograd.graph import saved_tensors_hooks
+
+    n = len(model)
+    act, out = np.zeros(n), np.zeros(n)
+    x, _ = model.input_spec.example(1, device=device)
+    seen: dict[tuple, tuple[float, float, torch.Tensor]] = {}
+    # Dropout draws here must not move the run's random stream.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for i in range(n):
+            layer = model.build_layer(i, device=device)
+            layer.train()
+            key = (
+                model.layers[i].kind,
+                tuple(x.shape),
+                x.dtype,
+                tuple((k, tuple(p.shape)) for k, p in layer.named_parameters()),
+            )
+            if key in seen:
+                act[i], out[i], x = seen[key]
+                continue
+            params = {p.untyped_storage()._cdata for p in layer.parameters()}
+            kept: dict[int, int] = {}
+
+            def pack(t: torch.Tensor, kept: dict[int, int] = kept, params: set = params):
+                k = t.untyped_storage()._cdata
+                if k not in params:
+                    kept[k] = max(kept.get(k, 0), t.untyped_storage().nbytes())
+                return t
+
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            with (
+                saved_tensors_hooks(pack, lambda t: t),
+                torch.autocast(device_type=device.type, dtype=dtype),
+            ):
+                y = layer(inp)
+            act[i] = float(sum(kept.values()))
+            out[i] = float(y.numel() * y.element_size())
+            x = y.detach()
+            seen[key] = (act[i], out[i], x)
+            del layer, y, inp
+    return act, out
 
 
 def stage_recompute(
