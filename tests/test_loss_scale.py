@@ -203,3 +203,33 @@ def test_a_checkpoint_resumes_the_loss_scale_exactly(tmp_path) -> None:
         assert r["losses"] == w["losses"][3:]
         assert all(torch.equal(v, w["model"][k]) for k, v in r["model"].items())
         assert all(torch.equal(v, w["optim"][k]) for k, v in r["optim"].items())
+
+
+def _mismatched(rank: int, world: int) -> str:
+    from dynpipe.models import get_model
+    from dynpipe.planner import Plan
+    from dynpipe.runtime.engine import EngineConfig, PipelineEngine
+    from dynpipe.runtime.scaler import ScalerConfig
+    from dynpipe.runtime.topology import Topology
+
+    model = get_model("gpt", **GPT)
+    eng = PipelineEngine(
+        model,
+        Plan.even(model, world),
+        topo=Topology.from_env(device="cpu"),
+        config=EngineConfig(batch_size=BATCH, loss_scale=ScalerConfig()),
+    )
+    eng.step(0, make_batch(model, 0))
+    if rank == 1:
+        eng.scaler.scale *= 2  # what a rank that missed an update would hold
+    try:
+        eng.step(1, make_batch(model, 1))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_ranks_with_different_loss_scales_stop_with_the_numbers() -> None:
+    got = [r["value"] for r in run_ranks(_mismatched, 2)]
+    assert all("loss scales differ across ranks at step 1" in g for g in got), got

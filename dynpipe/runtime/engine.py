@@ -707,10 +707,12 @@ class PipelineEngine:
         # stages' backward tails exactly as in a plain pipelining loop.
         clip = self.config.optim.clip_grad
         n = len(self.slots) if clip > 0 else 0
-        vec = torch.zeros(n + 1 + (self.scaler is not None), dtype=torch.float32, device=dev)
+        vec = torch.zeros(n + 1 + 2 * (self.scaler is not None), dtype=torch.float32, device=dev)
         if found is not None:
-            # Summed over the world: > 0 iff some stage of some replica saw an inf or NaN.
+            # Summed over the world: > 0 iff some stage of some replica saw an inf or NaN;
+            # the scales' sum checks every rank scaled by the same number.
             vec[n + 1] = found
+            vec[n + 2] = self.scaler.scale
         if clip > 0 and self.mesh.replica == 0:
             # Replicas hold the same averaged gradients: one of them fills the slots.
             fill_grad_norms(vec, self.named_params, self.slots)
@@ -730,6 +732,7 @@ class PipelineEngine:
             if work is not None:
                 work.wait()
             scale = self.scaler.scale
+            _same_scale(vec[n + 2], scale, group=None if dp else self.group, step=step)
             # Every rank reads the same reduced flag: all skip, or none does.
             skipped = self.scaler.update(bool(vec[n + 1] > 0))
         if clip > 0 and not skipped:
@@ -805,14 +808,17 @@ class PipelineEngine:
         clip = self.config.optim.clip_grad
         n = len(self.slots) if clip > 0 else 0
         vec = torch.zeros(
-            n + 1 + (self.scaler is not None), dtype=torch.float32, device=self.topo.device
+            n + 1 + 2 * (self.scaler is not None), dtype=torch.float32, device=self.topo.device
         )
+        if self.scaler is not None:
+            vec[n + 2] = self.scaler.scale
         if self.topo.world_size > 1:
             dist.all_reduce(vec, group=self.group)
         skipped, scale = False, None
         if self.scaler is not None:
             # Idle, it still follows the scale, so it is the world's when it holds a stage.
             scale = self.scaler.scale
+            _same_scale(vec[n + 2], scale, group=self.group, step=step)
             skipped = self.scaler.update(bool(vec[n + 1] > 0))
         if while_device_runs is not None:
             while_device_runs()
@@ -1041,6 +1047,17 @@ class PipelineEngine:
         if self.optimizer is None:
             return {}  # an idle rank holds no state
         return export_state(self.optimizer, self.named_params)
+
+
+def _same_scale(total: torch.Tensor, scale: float, *, group, step: int) -> None:
+    """Every rank of the reduce scaled by ``scale`` (their sum is ``scale`` x ranks): the
+    loss scale is one number for the world, so a migration need not move it."""
+    ranks = dist.get_world_size(group) if dist.is_initialized() else 1
+    if float(total) != scale * ranks:
+        raise RuntimeError(
+            f"loss scales differ across ranks at step {step}: this rank's is {scale:g}, the "
+            f"{ranks} ranks' sum {float(total):g} (expected {scale * ranks:g})"
+        )
 
 
 def _with_recompute(plan: Plan, stage: int, names: tuple[str, ...]) -> Plan:
