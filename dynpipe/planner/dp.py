@@ -233,7 +233,7 @@ def _over_memory(prob: Problem, cuts: Sequence[int]) -> PlanError:
     parts = []
     for s in range(prob.S):
         r = prob.recompute(s, int(cuts[s]), int(cuts[s + 1]))
-        parts.append(f"stage {s} {r.peak_bytes / 1024**3:.2f}/{prob.lim[s] / 1024**3:.2f}")
+        parts.append(f"stage {s} {r.peak_bytes / 1024**3:.3g}/{prob.lim[s] / 1024**3:.3g}")
     return PlanError(
         f"{cm.model} does not fit {prob.S} stages even recomputing activations (--recompute "
         f"{cm.recompute}): needed/available GiB {', '.join(parts)}; lower --batch-size (or "

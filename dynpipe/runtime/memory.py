@@ -164,7 +164,7 @@ def _priced(costs: CostModel, chosen: set[int], a: int, b: int, k: int, lim: flo
 def over_memory(costs: CostModel, plan: Plan, choices: list[Recompute], limit: float) -> str:
     """One line: every stage's needed against available GiB, and what to lower."""
     parts = ", ".join(
-        f"stage {s} {c.peak_bytes / _GIB:.2f}/{limit / _GIB:.2f}" for s, c in enumerate(choices)
+        f"stage {s} {c.peak_bytes / _GIB:.3g}/{limit / _GIB:.3g}" for s, c in enumerate(choices)
     )
     return (
         f"{plan.model} does not fit its devices with --recompute {costs.recompute}: "

@@ -673,7 +673,7 @@ def _link_bandwidth(
     act = activation_bytes(model, microbatch_size=microbatch_size)
     # Activations travel in bfloat16 under --bf16 on CUDA: a float32 byte of the model
     # costs half a byte on the wire.
-    wire = 0.5 if cfg.bf16 and topo.is_cuda else 1.0
+    wire = 0.5 if (cfg.bf16 or cfg.fp16) and topo.is_cuda else 1.0
     bw = measure_bandwidth(topo, nbytes=int(act * wire))
     if bw is None:
         return None
