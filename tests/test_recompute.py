@@ -167,8 +167,8 @@ def _run(rank: int, world: int) -> dict:
     )
     # A limit that fits stage 0 of the first plan without recomputation and not the later
     # plan's (which gives it one more block): auto must start recomputing there. (Stage 0
-    # holds two microbatches in flight; the last stage holds one, and recomputing there
-    # saves nothing: the layer's activations are rebuilt for that one microbatch.)
+    # holds two microbatches in flight; the last stage holds one, where recomputing one
+    # layer saves nothing: its activations are rebuilt for that one microbatch.)
     costs = memory_costs(
         model, microbatch_size=BATCH // 4, optimizer="adamw", half=False, recompute="auto"
     )

@@ -624,6 +624,25 @@ def _open(
     return engine, 0, None, skipped
 
 
+def _memory_plan(engine: PipelineEngine, *, topo: Topology) -> list[dict[str, Any]]:
+    """Per rank: its stage, the layers it recomputes, its predicted peak and its limit."""
+    import torch.distributed as dist
+
+    gib = lambda b: None if b is None else round(float(b) / 1024**3, 4)  # noqa: E731
+    mine = {
+        "rank": topo.rank,
+        "stage": engine.stage_index,
+        "recomputed": list(engine.recomputed),
+        "predicted_peak_gib": gib(engine.predicted_peak_bytes),
+        "limit_gib": gib(engine.config.memory_bytes),
+    }
+    if topo.world_size == 1 or not dist.is_initialized():
+        return [mine]
+    every: list[Any] = [None] * topo.world_size
+    dist.all_gather_object(every, mine)
+    return every
+
+
 def _stage_memory(cfg: TrainConfig, topo: Topology) -> float | None:
     """What this rank's stage may hold, for --recompute auto (None otherwise)."""
     if cfg.recompute != "auto":
@@ -746,6 +765,11 @@ def train(
             )
         elif lost is not None:
             log.event("recovered", attempt=topo.restart_attempt, step=start, **lost)
+    if cfg.recompute is not None or topo.is_cuda:
+        # Every rank's recomputed layers and predicted peak, for the log (a collective).
+        stages = _memory_plan(engine, topo=topo)
+        if log is not None:
+            log.event("memory_plan", stages=stages)
     mb = cfg.batch_size // plan.total_microbatches
     injected = policy is not None
     link_bw = None
