@@ -260,3 +260,105 @@ def test_recompute_memory_bench_writes_every_field(tmp_path) -> None:
     # A 1 MiB stage cannot hold these activations: auto recomputes every block.
     assert auto["recomputed"] == ["block00", "block01"]
     assert auto["predicted_peak_gib"] is not None
+
+
+# ---- the training loop: a live move makes the receiving stage recompute -------------------
+class _MoveOnce:
+    """A policy that moves to ``bounds`` after the first window and keeps what it saw."""
+
+    mode_used = "measured"
+
+    def __init__(self, bounds) -> None:
+        self.bounds = bounds
+        self.seen: list = []
+
+    def observe(self, window):
+        from distutil import forced_decision
+
+        self.seen.append(None if window.memory_bytes is None else window.memory_bytes.tolist())
+        if len(self.seen) > 1:
+            return None
+        return forced_decision(window.step, self.bounds, ranks=2)
+
+    def applied(self, *, step: int, pause_ms: float, moved_bytes: int) -> None:
+        pass
+
+    def describe(self) -> str:
+        return "forced"
+
+    def state(self) -> dict:
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        pass
+
+
+def _live(rank: int, world: int, tmp: str, recompute: str | None, memory_gb: float | None):
+    from dynpipe.runtime.adapt.config import AdaptConfig
+    from dynpipe.runtime.config import TrainConfig
+    from dynpipe.runtime.topology import Topology
+    from dynpipe.runtime.train import train
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig(
+        model="gpt",
+        model_args=GPT,
+        batch_size=BATCH,
+        microbatches=4,
+        steps=6,
+        progress=False,
+        telemetry=False,
+        log=f"{tmp}/log.jsonl",
+        optim=optim_config("adamw"),
+        adapt=AdaptConfig(mode="measured", monitor_every=2),
+        recompute=recompute,
+        memory_gb=memory_gb,
+    )
+    got: dict = {}
+
+    def grab(eng, res) -> None:
+        got.setdefault("recomputed", []).append(eng.recomputed)
+        got["engine"] = eng
+
+    policy = _MoveOnce(((0, 3), (3, 4)))
+    out = train(cfg, topo=Topology.from_env(device="cpu"), on_step=grab, policy=policy)
+    eng = got["engine"]
+    return {
+        "losses": out["losses"],
+        "model": eng.model_state(),
+        "recomputed": got["recomputed"],
+        "seen": policy.seen,
+        "limit": eng.config.memory_bytes,
+    }
+
+
+@pytest.mark.slow
+def test_a_live_move_recomputes_where_layers_arrive_and_stays_exact(tmp_path) -> None:
+    from dynpipe.models import get_model
+    from dynpipe.planner import Plan
+    from dynpipe.runtime.memory import memory_costs, stage_recompute
+
+    model = get_model("gpt", **GPT)
+    costs = memory_costs(
+        model, microbatch_size=BATCH // 4, optimizer="adamw", half=False, recompute="auto"
+    )
+    first, later = Plan.from_bounds(model, [2, 2]), Plan.from_bounds(model, [3, 1])
+    keep = [
+        stage_recompute(costs, p, 0, limit=None, microbatches=4).peak_bytes for p in (first, later)
+    ]
+    gb = (keep[0] + 0.25 * (keep[1] - keep[0])) / 1024**3
+    plain = [r["value"] for r in run_ranks(_live, 2, str(tmp_path / "a"), None, None)]
+    auto = [r["value"] for r in run_ranks(_live, 2, str(tmp_path / "b"), "auto", gb)]
+    for p, a in zip(plain, auto, strict=True):
+        assert a["losses"] == p["losses"]
+        assert all(torch.equal(v, p["model"][k]) for k, v in a["model"].items())
+    # Stage 0 fitted its two layers; given a third by the move, it recomputes.
+    steps = auto[0]["recomputed"]
+    assert steps[0] == () and steps[-1], steps
+    # The policy's budget for each stage (the model's hold without recomputation plus the
+    # reported free memory) is the stage's own limit.
+    limit = auto[0]["limit"]
+    window = auto[0]["seen"][0]
+    for s in (0, 1):
+        held = stage_recompute(costs, first, s, limit=None, microbatches=4)
+        assert held.layers == () and abs(held.peak_bytes + window[s] - limit) < 1.0

@@ -234,6 +234,8 @@ class _StepLog:
         # Records carry every replica's timings (``replicas``) with replicas, and for one
         # pipeline whose policy is the replica policy (``--reshape``: a run of one replica).
         self.replicated = self.mesh.dp > 1
+        # What this rank reports as its stage's free memory (default: the device's).
+        self.free: Callable[[], float] | None = None
 
     def add(self, res: StepResult) -> None:
         self.pending.append(res)
@@ -283,7 +285,7 @@ class _StepLog:
         # The window's last probe (an idle or light rank's): layer, fwd ms, bwd ms.
         probed = [r.probe for r in self.pending if r.probe is not None]
         row += list(probed[-1]) if probed else [float("nan")] * 3
-        row.append(_free_bytes(self.topo))
+        row.append(self.free() if self.free is not None else _free_bytes(self.topo))
         mine = torch.tensor(row, dtype=torch.float64)
         if self.topo.world_size > 1:
             dev = self.topo.device
@@ -643,6 +645,28 @@ def _memory_plan(engine: PipelineEngine, *, topo: Topology) -> list[dict[str, An
     return every
 
 
+def _room(engine: PipelineEngine, topo: Topology) -> float:
+    """--recompute auto: the free memory this rank reports, so that the policy's budget for
+    its stage (what the model says the stage holds without recomputation, plus this) is the
+    limit the stage itself chooses its recomputed layers under. The device's free memory
+    would overstate a stage whose recomputation already saves memory."""
+    limit, costs = engine.config.memory_bytes, engine._mem_costs
+    if limit is None or costs is None:
+        return _free_bytes(topo)
+    if engine.idle:
+        return float(limit)
+    from dynpipe.planner.evaluate import in_flight
+    from dynpipe.planner.recompute import choose_recompute
+
+    plan, s = engine.plan, engine.stage_index
+    st = plan.stages[s]
+    k = in_flight(plan.schedule, num_stages=plan.num_stages, microbatches=plan.microbatches)
+    kept = choose_recompute(
+        costs, device=0, start=st.start, stop=st.stop, in_flight=int(k[s]), mode="none"
+    )
+    return float(limit) - kept.peak_bytes
+
+
 def _stage_memory(cfg: TrainConfig, topo: Topology) -> float | None:
     """What this rank's stage may hold, for --recompute auto (None otherwise)."""
     if cfg.recompute != "auto":
@@ -783,12 +807,15 @@ def train(
         replicas = p.dp > 1 or (cfg.adapt.reshape and p.num_stages == topo.world_size)
         base = None
         if cfg.recompute == "auto":
-            # Splits are priced with the layers each would have to recompute to fit.
-            links = {} if link_bw is None else {"bandwidth": link_bw}
-            base = dataclasses.replace(
-                CostModel.from_model(model, microbatch_size=mb, num_devices=1, **links),
-                recompute="auto",
+            # Splits are priced with the layers each would have to recompute to fit, by the
+            # stages' own memory model (on a GPU, its measured activations).
+            base = engine._mem_costs or CostModel.from_model(
+                model, microbatch_size=mb, num_devices=1
             )
+            meta = dict(base.meta)
+            if link_bw is not None:
+                meta["link_bandwidth"] = float(link_bw)
+            base = dataclasses.replace(base, recompute="auto", meta=meta)
         return make_policy(
             cfg.adapt,
             model=model,
@@ -813,6 +840,8 @@ def train(
         clock_rank=writer_rank,
         mesh=mesh,
     )
+    if cfg.recompute == "auto":
+        steplog.free = functools.partial(_room, engine, topo)
     adapter = None
     if policy is not None:
         adapter = Adapter(
