@@ -45,7 +45,6 @@ of the step (see ``step``), and the reading comes back in ``StepResult.probe``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -388,43 +387,24 @@ class PipelineEngine:
         self._trained = False  # the schedule has yet to run a training step
 
     def _recompute(self, plan: Plan) -> tuple[str, ...]:
-        """The layers this stage recomputes under ``plan`` (``EngineConfig.recompute``),
-        and its predicted peak memory (``predicted_peak_bytes``)."""
-        from dynpipe.runtime.memory import memory_costs, over_memory, stage_recompute
+        """The layers this stage recomputes under ``plan`` (``EngineConfig.recompute``);
+        sets its predicted peak memory (``predicted_peak_bytes``)."""
+        from dynpipe.runtime.memory import stage_layers
 
-        i, mode = self.stage_index, self.config.recompute
-        st = plan.stages[i]
-        if mode == "all":
-            plan = _with_recompute(plan, i, tuple(self.model.layer_names[st.start : st.stop]))
-        elif mode == "none":
-            plan = _with_recompute(plan, i, ())
-        if not (self.topo.is_cuda or mode == "auto"):
-            # A CPU run that does not choose needs no memory model.
-            self.predicted_peak_bytes = None
-            return plan.stages[i].recompute
-        if self._mem_costs is None:
-            self._mem_costs = memory_costs(
-                self.model,
-                microbatch_size=self.config.batch_size // plan.total_microbatches,
-                optimizer=self.config.optim.name,
-                half=self.config.amp_dtype is not None and self.topo.is_cuda,
-                recompute="auto" if mode == "auto" else "none",
-                device=self.topo.device,
-            )
-        costs = self._mem_costs
-        got = stage_recompute(
-            costs,
+        names, self.predicted_peak_bytes, self._mem_costs = stage_layers(
+            self.model,
             plan,
-            i,
+            self.stage_index,
+            mode=self.config.recompute,
             limit=self.config.memory_bytes,
             microbatches=self.microbatches or plan.microbatches,
+            batch_size=self.config.batch_size,
+            optimizer=self.config.optim.name,
+            half=self.config.amp_dtype is not None,
+            device=self.topo.device,
+            costs=self._mem_costs,
         )
-        self.predicted_peak_bytes = got.peak_bytes
-        if mode == "auto" and not got.fits:
-            assert self.config.memory_bytes is not None
-            line = over_memory(costs, plan, [got], self.config.memory_bytes)
-            raise UserError(line.replace("stage 0", f"stage {i}", 1))
-        return tuple(self.model.layer_names[i] for i in got.layers)
+        return names
 
     def _new_schedule(self) -> tuple[TimedPipelineStage, Any]:
         """A pipeline stage and schedule over the built stage module."""
@@ -1058,13 +1038,6 @@ def _same_scale(total: torch.Tensor, scale: float, *, group, step: int) -> None:
             f"loss scales differ across ranks at step {step}: this rank's is {scale:g}, the "
             f"{ranks} ranks' sum {float(total):g} (expected {scale * ranks:g})"
         )
-
-
-def _with_recompute(plan: Plan, stage: int, names: tuple[str, ...]) -> Plan:
-    """``plan`` with stage ``stage`` recomputing ``names`` (a mode that overrides the plan)."""
-    stages = list(plan.stages)
-    stages[stage] = dataclasses.replace(stages[stage], recompute=names)
-    return dataclasses.replace(plan, stages=tuple(stages))
 
 
 def _check_scale_grads() -> None:

@@ -29,6 +29,7 @@ __all__ = [
     "memory_costs",
     "over_memory",
     "saved_activation_bytes",
+    "stage_layers",
     "stage_recompute",
 ]
 
@@ -161,10 +162,19 @@ def _priced(costs: CostModel, chosen: set[int], a: int, b: int, k: int, lim: flo
     )
 
 
-def over_memory(costs: CostModel, plan: Plan, choices: list[Recompute], limit: float) -> str:
+def over_memory(
+    costs: CostModel,
+    plan: Plan,
+    choices: list[Recompute],
+    limit: float,
+    *,
+    stages: list[int] | None = None,
+) -> str:
     """One line: every stage's needed against available GiB, and what to lower."""
+    stages = list(range(len(choices))) if stages is None else stages
     parts = ", ".join(
-        f"stage {s} {c.peak_bytes / _GIB:.3g}/{limit / _GIB:.3g}" for s, c in enumerate(choices)
+        f"stage {s} {c.peak_bytes / _GIB:.3g}/{limit / _GIB:.3g}"
+        for s, c in zip(stages, choices, strict=True)
     )
     return (
         f"{plan.model} does not fit its devices with --recompute {costs.recompute}: "
@@ -213,3 +223,49 @@ def check_run_memory(cfg: Any, model: LayeredModel, plan: Plan, *, device: str) 
         recompute="auto",
     )
     check_memory(costs, plan, limit=cfg.memory_gb * _GIB)
+
+
+def stage_layers(
+    model: LayeredModel,
+    plan: Plan,
+    stage: int,
+    *,
+    mode: str | None,
+    limit: float | None,
+    microbatches: int,
+    batch_size: int,
+    optimizer: str,
+    half: bool,
+    device: torch.device,
+    costs: CostModel | None = None,
+) -> tuple[tuple[str, ...], float | None, CostModel | None]:
+    """What a running stage recomputes: the names of its recomputed layers, its predicted
+    peak bytes (None on CPU unless choosing) and the memory model it priced them with
+    (``costs``, made here on first use and kept by the caller across rebuilds).
+
+    mode: ``all``, ``none``, ``auto`` (the planner's choice under ``limit``; a stage that
+    cannot fit raises a one-line ``UserError``), or None: the plan's own list.
+    """
+    st = plan.stages[stage]
+    if mode in ("all", "none"):
+        names = tuple(model.layer_names[st.start : st.stop]) if mode == "all" else ()
+        stages = list(plan.stages)
+        stages[stage] = dataclasses.replace(st, recompute=names)
+        plan = dataclasses.replace(plan, stages=tuple(stages))
+    cuda = device.type == "cuda"
+    if not (cuda or mode == "auto"):
+        return plan.stages[stage].recompute, None, costs  # no memory model needed
+    if costs is None:
+        costs = memory_costs(
+            model,
+            microbatch_size=batch_size // plan.total_microbatches,
+            optimizer=optimizer,
+            half=half and cuda,
+            recompute="auto" if mode == "auto" else "none",
+            device=device,
+        )
+    got = stage_recompute(costs, plan, stage, limit=limit, microbatches=microbatches)
+    if mode == "auto" and not got.fits:
+        assert limit is not None
+        raise UserError(over_memory(costs, plan, [got], limit, stages=[stage]))
+    return tuple(model.layer_names[i] for i in got.layers), got.peak_bytes, costs
