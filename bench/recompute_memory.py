@@ -288,11 +288,12 @@ def _say(r: dict[str, Any]) -> None:
     if r.get("error"):
         print(f"{what}: failed: {r['error']}")
     elif r.get("oom"):
-        print(f"{what}: out of memory as predicted ({r['predicted_peak_gib']} GiB): {r['oom']}")
+        need = r.get("predicted_peak_gib")
+        print(f"{what}: out of memory (predicted {need} GiB of {r.get('limit_gib')}): {r['oom']}")
     else:
         n = len(r.get("recomputed") or [])
         print(
-            f"{what}: step {r['step_ms']} ms, peak predicted {r['predicted_peak_gib']} GiB "
+            f"{what}: step {r['step_ms']} ms, peak predicted {r.get('predicted_peak_gib')} GiB "
             f"measured {r['measured_peak_gib']} GiB (x{r['predicted_over_measured']}), "
             f"{n} layers recomputed"
         )
