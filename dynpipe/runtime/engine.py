@@ -737,7 +737,9 @@ class PipelineEngine:
         # on the same stream before it.
         loss = float(vec[n] / self.plan.counted_microbatches if dp else vec[n])
         t1 = time.perf_counter()
-        if not math.isfinite(loss):
+        # Under a loss scale an overflow skips the step everywhere (weights untouched) and
+        # lowers the scale; only a non-finite loss on a step that updated the weights stops.
+        if not math.isfinite(loss) and not skipped:
             raise NonFiniteLoss(
                 f"loss is {loss} at step {step}; lower --lr (now {self.config.optim.lr}), "
                 "enable --clip-grad, or check the data (weights of this step are discarded; "
