@@ -116,6 +116,38 @@ def test_planner_recomputes_only_under_memory_pressure_and_prices_it() -> None:
         plan_partition(cm, num_stages=2, microbatches=4, memory_bytes=2500.0)
 
 
+@pytest.mark.parametrize("stages", [2, 3])
+def test_planner_with_recompute_is_the_brute_force_optimum(stages: int) -> None:
+    """Every split of 8 uneven layers, each stage with its own recomputation and peak,
+    simulated: the DP's choice has the least step time among those that fit."""
+    import itertools
+
+    from dynpipe.planner.dp import plan_partition
+    from dynpipe.planner.evaluate import stage_costs
+    from dynpipe.planner.simulate import simulate
+
+    rng = np.random.default_rng(stages)
+    cm = _costs(
+        rng.uniform(0.5, 2.0, 8).tolist(),
+        rng.uniform(500, 1500, 8).tolist(),
+        rng.uniform(20, 80, 8).tolist(),
+        static=300,
+    )
+    limit = 4200.0
+    best = np.inf
+    for cuts in itertools.combinations(range(1, 8), stages - 1):
+        bounds = list(itertools.pairwise((0, *cuts, 8)))
+        sc = stage_costs(cm, bounds, microbatches=4, memory_bytes=limit)
+        if max(sc.mem_bytes) > limit:
+            continue
+        sim = simulate(sc.fwd_ms, sc.bwd_ms, comm_ms=sc.comm_ms, microbatches=4)
+        best = min(best, sim.step_ms)
+    assert np.isfinite(best)
+    res = plan_partition(cm, num_stages=stages, microbatches=4, memory_bytes=limit)
+    assert res.step_ms == pytest.approx(best, rel=1e-9)
+    assert any(res.recompute), "the limit was meant to need recomputation"
+
+
 def test_plan_carries_recompute_through_json_and_validates_it() -> None:
     from dynpipe.models import get_model
     from dynpipe.planner.costs import CostModel

@@ -47,7 +47,8 @@ __all__ = ["PartitionResult", "memory_limits", "plan_partition", "solve_bottlene
 class PartitionResult:
     """The chosen partition and how it was found.
 
-    bottleneck_ms: ``T(P)`` of the chosen partition; ``optimal_bottleneck_ms`` is ``T*``.
+    bottleneck_ms: ``T(P)`` of the chosen partition; ``optimal_bottleneck_ms`` is ``T*`` (with
+        ``costs.recompute``, a lower bound on it: ``T*`` of the layers without re-forwards).
     score_ms: simulated step time plus migration cost — what was minimised.
     exhaustive: every partition that could beat the choice was simulated, so the choice is
         the exact optimum of ``score_ms``.
@@ -135,6 +136,10 @@ def _bisect(prob: Problem) -> tuple[float, list[int]]:
     cap = hi * eps
     cuts = prob.backtrack(cap, prob.reach(cap))
     t = float(prob.metrics(np.array([cuts]))["bottleneck"][0])
+    if prob.costs.recompute != "none":
+        # The caps price layers without their re-forwards: ``hi`` is a lower bound on T*,
+        # and this partition's own bottleneck (with them) may not be the least.
+        t = min(t, hi)
     return t, cuts
 
 
