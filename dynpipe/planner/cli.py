@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
@@ -93,6 +94,13 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--memory-gb", metavar="GB", help="memory per device in GiB: one value or one per stage"
+    )
+    p.add_argument(
+        "--recompute",
+        default="none",
+        choices=("none", "all", "auto"),
+        help="activation recomputation the plan prices: auto recomputes the cheapest layers "
+        "that fit each stage in --memory-gb (default: %(default)s)",
     )
     p.add_argument(
         "--optimizer",
@@ -333,6 +341,12 @@ def run(args: argparse.Namespace) -> int:
     if args.migration_ms_per_gb and not args.current:
         raise UserError("--migration-ms-per-gb prices moves away from a plan; give --current")
     costs = _costs(args, model, args.batch_size // m)
+    if args.recompute == "auto" and not args.memory_gb:
+        raise UserError(
+            "--recompute auto fits each stage into its device's memory; give it with "
+            "--memory-gb GB (one value or one per stage)"
+        )
+    costs = dataclasses.replace(costs, recompute=args.recompute)
     current = Plan.load(args.current).validate(model) if args.current else None
     memory = _memory(args.memory_gb, s)
     plan = make_plan(

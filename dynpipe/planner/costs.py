@@ -94,6 +94,10 @@ class CostModel:
         took the host 10.5 ms of forward and 31.3 of backward a microbatch against the
         device's 16.2 and 26.4; the stage ran its device's 42.6 ms, and pricing each phase
         at its longer time (47.5 ms) hid a 23% faster split.
+    recompute: which layers a stage recomputes in its backward (``dynpipe.planner.recompute``):
+        ``none``, ``all``, or ``auto`` (the cheapest that fit the stage in its device's
+        memory). A recomputed layer keeps only its input and adds its forward to the
+        stage's backward.
     """
 
     model: str
@@ -114,8 +118,11 @@ class CostModel:
     stage_bwd_ms: np.ndarray | None = None
     host_fwd_ms: np.ndarray | None = None
     host_bwd_ms: np.ndarray | None = None
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
+        if self.recompute not in ("none", "all", "auto"):
+            raise UserError(f"cost model recompute {self.recompute!r}; use one of none, all, auto")
         fwd = np.asarray(self.fwd_ms, dtype=np.float64)
         if fwd.ndim == 1:
             fwd = fwd[None, :]

@@ -47,7 +47,8 @@ __all__ = ["PartitionResult", "memory_limits", "plan_partition", "solve_bottlene
 class PartitionResult:
     """The chosen partition and how it was found.
 
-    bottleneck_ms: ``T(P)`` of the chosen partition; ``optimal_bottleneck_ms`` is ``T*``.
+    bottleneck_ms: ``T(P)`` of the chosen partition; ``optimal_bottleneck_ms`` is ``T*`` (with
+        ``costs.recompute``, a lower bound on it: ``T*`` of the layers without re-forwards).
     score_ms: simulated step time plus migration cost — what was minimised.
     exhaustive: every partition that could beat the choice was simulated, so the choice is
         the exact optimum of ``score_ms``.
@@ -63,6 +64,8 @@ class PartitionResult:
     candidates: int
     exhaustive: bool
     solve_ms: float
+    # Per stage, the layers it recomputes (global indices; ``costs.recompute``).
+    recompute: tuple[tuple[int, ...], ...] = ()
 
     def __repr__(self) -> str:
         parts = " ".join(f"[{a}:{b})" for a, b in self.bounds)
@@ -133,6 +136,10 @@ def _bisect(prob: Problem) -> tuple[float, list[int]]:
     cap = hi * eps
     cuts = prob.backtrack(cap, prob.reach(cap))
     t = float(prob.metrics(np.array([cuts]))["bottleneck"][0])
+    if prob.costs.recompute != "none":
+        # The caps price layers without their re-forwards: ``hi`` is a lower bound on T*,
+        # and this partition's own bottleneck (with them) may not be the least.
+        t = min(t, hi)
     return t, cuts
 
 
@@ -224,6 +231,22 @@ def _infeasible(prob: Problem) -> PlanError:
     )
 
 
+def _over_memory(prob: Problem, cuts: Sequence[int]) -> PlanError:
+    """Even the layers recomputed that can be, some stage of the best split is over its
+    device's memory: needed against available per stage, and what to lower."""
+    cm = prob.costs
+    parts = []
+    for s in range(prob.S):
+        r = prob.recompute(s, int(cuts[s]), int(cuts[s + 1]))
+        parts.append(f"stage {s} {r.peak_bytes / 1024**3:.3g}/{prob.lim[s] / 1024**3:.3g}")
+    return PlanError(
+        f"{cm.model} does not fit {prob.S} stages even recomputing activations (--recompute "
+        f"{cm.recompute}): needed/available GiB {', '.join(parts)}; lower --batch-size (or "
+        f"raise --microbatches: {cm.microbatch_size} samples a microbatch now), use more "
+        "stages, or raise --memory-gb if the devices have more"
+    )
+
+
 def solve_bottleneck(
     costs: CostModel,
     *,
@@ -309,6 +332,8 @@ def plan_partition(
     cands = np.array(list(pool), dtype=np.int64)
     sc = score(cands)
     best_cuts, best = cands[int(np.argmin(sc))], float(sc.min())
+    if not np.isfinite(best) and cm.recompute != "none":
+        raise _over_memory(prob, cuts0)
     tables = bounded(prob, best, limit)
     exhaustive = tables.count <= limit
     if not exhaustive:
@@ -340,4 +365,7 @@ def plan_partition(
         candidates=len(cands),
         exhaustive=bool(exhaustive),
         solve_ms=(time.perf_counter() - t0) * 1e3,
+        recompute=tuple(prob.recompute(s, cuts[s], cuts[s + 1]).layers for s in range(num_stages))
+        if cm.recompute != "none"
+        else (),
     )

@@ -46,6 +46,9 @@ class StageCosts:
     mem_bytes: tuple[int, ...]
     static_bytes: tuple[int, ...]
     act_bytes: tuple[int, ...]  # per microbatch in flight
+    # Recomputed layers per stage (global indices; ``dynpipe.planner.recompute``): their
+    # re-forwards are in ``bwd_ms``, their savings in ``mem_bytes`` and ``act_bytes``.
+    recompute: tuple[tuple[int, ...], ...] = ()
 
     @property
     def load_ms(self) -> tuple[float, ...]:
@@ -64,8 +67,16 @@ def stage_costs(
     *,
     schedule: str = "1f1b",
     microbatches: int = 4,
+    memory_bytes: float | Sequence[float] | None = None,
 ) -> StageCosts:
-    """Per-stage costs of ``bounds`` (stage ``s`` on device ``s`` of ``costs``)."""
+    """Per-stage costs of ``bounds`` (stage ``s`` on device ``s`` of ``costs``).
+
+    memory_bytes: per-device limits (one, or one per stage): with ``costs.recompute`` auto,
+        what decides which layers each stage recomputes.
+    """
+    from dynpipe.planner.problem import memory_limits
+    from dynpipe.planner.recompute import choose_recompute, kept_bytes
+
     n = len(bounds)
     cm = costs.for_devices(n)
     if bounds[-1][1] != cm.num_layers or bounds[0][0] != 0:
@@ -74,17 +85,26 @@ def stage_costs(
             f"{cm.num_layers}; use a cost model of the same model"
         )
     k = in_flight(schedule, num_stages=n, microbatches=microbatches)
-    fwd, bwd, comm, send, mem, stat, act = [], [], [], [], [], [], []
+    fwd, bwd, comm, send, mem, stat, act, rec = [], [], [], [], [], [], [], []
     static = cm.static_bytes
+    lim = memory_limits(memory_bytes, n)
+    kept = kept_bytes(cm)
     for s, (a, b) in enumerate(bounds):
         f, b_ = cm.stage_ms(s, a, b)
-        fwd.append(f)
-        bwd.append(b_)
         st = float(static[a:b].sum())
         ac = float(cm.act_bytes[a:b].sum())
+        peak = st + k[s] * ac
+        if cm.recompute != "none":
+            r = choose_recompute(cm, device=s, start=a, stop=b, in_flight=int(k[s]), limit=lim[s])
+            rec.append(r.layers)
+            b_ += r.extra_ms
+            ac -= float((cm.act_bytes - kept)[list(r.layers)].sum())
+            peak = r.peak_bytes
+        fwd.append(f)
+        bwd.append(b_)
         stat.append(int(st))
         act.append(int(ac))
-        mem.append(int(st + k[s] * ac))
+        mem.append(int(peak))
         if s < n - 1:
             nb = float(cm.out_bytes[b - 1])
             send.append(int(nb))
@@ -98,4 +118,5 @@ def stage_costs(
         mem_bytes=tuple(mem),
         static_bytes=tuple(stat),
         act_bytes=tuple(act),
+        recompute=tuple(rec),
     )

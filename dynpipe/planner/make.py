@@ -43,7 +43,9 @@ def annotate(
     ranks = list(range(n)) if ranks is None else list(ranks)
     if len(ranks) != n:
         raise PlanError(f"{n} stages but {len(ranks)} ranks given; give one each")
-    sc = stage_costs(costs, bounds, schedule=schedule, microbatches=microbatches)
+    sc = stage_costs(
+        costs, bounds, schedule=schedule, microbatches=microbatches, memory_bytes=memory_bytes
+    )
     sim = simulate(
         sc.fwd_ms, sc.bwd_ms, comm_ms=sc.comm_ms, schedule=schedule, microbatches=microbatches
     )
@@ -59,6 +61,7 @@ def annotate(
             mem_bytes=int(sc.mem_bytes[s]),
             comm_ms=round(sc.comm_ms[s], 6) if s < n - 1 else None,
             send_bytes=int(sc.send_bytes[s]) if s < n - 1 else None,
+            recompute=tuple(names[i] for i in sc.recompute[s]) if sc.recompute else (),
         )
         for s, ((a, b), r) in enumerate(zip(sc.bounds, ranks, strict=True))
     )
@@ -77,6 +80,9 @@ def annotate(
         "fits_memory": bool(np.all(np.asarray(sc.mem_bytes) <= lim)),
         "memory_limit_bytes": None if not np.isfinite(lim).any() else [float(x) for x in lim],
         "costs": _cost_meta(costs),
+        # Predicted peak bytes per stage (what ``torch.cuda.max_memory_allocated`` measures).
+        "peak_bytes": [int(x) for x in sc.mem_bytes],
+        "recompute_mode": costs.recompute,
         **(meta or {}),
     }
     return Plan(

@@ -41,6 +41,9 @@ class StagePlan:
     ``send_bytes`` of activation to the next stage (the last stage sends nothing), and
     ``mem_bytes`` at the schedule's peak (parameters, gradients, optimizer state, buffers and
     the activations of the microbatches in flight).
+    ``recompute``: names of the stage's layers that recompute their activations in the
+    backward (``dynpipe.planner.recompute``); empty: none does (or the run's ``--recompute``
+    decides). Predicted times and memory include it.
     """
 
     start: int
@@ -52,6 +55,7 @@ class StagePlan:
     mem_bytes: int | None = None
     comm_ms: float | None = None
     send_bytes: int | None = None
+    recompute: tuple[str, ...] = ()
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -131,6 +135,15 @@ class Plan:
                     f"stage {s} holds no layers ([{st.start}, {st.stop})); every stage needs "
                     "at least one layer"
                 )
+            if st.recompute:
+                object.__setattr__(st, "recompute", tuple(st.recompute))
+                stray = [n for n in st.recompute if st.layers and n not in st.layers]
+                if stray or len(set(st.recompute)) != len(st.recompute):
+                    raise PlanError(
+                        f"stage {s} recomputes {stray or list(st.recompute)}, which are not "
+                        f"its layers {list(st.layers)[:3]}… (or are named twice); name each "
+                        "of the stage's own layers at most once, or regenerate the plan"
+                    )
             expect = st.stop
         if expect != self.num_layers:
             raise PlanError(
@@ -357,6 +370,12 @@ class Plan:
             )
         names = model.layer_names
         for s, st in enumerate(self.stages):
+            stray = [n for n in st.recompute if n not in names[st.start : st.stop]]
+            if stray:
+                raise PlanError(
+                    f"stage {s} recomputes {stray}, which {model.name} does not have at "
+                    f"{st.start}–{st.stop - 1}; name layers of the stage, or regenerate the plan"
+                )
             if st.layers and tuple(names[st.start : st.stop]) != tuple(st.layers):
                 raise PlanError(
                     f"stage {s} names layers {list(st.layers)[:3]}… but {model.name} has "
@@ -414,7 +433,11 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["stages"] = [
-            {k: (list(v) if isinstance(v, tuple) else v) for k, v in st.items()}
+            {
+                k: (list(v) if isinstance(v, tuple) else v)
+                for k, v in st.items()
+                if k != "recompute" or v  # plans without recomputation read as they did
+            }
             for st in d["stages"]
         ]
         # One replica writes the plan as it always has (files, logs and checkpoints of
@@ -431,7 +454,14 @@ class Plan:
     def from_dict(cls, d: dict[str, Any]) -> Plan:
         try:
             stages = tuple(
-                StagePlan(**{**st, "layers": tuple(st.get("layers", ()))}) for st in d["stages"]
+                StagePlan(
+                    **{
+                        **st,
+                        "layers": tuple(st.get("layers", ())),
+                        "recompute": tuple(st.get("recompute", ())),
+                    }
+                )
+                for st in d["stages"]
             )
             fields = {k: v for k, v in d.items() if k != "stages"}
             if fields.get("shares") is not None:

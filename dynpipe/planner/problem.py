@@ -14,6 +14,7 @@ import numpy as np
 from dynpipe.planner.costs import CostModel, host_factor
 from dynpipe.planner.evaluate import in_flight
 from dynpipe.planner.plan import PlanError
+from dynpipe.planner.recompute import Recompute, choose_recompute, kept_bytes
 
 __all__ = ["INF", "Problem", "memory_limits", "range_min"]
 
@@ -115,7 +116,13 @@ class Problem:
             nb = cm.out_bytes[:-1]
             self.C[:, 1:n] = nb[None, :] / cm.bandwidth[:, None] * 1e3 + cm.latency_ms[:, None]
         self.Ws = np.concatenate([[0.0], np.cumsum(cm.static_bytes)])
-        self.Wa = np.concatenate([[0.0], np.cumsum(cm.act_bytes)])
+        act = cm.act_bytes
+        if cm.recompute != "none":
+            # Every layer recomputed keeps the least: a lower bound on what a range needs
+            # (the exact peak, with the chosen layers, is ``metrics``'s ``fits``).
+            act = np.minimum(act, kept_bytes(cm))
+        self.Wa = np.concatenate([[0.0], np.cumsum(act)])
+        self._recompute: dict[tuple[int, int, int], Recompute] = {}
         self.G = np.zeros((s, n + 1)) if migration is None else migration
         self.set_memory(memory, microbatches)
 
@@ -125,6 +132,7 @@ class Problem:
             self.k = in_flight(self.schedule, num_stages=self.S, microbatches=microbatches)
             self.Q = self.Ws[None, :] + self.k[:, None] * self.Wa[None, :]
         self.lim = memory
+        self._recompute = {}
         # hi_mem[s, i]: furthest end j with [i, j) in memory; lo_mem[s, j]: earliest start i.
         self.hi_mem = np.stack(
             [
@@ -187,14 +195,40 @@ class Problem:
         return cuts[::-1]
 
     # ---- candidates, vectorised -----------------------------------------------------------
+    def recompute(self, s: int, a: int, b: int) -> Recompute:
+        """Stage ``s`` on layers ``[a, b)``: its recomputed layers (memoised per range)."""
+        key = (s, a, b)
+        got = self._recompute.get(key)
+        if got is None:
+            got = choose_recompute(
+                self.costs, device=s, start=a, stop=b, in_flight=int(self.k[s]), limit=self.lim[s]
+            )
+            self._recompute[key] = got
+        return got
+
+    def _recomputed(self, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``[C, S]`` re-forward ms each candidate's stages add, and whether all fit."""
+        extra = np.zeros((len(cuts), self.S))
+        fits = np.ones(len(cuts), dtype=bool)
+        for c, row in enumerate(cuts.tolist()):
+            for s in range(self.S):
+                r = self.recompute(s, row[s], row[s + 1])
+                extra[c, s] = r.extra_ms
+                fits[c] &= r.fits
+        return extra, fits
+
     def metrics(self, cuts: np.ndarray) -> dict[str, np.ndarray]:
         """Stage times, link times, memory and migration of candidates ``cuts[C, S + 1]``."""
         s = np.arange(self.S)
         a, b = cuts[:, :-1], cuts[:, 1:]
         # A stage's fixed overhead only adds to its layers' costs, so every bound the search
-        # prunes with (built from layer costs alone) stays a lower bound: still exact.
+        # prunes with (built from layer costs alone) stays a lower bound: still exact. So do
+        # recomputed layers' re-forwards, which only add to the backward.
         fwd = self.Pf[s, b] - self.Pf[s, a] + self.costs.stage_fwd_ms[None, :]
         bwd = self.Pb[s, b] - self.Pb[s, a] + self.costs.stage_bwd_ms[None, :]
+        extra, rec_fits = None, None
+        if self.costs.recompute != "none":
+            extra, rec_fits = self._recomputed(cuts)
         if self.Hf is not None:
             # The host's issue time bounds a stage too (``CostModel.host_fwd_ms``: one total
             # for a microbatch's forward and backward); it only ever adds, so the bounds
@@ -203,8 +237,12 @@ class Problem:
             host = self.Hf[s, b] - self.Hf[s, a] + self.Hb[s, b] - self.Hb[s, a]
             k = host_factor(fwd + bwd, host)
             fwd, bwd = fwd * k, bwd * k
+        if extra is not None:
+            bwd = bwd + extra  # after the host's bound, as ``evaluate.stage_costs`` adds it
         comm = self.C[s[:-1], b[:, :-1]] if self.S > 1 else np.zeros((len(cuts), 0))
         fits = np.all(self.Q[s, b] - self.Q[s, a] <= self.lim, axis=1)
+        if rec_fits is not None:
+            fits = fits & rec_fits
         return {
             "fwd": fwd,
             "bwd": bwd,

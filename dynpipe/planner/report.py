@@ -86,6 +86,13 @@ def format_plan(plan: Plan) -> str:
         if meta.get("fits_memory") is False:
             extra.append("DOES NOT FIT the memory limit")
         lines.append("; ".join(extra))
+    recomputed = [f"stage {s}: {', '.join(st.recompute)}" for s, st in enumerate(plan.stages)]
+    if any(st.recompute for st in plan.stages):
+        # The memory column is each stage's predicted peak with these layers recomputed.
+        lines.append(
+            "recomputed (re-forward in the backward): "
+            + "; ".join(r for r, st in zip(recomputed, plan.stages, strict=True) if st.recompute)
+        )
     return "\n".join(lines)
 
 

@@ -34,7 +34,19 @@ _GROUPS = (
     ("model and data", ("model", "data", "data_path", "data_workers", "device_batches")),
     (
         "pipeline",
-        ("plan", "stages", "dp", "schedule", "microbatches", "bf16", "timing", "gc_every"),
+        (
+            "plan",
+            "stages",
+            "dp",
+            "schedule",
+            "microbatches",
+            "bf16",
+            "fp16",
+            "recompute",
+            "memory_gb",
+            "timing",
+            "gc_every",
+        ),
     ),
     ("optimisation", ("steps", "batch_size", "seed")),
     ("adaptation", ("scenario", "predictor", "telemetry")),
@@ -169,7 +181,11 @@ def run(args: argparse.Namespace) -> int:
 
 def preflight(cfg, model, plan, *, check_resume: bool = True, device: str = "cpu") -> None:
     """Check every input a run reads besides the model and plan before any process group
-    exists: the predictor and its feature schema, the scenario, the checkpoint to resume."""
+    exists: the predictor and its feature schema, the scenario, the checkpoint to resume,
+    the precision and the memory the run's recomputation plans with."""
+    from dynpipe.runtime.memory import check_run_memory
+
+    check_run_memory(cfg, model, plan, device=device)
     if cfg.tensorboard:
         from dynpipe.analysis.tensorboard import require_tensorboard
 

@@ -48,6 +48,15 @@ class TrainConfig:
     plan: plan JSON (from ``dynpipe plan``).
     optim: optimizer and learning-rate schedule.
     bf16: bfloat16 autocast on GPU.
+    fp16: float16 autocast on GPU with one dynamic loss scale for the whole pipeline: an inf
+        or NaN gradient on any rank skips the step on every rank and halves the scale; 2000
+        clean steps in a row double it (``dynpipe.runtime.scaler``).
+    recompute: activation recomputation: none, all (every layer keeps only its input and
+        runs its forward again in the backward), or auto (the cheapest layers that make each
+        stage fit its device's memory, chosen again whenever layers move); unset: the
+        plan's own list, else none.
+    memory_gb: GiB of device memory a stage may fill, for --recompute auto (unset: 90% of
+        the GPU's free memory at start-up).
     timing: the per-microbatch stage timers.
     seed: seed of the model's weights and the data.
     log: JSONL run-log path, written by the last stage's rank (unset:
@@ -107,6 +116,9 @@ class TrainConfig:
     plan: str | None = None
     optim: OptimConfig = field(default_factory=OptimConfig)
     bf16: bool = False
+    fp16: bool = False
+    recompute: str | None = field(default=None, metadata={"choices": ("none", "all", "auto")})
+    memory_gb: float | None = field(default=None, metadata={"metavar": "GB"})
     timing: bool = True
     seed: int = 0
     log: str | None = None
@@ -133,6 +145,13 @@ class TrainConfig:
     autodp: bool = False
 
     def __post_init__(self) -> None:
+        if self.fp16 and self.bf16:
+            raise UserError(
+                "--fp16 and --bf16 both ask for the autocast dtype; give one (--bf16 needs no "
+                "loss scale where the GPU supports it)"
+            )
+        if self.memory_gb is not None and not self.memory_gb > 0:
+            raise UserError(f"--memory-gb must be > 0 GiB, got {self.memory_gb}")
         if self.steps < 0:
             raise UserError(f"--steps must be >= 0, got {self.steps}")
         if self.batch_size < 1:

@@ -58,9 +58,11 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 from dynpipe.errors import UserError
 from dynpipe.models.base import LayeredModel
+from dynpipe.planner.costs import CostModel
 from dynpipe.planner.plan import Plan
 from dynpipe.runtime.mesh import Mesh
 from dynpipe.runtime.optim import OptimConfig, build_optimizer, export_state, import_state, lr_at
+from dynpipe.runtime.scaler import LossScaler, ScalerConfig
 from dynpipe.runtime.stage import StageModule, TimedPipelineStage, boundary_examples
 from dynpipe.runtime.timing import LayerTiming, StageTimer, StepTiming, queue_ahead
 from dynpipe.runtime.topology import Topology
@@ -98,6 +100,14 @@ class EngineConfig:
     bf16: run layers under bfloat16 autocast (CUDA only) and send bf16 activations.
     timing: per-microbatch compute timers (cheap; off only to measure their cost).
     bucket_mb: data parallelism: DDP's gradient bucket size in MiB.
+    fp16: run layers under float16 autocast (CUDA only), send fp16 activations, and scale
+        the loss with one dynamic scale for the whole pipeline (``dynpipe.runtime.scaler``).
+    loss_scale: the loss scale's schedule; given without ``fp16`` it scales a float32 run
+        (its skips and scale changes are then testable on CPU).
+    recompute: which layers this stage recomputes in its backward: ``none``, ``all``,
+        ``auto`` (the planner's choice for the stage's layers under ``memory_bytes``, made
+        again at every rebuild), or None: the plan's own list.
+    memory_bytes: what this stage's device may hold (``--recompute auto``).
     """
 
     batch_size: int
@@ -105,6 +115,15 @@ class EngineConfig:
     bf16: bool = False
     timing: bool = True
     bucket_mb: float = 25.0
+    fp16: bool = False
+    loss_scale: ScalerConfig | None = None
+    recompute: str | None = None
+    memory_bytes: float | None = None
+
+    @property
+    def amp_dtype(self) -> torch.dtype | None:
+        """The autocast dtype asked for (applied on CUDA only)."""
+        return torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else None
 
 
 @dataclass
@@ -128,6 +147,10 @@ class StepResult:
     end_time: float = 0.0
     probe: tuple[int, float, float] | None = None
     between_ms: float = 0.0
+    # With a loss scale: the scale the step's loss was multiplied by, and whether an inf or
+    # NaN gradient on some rank made every rank skip its optimizer step.
+    loss_scale: float | None = None
+    skipped: bool = False
 
 
 @dataclass(frozen=True)
@@ -279,6 +302,13 @@ class PipelineEngine:
         self.grad_sq = torch.zeros(len(model), dtype=torch.float64)
         self.grad_steps = 0
         self._index = {name: i for i, name in enumerate(model.layer_names)}
+        # One loss scale for the pipeline; equal on every rank (``LossScaler``).
+        self.scaler = LossScaler(config.loss_scale) if config.fp16 or config.loss_scale else None
+        # Called after the backward, before unscaling (tests poison a gradient here).
+        self.grad_hook: Callable[[PipelineEngine, int], None] | None = None
+        self._mem_costs: CostModel | None = None
+        self.recomputed: tuple[str, ...] = ()
+        self.predicted_peak_bytes: float | None = None
         self._build(plan, layers=layers, opt_state=None)
 
     # ---- construction ------------------------------------------------------------------
@@ -313,14 +343,16 @@ class PipelineEngine:
         st = plan.stages[self.stage_index]
         if layers is None:
             layers = self.model.build_range(st.start, st.stop, device=self.topo.device)
-        bf16 = self.config.bf16 and self.topo.is_cuda
-        wire = torch.bfloat16 if bf16 else torch.float32
+        amp = self.config.amp_dtype if self.topo.is_cuda else None
+        wire = amp or torch.float32
         is_last = self.stage_index == plan.num_stages - 1
+        self.recomputed = self._recompute(plan)
         self.module = StageModule(
             layers,
-            autocast_dtype=torch.bfloat16 if bf16 else None,
+            autocast_dtype=amp,
             out_dtype=torch.float32 if is_last else wire,
             probe=self.timer.layers,
+            recompute=frozenset(self.recomputed),
         )
         self.named_params = {
             f"{lname}.{pname}": p
@@ -354,6 +386,26 @@ class PipelineEngine:
         self.pipe_stage, self.schedule = self._new_schedule()
         self._trained = False  # the schedule has yet to run a training step
 
+    def _recompute(self, plan: Plan) -> tuple[str, ...]:
+        """The layers this stage recomputes under ``plan`` (``EngineConfig.recompute``);
+        sets its predicted peak memory (``predicted_peak_bytes``)."""
+        from dynpipe.runtime.memory import stage_layers
+
+        names, self.predicted_peak_bytes, self._mem_costs = stage_layers(
+            self.model,
+            plan,
+            self.stage_index,
+            mode=self.config.recompute,
+            limit=self.config.memory_bytes,
+            microbatches=self.microbatches or plan.microbatches,
+            batch_size=self.config.batch_size,
+            optimizer=self.config.optim.name,
+            half=self.config.amp_dtype is not None,
+            device=self.topo.device,
+            costs=self._mem_costs,
+        )
+        return names
+
     def _new_schedule(self) -> tuple[TimedPipelineStage, Any]:
         """A pipeline stage and schedule over the built stage module."""
         plan, submod, inp, out, pipe_group = self._stage_parts
@@ -371,17 +423,25 @@ class PipelineEngine:
         )
         if self.mesh.dp == 1:
             return stage, _SCHEDULES[plan.schedule](
-                stage, n_microbatches=plan.microbatches, loss_fn=self.model.loss_fn
+                stage, n_microbatches=plan.microbatches, loss_fn=self._loss_fn()
             )
         if not self.dropped:
             # Gradients are divided once, by the step's microbatches over all replicas.
             return stage, _SCHEDULES[plan.schedule](
                 stage,
                 n_microbatches=self.microbatches,
-                loss_fn=self.model.loss_fn,
+                loss_fn=self._loss_fn(),
                 scale_grads=False,
             )
         return stage, None
+
+    def _loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The loss the last stage's backward starts from: scaled by the pipeline's loss
+        scale (read at each call, so the schedule need not be rebuilt when it changes)."""
+        scaler, loss_fn = self.scaler, self.model.loss_fn
+        if scaler is None:
+            return loss_fn
+        return lambda out, target: scaler.scale_loss(loss_fn(out, target))
 
     def _set_optimizer(self, opt_state: dict[str, torch.Tensor] | None) -> None:
         """An optimizer over the held parameters that train (frozen layers' stop requiring
@@ -611,6 +671,13 @@ class PipelineEngine:
             for p in self.named_params.values():
                 if p.grad is not None:
                     p.grad.div_(k)
+        found = None
+        if self.scaler is not None:
+            if self.grad_hook is not None:
+                self.grad_hook(self, step)
+            # Unscaled before the norms: clipping and the logs see the true gradient.
+            grads = [p.grad for p in self.named_params.values() if p.grad is not None]
+            found = self.scaler.unscale_(grads).to(dev)
         if self.track_grads:
             self._add_grad_sq()
 
@@ -620,7 +687,12 @@ class PipelineEngine:
         # stages' backward tails exactly as in a plain pipelining loop.
         clip = self.config.optim.clip_grad
         n = len(self.slots) if clip > 0 else 0
-        vec = torch.zeros(n + 1, dtype=torch.float32, device=dev)
+        vec = torch.zeros(n + 1 + 2 * (self.scaler is not None), dtype=torch.float32, device=dev)
+        if found is not None:
+            # Summed over the world: > 0 iff some stage of some replica saw an inf or NaN;
+            # the scales' sum checks every rank scaled by the same number.
+            vec[n + 1] = found
+            vec[n + 2] = self.scaler.scale
         if clip > 0 and self.mesh.replica == 0:
             # Replicas hold the same averaged gradients: one of them fills the slots.
             fill_grad_norms(vec, self.named_params, self.slots)
@@ -628,12 +700,22 @@ class PipelineEngine:
             vec[n] = torch.stack([loss.detach().float() for loss in losses]).mean()
         elif self.is_last and not self.dropped:
             vec[n] = torch.stack([loss.detach().float() for loss in losses]).sum()
+        if self.scaler is not None and self.is_last:
+            vec[n] = vec[n] / self.scaler.scale  # the schedule's losses are the scaled ones
         work = None
         if self.topo.world_size > 1:
             # Over every replica's stages: the default group when there are replicas.
             work = dist.all_reduce(vec, group=None if dp else self.group, async_op=True)
         total = None
-        if clip > 0:
+        skipped, scale = False, None
+        if self.scaler is not None:
+            if work is not None:
+                work.wait()
+            scale = self.scaler.scale
+            _same_scale(vec[n + 2], scale, group=None if dp else self.group, step=step)
+            # Every rank reads the same reduced flag: all skip, or none does.
+            skipped = self.scaler.update(bool(vec[n + 1] > 0))
+        if clip > 0 and not skipped:
             if work is not None:
                 work.wait()
             total, coef = clip_coefficient(vec[:n], clip)
@@ -641,7 +723,7 @@ class PipelineEngine:
             if grads:
                 torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         lr = lr_at(step, self.config.optim)
-        if self.optimizer is not None:
+        if self.optimizer is not None and not skipped:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             began = self.timer.mark()
@@ -655,7 +737,9 @@ class PipelineEngine:
         # on the same stream before it.
         loss = float(vec[n] / self.plan.counted_microbatches if dp else vec[n])
         t1 = time.perf_counter()
-        if not math.isfinite(loss):
+        # Under a loss scale an overflow skips the step everywhere (weights untouched) and
+        # lowers the scale; only a non-finite loss on a step that updated the weights stops.
+        if not math.isfinite(loss) and not skipped:
             raise NonFiniteLoss(
                 f"loss is {loss} at step {step}; lower --lr (now {self.config.optim.lr}), "
                 "enable --clip-grad, or check the data (weights of this step are discarded; "
@@ -674,6 +758,8 @@ class PipelineEngine:
             end_time=time.time(),
             probe=probed,
             between_ms=between,
+            loss_scale=scale,
+            skipped=skipped,
         )
 
     def _between(self, t0: float) -> float:
@@ -703,12 +789,22 @@ class PipelineEngine:
         probe = self._probe(self.probe_layer, repeats=3, warm=True) if sampled else None
         clip = self.config.optim.clip_grad
         n = len(self.slots) if clip > 0 else 0
-        vec = torch.zeros(n + 1, dtype=torch.float32, device=self.topo.device)
+        vec = torch.zeros(
+            n + 1 + 2 * (self.scaler is not None), dtype=torch.float32, device=self.topo.device
+        )
+        if self.scaler is not None:
+            vec[n + 2] = self.scaler.scale
         if self.topo.world_size > 1:
             dist.all_reduce(vec, group=self.group)
+        skipped, scale = False, None
+        if self.scaler is not None:
+            # Idle, it still follows the scale, so it is the world's when it holds a stage.
+            scale = self.scaler.scale
+            _same_scale(vec[n + 2], scale, group=self.group, step=step)
+            skipped = self.scaler.update(bool(vec[n + 1] > 0))
         if while_device_runs is not None:
             while_device_runs()
-        total = clip_coefficient(vec[:n], clip)[0] if clip > 0 else None
+        total = clip_coefficient(vec[:n], clip)[0] if clip > 0 and not skipped else None
         loss = float(vec[n])
         t1 = time.perf_counter()
         self._last_end = t1
@@ -726,6 +822,8 @@ class PipelineEngine:
             if probe is None
             else (self.probe_layer, float(probe.fwd_ms[0]), float(probe.bwd_ms[0])),
             between_ms=between,
+            loss_scale=scale,
+            skipped=skipped,
         )
 
     def _probe(self, i: int, *, repeats: int = 1, warm: bool = False) -> LayerTiming | None:
@@ -743,7 +841,7 @@ class PipelineEngine:
         dev = self.topo.device
         mb = self.config.batch_size // self.plan.total_microbatches
         # Under the stages' own autocast, so its time compares with theirs.
-        bf16 = self.config.bf16 and self.topo.is_cuda
+        amp = self.config.amp_dtype if self.topo.is_cuda else None
         with torch.random.fork_rng(devices=[dev] if self.topo.is_cuda else []):
             fresh = self._probe_copy is None or self._probe_copy[0] != i
             if fresh:
@@ -765,8 +863,8 @@ class PipelineEngine:
             def once(timed: bool, chunk: int = 0) -> None:
                 probe.sampling, probe.chunk, probe.chunks = timed, chunk, None
                 ctx = (
-                    torch.autocast(device_type="cuda", dtype=torch.bfloat16)
-                    if bf16
+                    torch.autocast(device_type="cuda", dtype=amp)
+                    if amp is not None
                     else contextlib.nullcontext()
                 )
                 with ctx:
@@ -931,6 +1029,17 @@ class PipelineEngine:
         if self.optimizer is None:
             return {}  # an idle rank holds no state
         return export_state(self.optimizer, self.named_params)
+
+
+def _same_scale(total: torch.Tensor, scale: float, *, group, step: int) -> None:
+    """Every rank of the reduce scaled by ``scale`` (their sum is ``scale`` x ranks): the
+    loss scale is one number for the world, so a migration need not move it."""
+    ranks = dist.get_world_size(group) if dist.is_initialized() else 1
+    if float(total) != scale * ranks:
+        raise RuntimeError(
+            f"loss scales differ across ranks at step {step}: this rank's is {scale:g}, the "
+            f"{ranks} ranks' sum {float(total):g} (expected {scale * ranks:g})"
+        )
 
 
 def _check_scale_grads() -> None:

@@ -355,6 +355,18 @@ EVENTS: dict[str, EventSpec] = {
             ("mode",),
         ),
         EventSpec(
+            "memory_plan",
+            "at start-up (--recompute, or on a GPU): per rank its stage, the layers it "
+            "recomputes, its predicted peak and its memory limit in GiB",
+            ("stages",),
+        ),
+        EventSpec(
+            "loss_scale_skip",
+            "--fp16: an inf or NaN gradient on some rank skipped `step` on every rank; the "
+            "loss scale is now `scale`",
+            ("step", "scale"),
+        ),
+        EventSpec(
             "links",
             "the links' measured bandwidth (median over neighbouring ranks) and the message size",
             ("bandwidth_gbs", "message_bytes"),

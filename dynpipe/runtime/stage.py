@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.utils.checkpoint import checkpoint
 
 from dynpipe.models.base import LayeredModel
 from dynpipe.planner.plan import Plan
@@ -30,9 +32,13 @@ class StageModule(nn.Module):
         autocast_dtype: torch.dtype | None = None,
         out_dtype: torch.dtype | None = None,
         probe: LayerProbe | None = None,
+        recompute: frozenset[str] = frozenset(),
     ) -> None:
         super().__init__()
         self.layers = layers
+        # Layers that keep only their input and run their forward again in the backward
+        # (so a timed backward of one includes its re-forward); not part of the state.
+        self.recompute = frozenset(recompute)
         # Per-layer timing on sampled steps (and emulated interference); not a submodule.
         self._probe = probe
         self.autocast_dtype = autocast_dtype
@@ -47,15 +53,30 @@ class StageModule(nn.Module):
             if self.autocast_dtype is not None
             else contextlib.nullcontext()
         )
+        calls = self._calls()
         with ctx:
             if self._probe is not None and self._probe.active:
-                x = self._probe.run(self.layers.values(), x)
+                x = self._probe.run(calls, x)
             else:
-                for layer in self.layers.values():
+                for layer in calls:
                     x = layer(x)
         if self.out_dtype is not None and x.is_floating_point() and x.dtype != self.out_dtype:
             x = x.to(self.out_dtype)
         return x
+
+    def _calls(self) -> list[Any]:
+        if not self.recompute or not torch.is_grad_enabled():
+            return list(self.layers.values())
+        return [
+            functools.partial(_recomputed, layer) if name in self.recompute else layer
+            for name, layer in self.layers.items()
+        ]
+
+
+def _recomputed(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # Non-reentrant: works with inputs that need no gradient and with hooks on the output;
+    # the RNG state is restored for the re-forward, so dropout draws the same mask.
+    return checkpoint(layer, x, use_reentrant=False, preserve_rng_state=True)
 
 
 class TimedPipelineStage(PipelineStage):

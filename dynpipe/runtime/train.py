@@ -22,6 +22,7 @@ import torch.distributed as dist
 from dynpipe.data.loader import BatchStream, CyclicBatches
 from dynpipe.errors import UserError
 from dynpipe.models import LayeredModel, get_model
+from dynpipe.planner.costs import CostModel
 from dynpipe.planner.diff import diff
 from dynpipe.planner.plan import Plan, split_label
 from dynpipe.runtime.adapt.loop import Adapter
@@ -239,6 +240,8 @@ class _StepLog:
         # Records carry every replica's timings (``replicas``) with replicas, and for one
         # pipeline whose policy is the replica policy (``--reshape``: a run of one replica).
         self.replicated = self.mesh.dp > 1
+        # What this rank reports as its stage's free memory (default: the device's).
+        self.free: Callable[[], float] | None = None
 
     def add(self, res: StepResult) -> None:
         self.pending.append(res)
@@ -288,7 +291,7 @@ class _StepLog:
         # The window's last probe (an idle or light rank's): layer, fwd ms, bwd ms.
         probed = [r.probe for r in self.pending if r.probe is not None]
         row += list(probed[-1]) if probed else [float("nan")] * 3
-        row.append(_free_bytes(self.topo))
+        row.append(self.free() if self.free is not None else _free_bytes(self.topo))
         mine = torch.tensor(row, dtype=torch.float64)
         if self.topo.world_size > 1:
             dev = self.topo.device
@@ -592,7 +595,13 @@ def _open(
             p,
             topo=topo,
             config=EngineConfig(
-                batch_size=cfg.batch_size, optim=cfg.optim, bf16=cfg.bf16, timing=cfg.timing
+                batch_size=cfg.batch_size,
+                optim=cfg.optim,
+                bf16=cfg.bf16,
+                timing=cfg.timing,
+                fp16=cfg.fp16,
+                recompute=cfg.recompute,
+                memory_bytes=_stage_memory(cfg, topo),
             ),
             mesh=meshes[p.dp] if meshes is not None else mesh,
         )
@@ -621,6 +630,56 @@ def _open(
     if engine is None or engine.plan != plan:
         engine = build(plan)
     return engine, 0, None, skipped
+
+
+def _memory_plan(engine: PipelineEngine, *, topo: Topology) -> list[dict[str, Any]]:
+    """Per rank: its stage, the layers it recomputes, its predicted peak and its limit."""
+    import torch.distributed as dist
+
+    gib = lambda b: None if b is None else round(float(b) / 1024**3, 4)  # noqa: E731
+    mine = {
+        "rank": topo.rank,
+        "stage": engine.stage_index,
+        "recomputed": list(engine.recomputed),
+        "predicted_peak_gib": gib(engine.predicted_peak_bytes),
+        "limit_gib": gib(engine.config.memory_bytes),
+    }
+    if topo.world_size == 1 or not dist.is_initialized():
+        return [mine]
+    every: list[Any] = [None] * topo.world_size
+    dist.all_gather_object(every, mine)
+    return every
+
+
+def _room(engine: PipelineEngine, topo: Topology) -> float:
+    """--recompute auto: the free memory this rank reports, so that the policy's budget for
+    its stage (what the model says the stage holds without recomputation, plus this) is the
+    limit the stage itself chooses its recomputed layers under. The device's free memory
+    would overstate a stage whose recomputation already saves memory."""
+    limit, costs = engine.config.memory_bytes, engine._mem_costs
+    if limit is None or costs is None:
+        return _free_bytes(topo)
+    if engine.idle:
+        return float(limit)
+    from dynpipe.planner.evaluate import in_flight
+    from dynpipe.planner.recompute import choose_recompute
+
+    plan, s = engine.plan, engine.stage_index
+    st = plan.stages[s]
+    k = in_flight(plan.schedule, num_stages=plan.num_stages, microbatches=plan.microbatches)
+    kept = choose_recompute(
+        costs, device=0, start=st.start, stop=st.stop, in_flight=int(k[s]), mode="none"
+    )
+    return float(limit) - kept.peak_bytes
+
+
+def _stage_memory(cfg: TrainConfig, topo: Topology) -> float | None:
+    """What this rank's stage may hold, for --recompute auto (None otherwise)."""
+    if cfg.recompute != "auto":
+        return None
+    from dynpipe.runtime.memory import device_memory_bytes
+
+    return device_memory_bytes(topo.device, memory_gb=cfg.memory_gb)
 
 
 def _holding_prefix(plan: Plan, model: LayeredModel, *, frozen: int, topo: Topology) -> Plan:
@@ -663,7 +722,7 @@ def _link_bandwidth(
     act = activation_bytes(model, microbatch_size=microbatch_size)
     # Activations travel in bfloat16 under --bf16 on CUDA: a float32 byte of the model
     # costs half a byte on the wire.
-    wire = 0.5 if cfg.bf16 and topo.is_cuda else 1.0
+    wire = 0.5 if (cfg.bf16 or cfg.fp16) and topo.is_cuda else 1.0
     bw = measure_bandwidth(topo, nbytes=int(act * wire))
     if bw is None:
         return None
@@ -743,6 +802,11 @@ def train(
             )
         elif lost is not None:
             log.event("recovered", attempt=topo.restart_attempt, step=start, **lost)
+    if cfg.recompute is not None or topo.is_cuda:
+        # Every rank's recomputed layers and predicted peak, for the log (a collective).
+        stages = _memory_plan(engine, topo=topo)
+        if log is not None:
+            log.event("memory_plan", stages=stages)
     mb = cfg.batch_size // plan.total_microbatches
     injected = policy is not None
     link_bw = None
@@ -754,6 +818,17 @@ def train(
         replicas, and with --reshape for one pipeline over every rank (a shape among the
         others to it); one pipeline's controller else."""
         replicas = p.dp > 1 or (cfg.adapt.reshape and p.num_stages == topo.world_size)
+        base = None
+        if cfg.recompute == "auto":
+            # Splits are priced with the layers each would have to recompute to fit, by the
+            # stages' own memory model (on a GPU, its measured activations).
+            base = engine._mem_costs or CostModel.from_model(
+                model, microbatch_size=mb, num_devices=1
+            )
+            meta = dict(base.meta)
+            if link_bw is not None:
+                meta["link_bandwidth"] = float(link_bw)
+            base = dataclasses.replace(base, recompute="auto", meta=meta)
         return make_policy(
             cfg.adapt,
             model=model,
@@ -764,6 +839,7 @@ def train(
             replicas=replicas,
             link_bandwidth=link_bw,
             light_probes=topo.device.type == "cuda",
+            base=base,
         )
 
     if not injected:
@@ -777,6 +853,8 @@ def train(
         clock_rank=writer_rank,
         mesh=mesh,
     )
+    if cfg.recompute == "auto":
+        steplog.free = functools.partial(_room, engine, topo)
     adapter = None
     if policy is not None:
         adapter = Adapter(
@@ -962,6 +1040,8 @@ def train(
                 ) from exc
             losses.append(res.loss)
             step_ms.append(res.step_ms)
+            if res.skipped and log is not None:
+                log.event("loss_scale_skip", step=step, scale=engine.scaler.scale)
             steplog.add(res)
             if on_step is not None:
                 on_step(engine, res)
@@ -1257,6 +1337,8 @@ def _save(
         "data_position": step,
         "world_size": topo.world_size,
         "frozen": engine.frozen,  # --freeze: layers [0, frozen) train no more
+        # --fp16: the pipeline's one loss scale (equal on every rank).
+        "loss_scale": None if engine.scaler is None else engine.scaler.state_dict(),
         # ... and the freeze rule's memory of the last windows, which the next check uses.
         "freeze_state": None if freezer is None else freezer.history.to_dict(),
     }
@@ -1383,6 +1465,8 @@ def _resume(engine: PipelineEngine, path: str | Path, *, topo: Topology) -> int:
     from dynpipe.runtime.optim import import_state
 
     import_state(engine.optimizer, engine.named_params, opt)
+    if engine.scaler is not None and meta.get("loss_scale"):
+        engine.scaler.load_state_dict(meta["loss_scale"])
     return int(meta["step"])
 
 
