@@ -34,7 +34,18 @@ _GROUPS = (
     ("model and data", ("model", "data", "data_path", "data_workers", "device_batches")),
     (
         "pipeline",
-        ("plan", "stages", "dp", "schedule", "microbatches", "bf16", "timing", "gc_every"),
+        (
+            "plan",
+            "stages",
+            "dp",
+            "schedule",
+            "microbatches",
+            "bf16",
+            "compile",
+            "compile_backend",
+            "timing",
+            "gc_every",
+        ),
     ),
     ("optimisation", ("steps", "batch_size", "seed")),
     ("adaptation", ("scenario", "predictor", "telemetry")),
@@ -159,7 +170,12 @@ def run(args: argparse.Namespace) -> int:
 
 def preflight(cfg, model, plan, *, check_resume: bool = True, device: str = "cpu") -> None:
     """Check every input a run reads besides the model and plan before any process group
-    exists: the predictor and its feature schema, the scenario, the checkpoint to resume."""
+    exists: the predictor and its feature schema, the scenario, the checkpoint to resume,
+    ``--compile``'s torch and backend."""
+    if getattr(cfg, "compile", False):
+        from dynpipe.runtime.compiled import check_backend
+
+        check_backend(cfg.compile_backend)
     if cfg.predictor:
         from dynpipe.devices import TELEMETRY_COLUMNS
         from dynpipe.predictor import load_predictor

@@ -48,6 +48,10 @@ class TrainConfig:
     plan: plan JSON (from ``dynpipe plan``).
     optim: optimizer and learning-rate schedule.
     bf16: bfloat16 autocast on GPU.
+    compile: compile every layer with torch.compile, one layer at a time and in place
+        (per-layer timing, migration and checkpoints unchanged; ``docs/performance.md``).
+    compile_backend: the torch.compile backend of ``compile`` (inductor; aot_eager runs
+        without a C++ compiler and gives eager's numbers bit for bit).
     timing: the per-microbatch stage timers.
     seed: seed of the model's weights and the data.
     log: JSONL run-log path, written by the last stage's rank (unset:
@@ -118,6 +122,8 @@ class TrainConfig:
     plan: str | None = None
     optim: OptimConfig = field(default_factory=OptimConfig)
     bf16: bool = False
+    compile: bool = False
+    compile_backend: str = "inductor"
     timing: bool = True
     seed: int = 0
     log: str | None = None

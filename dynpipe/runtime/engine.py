@@ -59,6 +59,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from dynpipe.errors import UserError
 from dynpipe.models.base import LayeredModel
 from dynpipe.planner.plan import Plan
+from dynpipe.runtime.compiled import compile_layers
 from dynpipe.runtime.mesh import Mesh
 from dynpipe.runtime.optim import OptimConfig, build_optimizer, export_state, import_state, lr_at
 from dynpipe.runtime.stage import StageModule, TimedPipelineStage, boundary_examples
@@ -98,6 +99,8 @@ class EngineConfig:
     bf16: run layers under bfloat16 autocast (CUDA only) and send bf16 activations.
     timing: per-microbatch compute timers (cheap; off only to measure their cost).
     bucket_mb: data parallelism: DDP's gradient bucket size in MiB.
+    compile: ``torch.compile`` backend each held layer is compiled with, in place and one
+        layer at a time (``dynpipe.runtime.compiled``); None: eager.
     """
 
     batch_size: int
@@ -105,6 +108,7 @@ class EngineConfig:
     bf16: bool = False
     timing: bool = True
     bucket_mb: float = 25.0
+    compile: str | None = None
 
 
 @dataclass
@@ -313,6 +317,12 @@ class PipelineEngine:
         st = plan.stages[self.stage_index]
         if layers is None:
             layers = self.model.build_range(st.start, st.stop, device=self.topo.device)
+        if self.config.compile is not None:
+            # Kept layers stay compiled; received ones join them (compiled code is cached
+            # by class and shapes, so a layer of a kind this rank already ran costs nothing).
+            compile_layers(
+                layers.values(), backend=self.config.compile, model_layers=len(self.model)
+            )
         bf16 = self.config.bf16 and self.topo.is_cuda
         wire = torch.bfloat16 if bf16 else torch.float32
         is_last = self.stage_index == plan.num_stages - 1
@@ -523,6 +533,48 @@ class PipelineEngine:
             # identical, so DDP need not broadcast them again.
             self._synced = True
         self._build(plan, layers=layers, opt_state=opt_state)
+
+    def warm_compiled(self) -> float:
+        """Under ``--compile``, run one microbatch's forward and backward through private
+        copies of this stage's layers, so that whatever the stage's first step would compile
+        (a layer of a kind new to this rank, a layer now at a stage boundary that receives
+        the wire dtype) compiles now; returns the seconds it took (0 when eager or idle).
+
+        A repartition calls it as part of its pause: a first compile takes seconds, and the
+        controller prices a move by its pause. The copies are built from the model's specs
+        without initialisation and share the real layers' compiled code (cached by class,
+        structure and shapes, not by module), under a forked RNG: training state, BatchNorm
+        statistics and gradients are untouched."""
+        if self.config.compile is None or self.idle or self.dropped:
+            return 0.0
+        t0 = time.perf_counter()
+        dev = self.topo.device
+        inp = self._stage_parts[2]
+        mb = inp.shape[0]
+        copies = nn.ModuleDict()
+        for lname in self.module.layers:
+            i = self._index[lname]
+            layer = self.model.build_layer(i, device=dev, init=False)
+            layer.requires_grad_(i >= self.frozen)
+            copies[lname] = layer
+        compile_layers(copies.values(), backend=self.config.compile, model_layers=len(self.model))
+        stage = StageModule(
+            copies, autocast_dtype=self.module.autocast_dtype, out_dtype=self.module.out_dtype
+        )
+        stage.train(self.module.training)
+        with torch.random.fork_rng(devices=[dev] if self.topo.is_cuda else []):
+            if self.is_first:
+                x, _ = self.model.input_spec.example(mb, device=dev)
+            elif inp.is_floating_point():
+                x = torch.randn(inp.shape, dtype=inp.dtype, device=dev, requires_grad=True)
+            else:
+                x = torch.zeros(inp.shape, dtype=inp.dtype, device=dev)
+            out = stage(x)
+            if out.requires_grad:
+                out.float().sum().backward()
+        if self.topo.is_cuda:
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - t0
 
     @property
     def is_first(self) -> bool:
@@ -747,7 +799,13 @@ class PipelineEngine:
         with torch.random.fork_rng(devices=[dev] if self.topo.is_cuda else []):
             fresh = self._probe_copy is None or self._probe_copy[0] != i
             if fresh:
-                self._probe_copy = (i, self.model.build_layer(i, device=dev))
+                copy = self.model.build_layer(i, device=dev)
+                if self.config.compile is not None:
+                    # Timed as the held layers run: compiled too.
+                    compile_layers(
+                        [copy], backend=self.config.compile, model_layers=len(self.model)
+                    )
+                self._probe_copy = (i, copy)
                 self._probe_issue_ms = 0.0
             module = self._probe_copy[1]
             if i == 0:

@@ -586,7 +586,11 @@ def _open(
             p,
             topo=topo,
             config=EngineConfig(
-                batch_size=cfg.batch_size, optim=cfg.optim, bf16=cfg.bf16, timing=cfg.timing
+                batch_size=cfg.batch_size,
+                optim=cfg.optim,
+                bf16=cfg.bf16,
+                timing=cfg.timing,
+                compile=cfg.compile_backend if cfg.compile else None,
             ),
             mesh=meshes[p.dp] if meshes is not None else mesh,
         )
@@ -682,6 +686,10 @@ def train(
     step, after a final checkpoint if the run has a checkpoint folder (``Stopped`` is raised).
     """
     torch.manual_seed(cfg.seed)
+    if cfg.compile:
+        from dynpipe.runtime.compiled import check_backend
+
+        check_backend(cfg.compile_backend)
     model, data = build_model_and_data(cfg)
     plan = resolve_plan(cfg, model, topo.world_size)
     ckpt = _checkpointer(cfg, topo)
