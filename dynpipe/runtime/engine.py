@@ -45,6 +45,7 @@ of the step (see ``step``), and the reading comes back in ``StepResult.probe``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -379,9 +380,13 @@ class PipelineEngine:
             group=pipe_group,
             timer=self.timer,
         )
+        stage.keep_outputs = False  # training reads the losses (evaluation turns it on)
         if self.mesh.dp == 1:
+            # Gradients are divided once after the step by the engine (``_divide_grads``):
+            # one foreach launch, where the schedule divides parameter by parameter.
+            extra = {"scale_grads": False} if _HAS_SCALE_GRADS else {}
             return stage, _SCHEDULES[plan.schedule](
-                stage, n_microbatches=plan.microbatches, loss_fn=self.model.loss_fn
+                stage, n_microbatches=plan.microbatches, loss_fn=self.model.loss_fn, **extra
             )
         if not self.dropped:
             # Gradients are divided once, by the step's microbatches over all replicas.
@@ -648,21 +653,22 @@ class PipelineEngine:
             assert self.reducer is not None
             self.reducer.shadow()
         elif self.is_first and self.is_last:
-            self.schedule.step(x.to(dev, non_blocking=True), target=y.to(dev), losses=losses)
+            self.schedule.step(
+                x.to(dev, non_blocking=True), target=y.to(dev), losses=losses, **_NO_OUTPUTS
+            )
         elif self.is_first:
             self.schedule.step(x.to(dev, non_blocking=True))
         elif self.is_last:
-            self.schedule.step(target=y.to(dev, non_blocking=True), losses=losses)
+            self.schedule.step(target=y.to(dev, non_blocking=True), losses=losses, **_NO_OUTPUTS)
         else:
             self.schedule.step()
         self._trained = True
         t_sched = time.perf_counter()
         if dp:
             # The reduce summed every replica's microbatches: one division makes the mean.
-            k = self.plan.counted_microbatches
-            for p in self.named_params.values():
-                if p.grad is not None:
-                    p.grad.div_(k)
+            self._divide_grads(self.plan.counted_microbatches)
+        elif _HAS_SCALE_GRADS:
+            self._divide_grads(self.plan.microbatches)
         if self.track_grads:
             self._add_grad_sq()
 
@@ -727,6 +733,13 @@ class PipelineEngine:
             probe=probed,
             between_ms=between,
         )
+
+    def _divide_grads(self, k: int) -> None:
+        """Divide every held gradient by ``k`` (the step's microbatches): the mean over the
+        step. One foreach call, bit for bit the per-parameter ``div_``."""
+        grads = [p.grad for p in self.named_params.values() if p.grad is not None]
+        if grads and k != 1:
+            torch._foreach_div_(grads, k)
 
     def _between(self, t0: float) -> float:
         """Milliseconds since this rank's last step ended (``StepResult.between_ms``)."""
@@ -908,7 +921,10 @@ class PipelineEngine:
         # after an evaluation that came first (straight after a launch or a repartition)
         # found its received activations without gradients. Such an evaluation runs on a
         # schedule of its own, and the training schedule is set up by its first step.
-        schedule = self.schedule if self._trained else self._new_schedule()[1]
+        stage, schedule = (
+            (self.pipe_stage, self.schedule) if self._trained else self._new_schedule()
+        )
+        stage.keep_outputs = True  # the sums read every microbatch's output
         modes = [(m, m.training) for m in self.module.modules()]
         timing, self.timer.enabled = self.timer.enabled, False
         sums = torch.zeros(4, dtype=torch.float64)
@@ -924,6 +940,7 @@ class PipelineEngine:
             for m, mode in modes:
                 m.train(mode)
             self.timer.enabled = timing
+            stage.keep_outputs = False
         vec = sums.to(dev)
         if self.topo.world_size > 1:
             # The last stage holds the sums, the others zeros: adding them is exact. With
@@ -991,12 +1008,20 @@ class PipelineEngine:
         return export_state(self.optimizer, self.named_params)
 
 
+# torch's schedules can leave dividing the gradients to their caller (``scale_grads``).
+_HAS_SCALE_GRADS = "scale_grads" in inspect.signature(ScheduleGPipe).parameters
+# A training step's last stage returns no merged output (see ``keep_outputs``).
+_NO_OUTPUTS = (
+    {"return_outputs": False}
+    if "return_outputs" in inspect.signature(ScheduleGPipe.step).parameters
+    else {}
+)
+
+
 def _check_scale_grads() -> None:
     """Replicas divide gradients once themselves; a schedule that always divides by its own
     microbatch count (torch before ``scale_grads``) would make uneven shares inexact."""
-    import inspect
-
-    if "scale_grads" not in inspect.signature(ScheduleGPipe).parameters:
+    if not _HAS_SCALE_GRADS:
         raise UserError(
             f"--dp > 1 needs torch's pipelining schedules with scale_grads (torch "
             f"{torch.__version__} lacks it); install torch 2.13 as the README says"
