@@ -46,10 +46,11 @@ def check_backend(backend: str) -> None:
         )
     from torch._dynamo import list_backends
 
-    known = list_backends(exclude_tags=())
-    if backend not in known:
+    if backend not in list_backends(exclude_tags=()):
+        # The usual ones; debugging backends are accepted but not listed.
+        usual = sorted({*list_backends(), "aot_eager", "eager"})
         raise UserError(
-            f"unknown --compile-backend {backend!r}; use one of {', '.join(sorted(known))} "
+            f"unknown --compile-backend {backend!r}; use one of {', '.join(usual)} "
             "(inductor on GPUs; aot_eager runs anywhere without a C++ compiler)"
         )
 
