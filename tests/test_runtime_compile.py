@@ -18,6 +18,8 @@ MODEL = {"depth": 3, "width": 32, "heads": 2, "seq_len": 8, "vocab": 64}  # 5 la
 
 
 def _compiled_run(rank: int, world: int) -> dict:
+    from torch._dynamo.utils import counters
+
     from dynpipe.models import get_model
     from dynpipe.planner import Plan
     from dynpipe.runtime.compiled import is_compiled
@@ -29,17 +31,20 @@ def _compiled_run(rank: int, world: int) -> dict:
     n = len(model)
     eng = PipelineEngine(
         model,
-        Plan.even(model, world),
+        Plan.from_bounds(model, [1, n - 1]),
         topo=Topology.from_env(device="cpu"),
         config=EngineConfig(batch_size=BATCH, optim=optim_config("adamw"), compile="aot_eager"),
     )
-    # Blocks pile up on the last stage, then on the first: each stage receives layers.
-    moves = {2: Plan.from_bounds(model, [1, n - 1]), 4: Plan.from_bounds(model, [n - 1, 1])}
+    # The first stage holds the embedding alone, then receives blocks (a kind it has not
+    # run: its warm-up compiles them), then the last stage receives blocks back.
+    moves = {2: Plan.from_bounds(model, [n - 1, 1]), 4: Plan.from_bounds(model, [2, n - 2])}
     losses, pauses, layers = [], [], None
+    graphs = []
     for s in range(STEPS):
         if s in moves:
             stats = repartition(eng, moves[s])
             pauses.append(stats.parts_ms())
+        graphs.append(counters["stats"]["unique_graphs"])
         res = eng.step(s, make_batch(model, s), sample_layers=s == STEPS - 1)
         losses.append(res.loss)
         if res.timing.layers is not None:
@@ -52,6 +57,7 @@ def _compiled_run(rank: int, world: int) -> dict:
         "compiled": [is_compiled(m) for m in eng.module.layers.values()],
         "held": list(eng.module.layers),
         "layers": layers,
+        "graphs": [*graphs, counters["stats"]["unique_graphs"]],
     }
 
 
@@ -74,6 +80,10 @@ def test_compiled_pipeline_matches_eager_reference_across_repartitions() -> None
         got_o.update(r["optim"])
         # Layers received in a move are compiled too, and keep their names.
         assert r["held"] and all(r["compiled"]), r
+        # The warm-up compiled what each rebuilt stage runs: its steps compile nothing,
+        # and neither does a step whose layers are timed (hooks on boundary tensors).
+        g = r["graphs"]
+        assert g[2] == g[3] and g[4] == g[5] == g[6], g
         # Both moves were timed with their compile warm-up as a part of the pause.
         assert len(r["pauses"]) == 2 and all(p["compile_ms"] > 0 for p in r["pauses"])
         fwd, bwd = r["layers"]
