@@ -374,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             "warmup": args.warmup,
             "quick": args.quick,
             "bf16": cuda,
+            "tf32": cuda,
             "compile_backend": args.compile_backend,
             "plain_compile": args.plain_compile,
             "optimizer": "AdamW, fused on CUDA (foreach on CPU), both sides",
@@ -382,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         "models": {},
     }
     print(f"{name}, torch {torch.__version__}, revision {code_revision()}", flush=True)
+    out = Path(args.output) if args.output else _default_path(name, args.quick)
+    out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:
         for m in models:
@@ -389,12 +392,11 @@ def main(argv: list[str] | None = None) -> int:
             results["models"][m] = _one_model(
                 m, config, batch, dev=dev, args=args, peak=peak * 1e12 if peak else None
             )
+            # Written after every model: a run cut short keeps the models it finished.
+            results["wall_s"] = time.perf_counter() - t0
+            out.write_text(json.dumps(results, indent=1))
     finally:
         dist.destroy_process_group()
-    results["wall_s"] = time.perf_counter() - t0
-    out = Path(args.output) if args.output else _default_path(name, args.quick)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
     print(_table(results), flush=True)
     print(f"wrote {out} ({results['wall_s']:.0f} s)", flush=True)
     return 0
