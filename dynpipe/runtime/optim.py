@@ -146,7 +146,9 @@ def import_state(
     update, which reads it there, else on the CPU. State exported by either kind loads
     into the other.
     """
-    on_device = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
+    # An idle rank (no optimizer) is handed empty state.
+    groups = optimizer.param_groups if optimizer is not None else []
+    on_device = any(g.get("fused") or g.get("capturable") for g in groups)
     per_param: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in state.items():
         pname, _, skey = key.rpartition("/")
