@@ -44,6 +44,8 @@ _GROUPS = (
             "fp16",
             "recompute",
             "memory_gb",
+            "compile",
+            "compile_backend",
             "timing",
             "gc_every",
         ),
@@ -182,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
 def preflight(cfg, model, plan, *, check_resume: bool = True, device: str = "cpu") -> None:
     """Check every input a run reads besides the model and plan before any process group
     exists: the predictor and its feature schema, the scenario, the checkpoint to resume,
-    the precision and the memory the run's recomputation plans with."""
+    the precision and the memory the run's recomputation plans with, ``--compile``'s torch
+    and backend."""
     from dynpipe.runtime.memory import check_run_memory
 
     check_run_memory(cfg, model, plan, device=device)
@@ -190,6 +193,10 @@ def preflight(cfg, model, plan, *, check_resume: bool = True, device: str = "cpu
         from dynpipe.analysis.tensorboard import require_tensorboard
 
         require_tensorboard()
+    if getattr(cfg, "compile", False):
+        from dynpipe.runtime.compiled import check_backend
+
+        check_backend(cfg.compile_backend)
     if cfg.predictor:
         from dynpipe.devices import TELEMETRY_COLUMNS
         from dynpipe.predictor import load_predictor

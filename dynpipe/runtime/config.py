@@ -57,6 +57,10 @@ class TrainConfig:
         plan's own list, else none.
     memory_gb: GiB of device memory a stage may fill, for --recompute auto (unset: 90% of
         the GPU's free memory at start-up).
+    compile: compile every layer with torch.compile, one layer at a time and in place
+        (per-layer timing, migration and checkpoints unchanged; ``docs/performance.md``).
+    compile_backend: the torch.compile backend of ``compile`` (inductor; aot_eager runs
+        without a C++ compiler and gives eager's numbers bit for bit).
     timing: the per-microbatch stage timers.
     seed: seed of the model's weights and the data.
     log: JSONL run-log path, written by the last stage's rank (unset:
@@ -119,6 +123,8 @@ class TrainConfig:
     fp16: bool = False
     recompute: str | None = field(default=None, metadata={"choices": ("none", "all", "auto")})
     memory_gb: float | None = field(default=None, metadata={"metavar": "GB"})
+    compile: bool = False
+    compile_backend: str = "inductor"
     timing: bool = True
     seed: int = 0
     log: str | None = None

@@ -45,6 +45,7 @@ of the step (see ``step``), and the reading comes back in ``StepResult.probe``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -60,6 +61,7 @@ from dynpipe.errors import UserError
 from dynpipe.models.base import LayeredModel
 from dynpipe.planner.costs import CostModel
 from dynpipe.planner.plan import Plan
+from dynpipe.runtime.compiled import compile_layers
 from dynpipe.runtime.mesh import Mesh
 from dynpipe.runtime.optim import OptimConfig, build_optimizer, export_state, import_state, lr_at
 from dynpipe.runtime.scaler import LossScaler, ScalerConfig
@@ -108,6 +110,8 @@ class EngineConfig:
         ``auto`` (the planner's choice for the stage's layers under ``memory_bytes``, made
         again at every rebuild), or None: the plan's own list.
     memory_bytes: what this stage's device may hold (``--recompute auto``).
+    compile: ``torch.compile`` backend each held layer is compiled with, in place and one
+        layer at a time (``dynpipe.runtime.compiled``); None: eager.
     """
 
     batch_size: int
@@ -115,6 +119,7 @@ class EngineConfig:
     bf16: bool = False
     timing: bool = True
     bucket_mb: float = 25.0
+    compile: str | None = None
     fp16: bool = False
     loss_scale: ScalerConfig | None = None
     recompute: str | None = None
@@ -343,6 +348,12 @@ class PipelineEngine:
         st = plan.stages[self.stage_index]
         if layers is None:
             layers = self.model.build_range(st.start, st.stop, device=self.topo.device)
+        if self.config.compile is not None:
+            # Kept layers stay compiled; received ones join them (compiled code is cached
+            # by class and shapes, so a layer of a kind this rank already ran costs nothing).
+            compile_layers(
+                layers.values(), backend=self.config.compile, model_layers=len(self.model)
+            )
         amp = self.config.amp_dtype if self.topo.is_cuda else None
         wire = amp or torch.float32
         is_last = self.stage_index == plan.num_stages - 1
@@ -421,9 +432,13 @@ class PipelineEngine:
             group=pipe_group,
             timer=self.timer,
         )
+        stage.keep_outputs = False  # training reads the losses (evaluation turns it on)
         if self.mesh.dp == 1:
+            # Gradients are divided once after the step by the engine (``_divide_grads``):
+            # one foreach launch, where the schedule divides parameter by parameter.
+            extra = {"scale_grads": False} if _HAS_SCALE_GRADS else {}
             return stage, _SCHEDULES[plan.schedule](
-                stage, n_microbatches=plan.microbatches, loss_fn=self._loss_fn()
+                stage, n_microbatches=plan.microbatches, loss_fn=self._loss_fn(), **extra
             )
         if not self.dropped:
             # Gradients are divided once, by the step's microbatches over all replicas.
@@ -584,6 +599,51 @@ class PipelineEngine:
             self._synced = True
         self._build(plan, layers=layers, opt_state=opt_state)
 
+    def warm_compiled(self) -> float:
+        """Under ``--compile``, run one microbatch's forward and backward through private
+        copies of this stage's layers, so that whatever the stage's first step would compile
+        (a layer of a kind new to this rank, a layer now at a stage boundary that receives
+        the wire dtype) compiles now; returns the seconds it took (0 when eager or idle).
+
+        A repartition calls it as part of its pause: a first compile takes seconds, and the
+        controller prices a move by its pause. The copies are built from the model's specs
+        without initialisation and share the real layers' compiled code (cached by class,
+        structure and shapes, not by module), under a forked RNG: training state, BatchNorm
+        statistics and gradients are untouched."""
+        if self.config.compile is None or self.idle or self.dropped:
+            return 0.0
+        t0 = time.perf_counter()
+        dev = self.topo.device
+        inp = self._stage_parts[2]
+        mb = inp.shape[0]
+        copies = nn.ModuleDict()
+        for lname in self.module.layers:
+            i = self._index[lname]
+            layer = self.model.build_layer(i, device=dev, init=False)
+            layer.requires_grad_(i >= self.frozen)
+            copies[lname] = layer
+        compile_layers(copies.values(), backend=self.config.compile, model_layers=len(self.model))
+        stage = StageModule(
+            copies,
+            autocast_dtype=self.module.autocast_dtype,
+            out_dtype=self.module.out_dtype,
+            recompute=self.module.recompute,
+        )
+        stage.train(self.module.training)
+        with torch.random.fork_rng(devices=[dev] if self.topo.is_cuda else []):
+            if self.is_first:
+                x, _ = self.model.input_spec.example(mb, device=dev)
+            elif inp.is_floating_point():
+                x = torch.randn(inp.shape, dtype=inp.dtype, device=dev, requires_grad=True)
+            else:
+                x = torch.zeros(inp.shape, dtype=inp.dtype, device=dev)
+            out = stage(x)
+            if out.requires_grad:
+                out.float().sum().backward()
+        if self.topo.is_cuda:
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - t0
+
     @property
     def is_first(self) -> bool:
         return self.stage_index == 0
@@ -656,21 +716,22 @@ class PipelineEngine:
             assert self.reducer is not None
             self.reducer.shadow()
         elif self.is_first and self.is_last:
-            self.schedule.step(x.to(dev, non_blocking=True), target=y.to(dev), losses=losses)
+            self.schedule.step(
+                x.to(dev, non_blocking=True), target=y.to(dev), losses=losses, **_NO_OUTPUTS
+            )
         elif self.is_first:
             self.schedule.step(x.to(dev, non_blocking=True))
         elif self.is_last:
-            self.schedule.step(target=y.to(dev, non_blocking=True), losses=losses)
+            self.schedule.step(target=y.to(dev, non_blocking=True), losses=losses, **_NO_OUTPUTS)
         else:
             self.schedule.step()
         self._trained = True
         t_sched = time.perf_counter()
         if dp:
             # The reduce summed every replica's microbatches: one division makes the mean.
-            k = self.plan.counted_microbatches
-            for p in self.named_params.values():
-                if p.grad is not None:
-                    p.grad.div_(k)
+            self._divide_grads(self.plan.counted_microbatches)
+        elif _HAS_SCALE_GRADS:
+            self._divide_grads(self.plan.microbatches)
         found = None
         if self.scaler is not None:
             if self.grad_hook is not None:
@@ -762,6 +823,13 @@ class PipelineEngine:
             skipped=skipped,
         )
 
+    def _divide_grads(self, k: int) -> None:
+        """Divide every held gradient by ``k`` (the step's microbatches): the mean over the
+        step. One foreach call, bit for bit the per-parameter ``div_``."""
+        grads = [p.grad for p in self.named_params.values() if p.grad is not None]
+        if grads and k != 1:
+            torch._foreach_div_(grads, k)
+
     def _between(self, t0: float) -> float:
         """Milliseconds since this rank's last step ended (``StepResult.between_ms``)."""
         return 0.0 if self._last_end is None else (t0 - self._last_end) * 1e3
@@ -845,7 +913,13 @@ class PipelineEngine:
         with torch.random.fork_rng(devices=[dev] if self.topo.is_cuda else []):
             fresh = self._probe_copy is None or self._probe_copy[0] != i
             if fresh:
-                self._probe_copy = (i, self.model.build_layer(i, device=dev))
+                copy = self.model.build_layer(i, device=dev)
+                if self.config.compile is not None:
+                    # Timed as the held layers run: compiled too.
+                    compile_layers(
+                        [copy], backend=self.config.compile, model_layers=len(self.model)
+                    )
+                self._probe_copy = (i, copy)
                 self._probe_issue_ms = 0.0
             module = self._probe_copy[1]
             if i == 0:
@@ -948,7 +1022,10 @@ class PipelineEngine:
         # after an evaluation that came first (straight after a launch or a repartition)
         # found its received activations without gradients. Such an evaluation runs on a
         # schedule of its own, and the training schedule is set up by its first step.
-        schedule = self.schedule if self._trained else self._new_schedule()[1]
+        stage, schedule = (
+            (self.pipe_stage, self.schedule) if self._trained else self._new_schedule()
+        )
+        stage.keep_outputs = True  # the sums read every microbatch's output
         modes = [(m, m.training) for m in self.module.modules()]
         timing, self.timer.enabled = self.timer.enabled, False
         sums = torch.zeros(4, dtype=torch.float64)
@@ -964,6 +1041,7 @@ class PipelineEngine:
             for m, mode in modes:
                 m.train(mode)
             self.timer.enabled = timing
+            stage.keep_outputs = False
         vec = sums.to(dev)
         if self.topo.world_size > 1:
             # The last stage holds the sums, the others zeros: adding them is exact. With
@@ -1042,12 +1120,20 @@ def _same_scale(total: torch.Tensor, scale: float, *, group, step: int) -> None:
         )
 
 
+# torch's schedules can leave dividing the gradients to their caller (``scale_grads``).
+_HAS_SCALE_GRADS = "scale_grads" in inspect.signature(ScheduleGPipe).parameters
+# A training step's last stage returns no merged output (see ``keep_outputs``).
+_NO_OUTPUTS = (
+    {"return_outputs": False}
+    if "return_outputs" in inspect.signature(ScheduleGPipe.step).parameters
+    else {}
+)
+
+
 def _check_scale_grads() -> None:
     """Replicas divide gradients once themselves; a schedule that always divides by its own
     microbatch count (torch before ``scale_grads``) would make uneven shares inexact."""
-    import inspect
-
-    if "scale_grads" not in inspect.signature(ScheduleGPipe).parameters:
+    if not _HAS_SCALE_GRADS:
         raise UserError(
             f"--dp > 1 needs torch's pipelining schedules with scale_grads (torch "
             f"{torch.__version__} lacks it); install torch 2.13 as the README says"

@@ -76,6 +76,8 @@ class MigrationStats:
     unpack_s: float = 0.0
     build_s: float = 0.0
     engine_s: float = 0.0
+    # --compile: the first compile of what the rebuilt stage runs (``warm_compiled``).
+    compile_s: float = 0.0
 
     @property
     def transfer_s(self) -> float:
@@ -83,14 +85,14 @@ class MigrationStats:
 
     @property
     def rebuild_s(self) -> float:
-        return self.build_s + self.engine_s
+        return self.build_s + self.engine_s + self.compile_s
 
     def parts_ms(self) -> dict[str, float]:
         """The pause's parts on this rank in milliseconds, keyed as the move events log
         them (``pack_ms`` ... ``engine_ms``)."""
         return {
             f"{k}_ms": round(getattr(self, f"{k}_s") * 1e3, 3)
-            for k in ("pack", "wire", "unpack", "build", "engine")
+            for k in ("pack", "wire", "unpack", "build", "engine", "compile")
         }
 
     def to_dict(self) -> dict:
@@ -477,3 +479,4 @@ def _install(
     engine.rebuild(new_plan, layers=layers, opt_state=opt_state, mesh=mesh)
     t2 = time.perf_counter()
     stats.build_s, stats.engine_s = t_built - t1, t2 - t_built
+    stats.compile_s = engine.warm_compiled()

@@ -94,14 +94,29 @@ def lr_at(step: int, cfg: OptimConfig) -> float:
 
 
 def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """An optimizer over ``params`` (one parameter group; the lr is set every step)."""
+    """An optimizer over ``params`` (one parameter group; the lr is set every step).
+
+    Its implementation is the fastest the parameters' device has: the fused kernels on
+    CUDA (one launch for every parameter of the stage, where the default foreach update
+    issues a dozen per parameter group and the per-parameter loop a dozen per
+    parameter), the foreach one elsewhere. Every implementation computes the same update;
+    a pipelined run and its single-process reference build theirs here, on the same
+    device, so they agree bit for bit."""
+    kind = _implementation(params)
     if cfg.name == "sgd":
         return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **kind
         )
     return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, **kind
     )
+
+
+def _implementation(params: list[nn.Parameter]) -> dict[str, bool]:
+    """``fused=True`` where every parameter is a CUDA floating tensor, else ``foreach``."""
+    if params and all(p.is_cuda and p.is_floating_point() for p in params):
+        return {"fused": True}
+    return {"foreach": True}
 
 
 def export_state(
@@ -126,9 +141,14 @@ def import_state(
 ) -> None:
     """Install state produced by ``export_state`` (possibly by another rank) into ``optimizer``.
 
-    Tensors are copied onto each parameter's device; AdamW's scalar ``step`` stays on the CPU
-    as torch keeps it when not capturable.
+    Tensors are copied onto each parameter's device; AdamW's scalar ``step`` goes where
+    this optimizer keeps it: on the parameter's device for the fused (and capturable)
+    update, which reads it there, else on the CPU. State exported by either kind loads
+    into the other.
     """
+    # An idle rank (no optimizer) is handed empty state.
+    groups = optimizer.param_groups if optimizer is not None else []
+    on_device = any(g.get("fused") or g.get("capturable") for g in groups)
     per_param: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in state.items():
         pname, _, skey = key.rpartition("/")
@@ -143,7 +163,8 @@ def import_state(
         st = {}
         for skey, value in entries.items():
             if skey == "step":
-                st[skey] = value.detach().to("cpu").clone()
+                where = p.device if on_device else "cpu"
+                st[skey] = value.detach().to(where).clone()
             else:
                 st[skey] = value.detach().to(p.device).clone()
         optimizer.state[p] = st

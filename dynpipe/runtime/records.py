@@ -400,7 +400,8 @@ EVENTS: dict[str, EventSpec] = {
         EventSpec(
             "repartition",
             "layers moved live before `step`: plans, bytes, and the pause by part "
-            "(`pause_ms`: the slowest rank's; older logs: the writing rank's)",
+            "(`pause_ms`: the slowest rank's; older logs: the writing rank's; `compile_ms`, "
+            "in `rebuild_ms`: --compile's first compile of the rebuilt stage)",
             ("step", "old_plan", "new_plan", "bytes", "decide_ms", "transfer_ms", "rebuild_ms"),
         ),
         EventSpec(

@@ -602,6 +602,7 @@ def _open(
                 fp16=cfg.fp16,
                 recompute=cfg.recompute,
                 memory_bytes=_stage_memory(cfg, topo),
+                compile=cfg.compile_backend if cfg.compile else None,
             ),
             mesh=meshes[p.dp] if meshes is not None else mesh,
         )
@@ -747,6 +748,10 @@ def train(
     step, after a final checkpoint if the run has a checkpoint folder (``Stopped`` is raised).
     """
     torch.manual_seed(cfg.seed)
+    if cfg.compile:
+        from dynpipe.runtime.compiled import check_backend
+
+        check_backend(cfg.compile_backend)
     model, data = build_model_and_data(cfg)
     plan = resolve_plan(cfg, model, topo.world_size)
     ckpt = _checkpointer(cfg, topo)
