@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from dynpipe.errors import UserError
 from dynpipe.runtime.checkpoint import (
@@ -249,7 +250,7 @@ class Checkpointer:
             training.wait_event(copied_early)
         self._fence = done
         if self._hook is None:
-            self._hook = torch.optim.optimizer.register_optimizer_step_pre_hook(
+            self._hook = register_optimizer_step_pre_hook(
                 functools.partial(_fence_before_step, weakref.ref(self))
             )
         return out, done
