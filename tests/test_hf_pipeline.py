@@ -45,6 +45,7 @@ def _tied_sums(eng) -> list[float]:
 
 def _train(rank: int, world: int, folders: dict, ckpt: str, resume: str | None) -> dict:
     from dynpipe.models import get_model
+    from dynpipe.models.cut import cut_model_meta
     from dynpipe.runtime.checkpoint import load_checkpoint
     from dynpipe.runtime.checkpointer import save_checkpoint
     from dynpipe.runtime.engine import EngineConfig, PipelineEngine
@@ -83,7 +84,12 @@ def _train(rank: int, world: int, folders: dict, ckpt: str, resume: str | None) 
                     f"{ckpt}/{arch}",
                     model_state=eng.model_state(),
                     optim_state=eng.optim_state(),
-                    meta={"step": SAVE_AT},
+                    meta={
+                        "step": SAVE_AT,
+                        "model": model.name,
+                        "model_fingerprint": model.fingerprint(),
+                        **cut_model_meta(model),
+                    },
                     rank=rank,
                 )
         results[arch] = {
@@ -143,3 +149,31 @@ def test_hf_pipelines_equal_reference_through_moves_and_resume(tmp_path) -> None
     _check_run(three, refs, 0)
     resumed = run_ranks(_train, 3, folders, str(tmp_path / "unused"), ckpt, timeout_s=600)
     _check_run(resumed, refs, SAVE_AT)
+    _check_exports(folders, ckpt, tmp_path)
+
+
+def _check_exports(folders: dict, ckpt: str, tmp_path) -> None:
+    """The 2-rank run's checkpoint, exported, loads with from_pretrained and computes the
+    logits of the layered model at that step (the reference after SAVE_AT steps, which
+    the pipelined run equals bit for bit)."""
+    import transformers
+
+    from dynpipe.cli import main
+    from dynpipe.models import get_model
+    from dynpipe.models.export import main_class
+    from dynpipe.runtime.reference import ReferenceTrainer
+
+    for arch, folder in folders.items():
+        out = tmp_path / f"export-{arch}"
+        assert main(["export", "--checkpoint", f"{ckpt}/{arch}", "--to", "hf", str(out)]) == 0
+        model = get_model(f"hf:{folder}", seq_len=SEQ)
+        ref = ReferenceTrainer(
+            model=model, batch_size=BATCH, microbatches=4, optim=optim_config("adamw")
+        )
+        for s in range(SAVE_AT):
+            ref.step(s, make_batch(model, s))
+        auto = getattr(transformers, main_class(model))
+        hf = auto.from_pretrained(str(out))
+        x, _ = make_batch(model, 99)
+        with torch.no_grad():
+            assert torch.equal(hf(x).logits, ref.forward(x)), arch

@@ -36,6 +36,7 @@ __all__ = [
     "Part",
     "SequentialPart",
     "SourceCache",
+    "cut_model_meta",
     "find_ties",
     "from_module",
     "layered_from_source",
@@ -182,6 +183,15 @@ def source_state(model: LayeredModel, state: dict[str, torch.Tensor]) -> dict[st
             continue  # extra modules a part holds of its own (none carry weights of the source)
         out[f"{paths[lname][attr]}.{tail}"] = value
     return out
+
+
+def cut_model_meta(model: LayeredModel) -> dict[str, Any]:
+    """``{"model_config": ...}`` for a checkpoint of a model loaded by name with ``hf:`` or
+    ``tv:`` (what ``dynpipe export`` rebuilds it from); ``{}`` for any other model."""
+    conf = model.config
+    if "source_paths" not in conf or "source" not in conf:
+        return {}
+    return {"model_config": conf}
 
 
 def _resolve(source: nn.Module, items: Sequence[str | nn.Module], what: str) -> dict[str, Any]:
