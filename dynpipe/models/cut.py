@@ -59,14 +59,18 @@ class Part(nn.Module):
 
 
 class SequentialPart(Part):
-    """Its submodules applied in order; a tuple output (HF blocks) passes on its first item."""
+    """Its submodules applied in order; a tuple output (HF blocks) passes on its first item.
+
+    The output is made contiguous (free when it already is): a transposed view, which
+    attention layers return, cannot be sent to the next stage.
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for mod in self.children():
             x = mod(x)
             if isinstance(x, tuple):
                 x = x[0]
-        return x
+        return x.contiguous()
 
 
 class SourceCache:
@@ -181,7 +185,8 @@ def source_state(model: LayeredModel, state: dict[str, torch.Tensor]) -> dict[st
         attr, _, tail = rest.partition(".")
         if lname not in paths or attr not in paths[lname]:
             continue  # extra modules a part holds of its own (none carry weights of the source)
-        out[f"{paths[lname][attr]}.{tail}"] = value
+        # A parameter held by the part itself (ViT's class token) maps to its own path.
+        out[f"{paths[lname][attr]}.{tail}" if tail else paths[lname][attr]] = value
     return out
 
 
