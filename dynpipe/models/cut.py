@@ -267,7 +267,9 @@ def from_module(
             "blocks= the dotted path of the non-empty ModuleList of its blocks"
         )
     module = module.cpu()
-    cache = SourceCache(lambda kind: module if kind == "cpu" else copy.deepcopy(module).to("meta"))
+    # The module is already built: meta layers are copied from it too (``Module.to("meta")``
+    # would untie shared parameters, which is how ties are found).
+    cache = SourceCache(lambda kind: module)
     pieces: list[tuple[str, str, Callable[[nn.Module], nn.Module]]] = []
     if before:
         pieces.append(("embed", "embedding", _seq_maker(_resolve(module, before, "before"))))
