@@ -130,3 +130,36 @@ def _with_type(tmp_path, model_type: str):
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": model_type}))
     return d
+
+
+def test_text_goes_through_the_models_own_tokenizer(tmp_path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from dynpipe.data import get_data
+    from dynpipe.models import get_model
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(
+        "".join(f"the pipeline moves layer {i} to stage {i % 3}.\n" for i in range(400))
+    )
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=TINY["gpt2"]["vocab_size"], special_tokens=["[UNK]"])
+    tok.train([str(corpus)], trainer)
+    assert tok.get_vocab_size() <= TINY["gpt2"]["vocab_size"]
+    folder = save_tiny("gpt2", tmp_path)
+    tok.save(str(folder / "tokenizer.json"))
+    model = get_model(f"hf:{folder}", seq_len=SEQ)
+    data = get_data("text", model=model, path=str(corpus))
+    x, y = data.batch(0, 4)
+    assert x.shape == (4, SEQ) and int(x.max()) < TINY["gpt2"]["vocab_size"]
+    assert torch.equal(x[:, 1:], y[:, :-1])  # next-token targets over the same ids
+    text = corpus.read_text()
+    # Metaspace marks each line's (here: each encoded chunk's) start with a space.
+    window = tok.decode(x[0].tolist()).strip().replace("\n ", "\n")
+    assert len(window) > SEQ and window in text  # merged tokens: more characters than ids
+    # Byte-level data would need vocab 256: the tokenizer is what lets a 96-token model read it.
+    plain = get_model("hf:gpt2", seq_len=SEQ, **TINY["gpt2"])
+    with pytest.raises(Exception, match="vocab"):
+        get_data("text", model=plain, path=str(corpus))

@@ -358,8 +358,15 @@ def hf_model(
             "seq_len": seq_len,
             "seed": seed,
             "fields": dict(fields),
+            **_tokenizer(spec),
         },
     )
+
+
+def _tokenizer(spec: str) -> dict[str, str]:
+    """``{"tokenizer": PATH}`` when a local model folder has a fast-tokenizer file."""
+    file = Path(spec).expanduser() / "tokenizer.json"
+    return {"tokenizer": str(file.resolve())} if file.is_file() else {}
 
 
 def source_module(model: LayeredModel) -> nn.Module:
