@@ -177,3 +177,53 @@ def _check_exports(folders: dict, ckpt: str, tmp_path) -> None:
         x, _ = make_batch(model, 99)
         with torch.no_grad():
             assert torch.equal(hf(x).logits, ref.forward(x)), arch
+
+
+def _replicated(rank: int, world: int, folder: str) -> dict:
+    import dataclasses
+
+    from dynpipe.models import get_model
+    from dynpipe.planner import Plan
+    from dynpipe.runtime.engine import EngineConfig, PipelineEngine
+    from dynpipe.runtime.mesh import init_mesh
+    from dynpipe.runtime.topology import Topology
+
+    model = get_model(f"hf:{folder}", seq_len=SEQ)
+    plan = dataclasses.replace(Plan.from_bounds(model, [1, len(model) - 1], microbatches=2), dp=2)
+    topo = Topology.from_env(device="cpu")
+    eng = PipelineEngine(
+        model,
+        plan,
+        topo=topo,
+        mesh=init_mesh(topo, dp=2),
+        config=EngineConfig(batch_size=BATCH, optim=optim_config("adamw")),
+    )
+    losses = [eng.step(s, make_batch(model, s)).loss for s in range(4)]
+    return {"replica": eng.mesh.replica, "model": eng.model_state(), "losses": losses}
+
+
+def test_tied_copies_with_two_replicas(tmp_path) -> None:
+    """2 replicas x 2 stages: DDP averages each copy across replicas, then the stages of
+    each replica sum the copies; equal to the reference adding in the replicas' grouping."""
+    from dynpipe.models import get_model
+    from dynpipe.runtime.reference import ReferenceTrainer
+
+    torch.set_num_threads(1)
+    folder = str(save_tiny("gpt2", tmp_path))
+    results = run_ranks(_replicated, 4, folder, timeout_s=600)
+    model = get_model(f"hf:{folder}", seq_len=SEQ)
+    ref = ReferenceTrainer(
+        model=model, batch_size=BATCH, microbatches=4, optim=optim_config("adamw"), groups=(2, 2)
+    )
+    want = [ref.step(s, make_batch(model, s)) for s in range(4)]
+    want_m = ref.model_state()
+    for replica in (0, 1):
+        got = {}
+        for r in results:
+            if r["value"]["replica"] == replica:
+                got.update(r["value"]["model"])
+        assert set(got) == set(want_m)
+        for k, v in want_m.items():
+            assert torch.equal(got[k], v), f"replica {replica}: {k}"
+        assert torch.equal(got["embed.wte.weight"], got["head.lm_head.weight"])
+    assert results[-1]["value"]["losses"] == want
