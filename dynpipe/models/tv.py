@@ -141,7 +141,9 @@ def _pieces(name: str, meta: nn.Module) -> list[tuple[str, str, Callable[[nn.Mod
         )
         for stage in ("layer1", "layer2", "layer3", "layer4"):
             for i in range(len(getattr(meta, stage))):
-                pieces.append((f"{stage}_{i}", "residual", _seq(block=f"{stage}.{i}")))
+                # The kinds are the ones the shipped predictors know (a one-hot feature):
+                # a residual conv block is the zoo resnet's "bottleneck".
+                pieces.append((f"{stage}_{i}", "bottleneck", _seq(block=f"{stage}.{i}")))
         head = _ResNetHead
         pieces.append(("head", "linear", lambda s: head(s, {"avgpool": "avgpool", "fc": "fc"})))
     elif name in _VITS:
@@ -159,11 +161,10 @@ def _pieces(name: str, meta: nn.Module) -> list[tuple[str, str, Callable[[nn.Mod
     else:  # convnext: features = [stem, stage, downsample, stage, ...]
         for j, feature in enumerate(meta.features):
             if j % 2 == 0:
-                kind = "conv" if j == 0 else "downsample"
-                pieces.append((f"features_{j}", kind, _seq(block=f"features.{j}")))
+                pieces.append((f"features_{j}", "conv", _seq(block=f"features.{j}")))
                 continue
             for i in range(len(feature)):
-                pieces.append((f"features_{j}_{i}", "cnblock", _seq(block=f"features.{j}.{i}")))
+                pieces.append((f"features_{j}_{i}", "conv", _seq(block=f"features.{j}.{i}")))
         pieces.append(("head", "linear", _seq(avgpool="avgpool", classifier="classifier")))
     return pieces
 
