@@ -70,7 +70,7 @@ def test_cut_module_computes_the_module_and_finds_the_tie() -> None:
 
 
 def test_blocks_not_found_and_freeze_across_a_tie_are_one_line() -> None:
-    from dynpipe.runtime.ties import check_freeze
+    from dynpipe.runtime.ties import check_freeze, freeze_limit
 
     net = _Net()
     with pytest.raises(UserError) as info:
@@ -83,6 +83,7 @@ def test_blocks_not_found_and_freeze_across_a_tie_are_one_line() -> None:
         from_module(net, blocks="body.layers", after=["normm"], input_spec=InputSpec(shape=(SEQ,)))
     model = _cut(net)
     check_freeze(model, 0)
+    assert [freeze_limit(model, k) for k in range(6)] == [0, 0, 0, 0, 0, 5]
     with pytest.raises(UserError) as info:
         check_freeze(model, 2)
     assert "tied copy head.head.weight" in str(info.value) and "\n" not in str(info.value)

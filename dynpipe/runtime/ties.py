@@ -32,7 +32,14 @@ from torch import nn
 from dynpipe.errors import UserError
 from dynpipe.models.base import LayeredModel
 
-__all__ = ["check_freeze", "secondary_names", "spread_ties", "sum_tied_grads", "tied_shapes"]
+__all__ = [
+    "check_freeze",
+    "freeze_limit",
+    "secondary_names",
+    "spread_ties",
+    "sum_tied_grads",
+    "tied_shapes",
+]
 
 
 def secondary_names(model: LayeredModel) -> set[str]:
@@ -116,6 +123,21 @@ def spread_ties(model: LayeredModel, stage_layers: list[set[str]]) -> bool:
         if len(owners) > 1:
             return True
     return False
+
+
+def freeze_limit(model: LayeredModel, frozen: int) -> int:
+    """The longest frozen prefix, at most ``frozen`` layers, that freezes every copy of a tied
+    parameter or none (the ``--freeze`` rule is capped to it)."""
+    names = model.layer_names
+    k = frozen
+    changed = True
+    while changed:
+        changed = False
+        for group in model.ties:
+            idx = [names.index(n.partition(".")[0]) for n in group]
+            if min(idx) < k <= max(idx):
+                k, changed = min(idx), True
+    return k
 
 
 def check_freeze(model: LayeredModel, frozen: int) -> None:
