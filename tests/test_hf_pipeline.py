@@ -227,3 +227,45 @@ def test_tied_copies_with_two_replicas(tmp_path) -> None:
             assert torch.equal(got[k], v), f"replica {replica}: {k}"
         assert torch.equal(got["embed.wte.weight"], got["head.lm_head.weight"])
     assert results[-1]["value"]["losses"] == want
+
+
+def _many_steps(rank: int, world: int, folder: str, steps: int) -> dict:
+    from dynpipe.models import get_model
+    from dynpipe.planner import Plan
+    from dynpipe.runtime.engine import EngineConfig, PipelineEngine
+    from dynpipe.runtime.migrate import repartition
+    from dynpipe.runtime.topology import Topology
+
+    model = get_model(f"hf:{folder}", seq_len=SEQ)
+    n = len(model)
+    plans = [
+        Plan.from_bounds(model, [1, n - 1]),
+        Plan.from_bounds(model, [n - 1, 1]),
+        Plan.from_bounds(model, [n], ranks=[0]),  # both copies on rank 0
+        Plan.from_bounds(model, [2, n - 2]),
+    ]
+    eng = PipelineEngine(
+        model,
+        plans[0],
+        topo=Topology.from_env(device="cpu"),
+        config=EngineConfig(batch_size=BATCH, optim=optim_config("adamw")),
+    )
+    tied = []
+    for s in range(steps):
+        if s and s % 10 == 0:
+            repartition(eng, plans[(s // 10) % len(plans)])
+        eng.step(s, make_batch(model, s))
+        tied.append(_tied_sums(eng))
+    return {"tied": tied, "model": eng.model_state()}
+
+
+def test_tied_copies_stay_identical_over_many_steps_and_moves(tmp_path) -> None:
+    torch.set_num_threads(1)
+    folder = str(save_tiny("gpt2", tmp_path))
+    steps = 40
+    results = run_ranks(_many_steps, 2, folder, steps, timeout_s=600)
+    for s in range(steps):
+        seen = {v for r in results for v in r["value"]["tied"][s][0]}
+        assert len(seen) == 1, f"step {s}: tied copies differ: {seen}"
+    state = {**results[0]["value"]["model"], **results[1]["value"]["model"]}
+    assert torch.equal(state["embed.wte.weight"], state["head.lm_head.weight"])
