@@ -8,8 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 . .venv/bin/activate
-pip install -q torch==2.13.0
-pip install -q -e '.[dev,docs,tb]'
+# torchvision's release for that torch: a newer one would pull a newer torch.
+pip install -q torch==2.13.0 torchvision==0.28.0
+pip install -q -e '.[dev,docs,tb,hf,vision]'
 python -m pytest -q
 # The docs site: every page builds and every link between pages resolves (a few seconds).
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict -q -d "$(mktemp -d)"

@@ -42,6 +42,7 @@ _SUBCOMMANDS = (
     "dynpipe.runtime.cli",
     "dynpipe.runtime.requests",
     "dynpipe.models.cli",
+    "dynpipe.models.export",
     "dynpipe.planner.cli",
     "dynpipe.profiler.cli",
     "dynpipe.predictor.cli",

@@ -165,7 +165,10 @@ def _token_options(
     if seq_len is None:
         seq_len = int(spec.shape[0]) if spec is not None and len(spec.shape) == 1 else 256
     vocab = spec.vocab if spec is not None and spec.vocab is not None else BYTE_VOCAB
-    return {"seq_len": seq_len, "task": task or _token_task(model, "lm"), "vocab": vocab}
+    opts = {"seq_len": seq_len, "task": task or _token_task(model, "lm"), "vocab": vocab}
+    # A model loaded from a folder with its own tokenizer (hf:PATH) reads text through it.
+    tokenizer = model.config.get("tokenizer") if model is not None else None
+    return {**opts, "tokenizer": tokenizer} if tokenizer else opts
 
 
 def _text(

@@ -61,13 +61,15 @@ class _ByteWindows(IndexedSource):
         vocab: int,
         mask_prob: float,
         seed: int,
+        tokenizer: str | None = None,
     ) -> None:
         check_split(self.name, split)
         if task not in ("lm", "mlm"):
             raise UserError(f"{self.name} task must be 'lm' or 'mlm', got {task!r}")
         if seq_len < 1:
             raise UserError(f"{self.name} seq_len must be >= 1, got {seq_len}")
-        if vocab < BYTE_VOCAB:
+        self.tokenizer = tokenizer
+        if vocab < BYTE_VOCAB and tokenizer is None:
             raise UserError(
                 f"{self.name} is byte-level (256 tokens) but the model's vocab is {vocab}; "
                 "build the model with vocab=256"
@@ -79,7 +81,7 @@ class _ByteWindows(IndexedSource):
         self.mask_prob = mask_prob
         self.sample_shape = (seq_len,)
         self._window = seq_len + 1 if task == "lm" else seq_len
-        self._bytes = self._load()
+        self._bytes = self._tokens()
         n = len(self._bytes)
         windows = (n - self._window) // seq_len + 1 if n >= self._window else 0
         if windows < 1:
@@ -93,6 +95,16 @@ class _ByteWindows(IndexedSource):
     def _load(self) -> np.ndarray:
         raise NotImplementedError
 
+    def _tokens(self) -> np.ndarray:
+        """The split's bytes, or with a tokenizer (``tokenizer.json`` of a model's folder)
+        its token ids; windows are cut from either the same way."""
+        data = self._load()
+        if self.tokenizer is None:
+            return data
+        from dynpipe.data.tokenized import encode
+
+        return encode(self.tokenizer, bytes(data), vocab=self.vocab, where=self.name)
+
     def _where(self) -> str:
         raise NotImplementedError
 
@@ -103,7 +115,7 @@ class _ByteWindows(IndexedSource):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._bytes = self._load()
+        self._bytes = self._tokens()
 
     def _fetch(self, ids: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         rows = ids[:, None] * self.seq_len + torch.arange(self._window)
@@ -132,6 +144,7 @@ class TextSource(_ByteWindows):
         vocab: int = BYTE_VOCAB,
         mask_prob: float = 0.15,
         seed: int = 0,
+        tokenizer: str | None = None,
     ) -> None:
         if path is None or not Path(path).expanduser().is_file():
             raise UserError(
@@ -140,8 +153,9 @@ class TextSource(_ByteWindows):
             )
         self.path = str(path)
         super().__init__(
-            split=split, seq_len=seq_len, task=task, vocab=vocab, mask_prob=mask_prob, seed=seed
-        )
+            split=split, seq_len=seq_len, task=task, vocab=vocab, mask_prob=mask_prob, seed=seed,
+            tokenizer=tokenizer,
+        )  # fmt: skip
 
     def _cut(self, size: int) -> int:
         return size - int(size * _TEST_FRACTION)
@@ -192,13 +206,15 @@ class PyStdlibSource(_ByteWindows):
         mask_prob: float = 0.15,
         seed: int = 0,
         root: str | None = None,
+        tokenizer: str | None = None,
     ) -> None:
         self.root = str(root if root is not None else sysconfig.get_paths()["stdlib"])
         self.files = 0
         self.digest = ""
         super().__init__(
-            split=split, seq_len=seq_len, task=task, vocab=vocab, mask_prob=mask_prob, seed=seed
-        )
+            split=split, seq_len=seq_len, task=task, vocab=vocab, mask_prob=mask_prob, seed=seed,
+            tokenizer=tokenizer,
+        )  # fmt: skip
 
     def _load(self) -> np.ndarray:
         base = Path(self.root)

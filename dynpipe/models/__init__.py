@@ -12,6 +12,7 @@ from torch import nn
 
 from dynpipe.errors import UserError
 from dynpipe.models.base import InputSpec, LayeredModel, LayerSpec, layer_seed, run_layers
+from dynpipe.models.cut import from_module
 from dynpipe.models.registry import ZOO, register
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "InputSpec",
     "LayerSpec",
     "LayeredModel",
+    "from_module",
     "get_model",
     "layer_seed",
     "load_zoo",
@@ -34,6 +36,9 @@ _ZOO_MODULES = (
     "dynpipe.models.bert",
 )
 _ZOO_LOADED = False
+# ``--model PREFIX:SPEC`` for models of other libraries: module and factory (imported lazily:
+# transformers alone takes seconds to import).
+_ADAPTERS = {"hf": ("dynpipe.models.hf", "hf_model"), "tv": ("dynpipe.models.tv", "tv_model")}
 
 
 def load_zoo() -> None:
@@ -158,6 +163,10 @@ def get_model(name: str, **config: Any) -> LayeredModel:
     Unknown settings, values of the wrong type and values the factory rejects (``depth=0``)
     raise ``UserError``.
     """
+    prefix, _, rest = name.partition(":")
+    if prefix in _ADAPTERS and rest:
+        adapter = importlib.import_module(_ADAPTERS[prefix][0])
+        return getattr(adapter, _ADAPTERS[prefix][1])(rest, **config)
     if ":" in name:
         mod_name, _, attr = name.partition(":")
         try:

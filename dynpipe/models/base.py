@@ -102,6 +102,10 @@ class LayeredModel:
     input_spec: InputSpec
     seed: int = 0
     config: dict = field(default_factory=dict, compare=False)
+    # Groups of parameters ("<layer>.<param>") that are one parameter of the source model
+    # (a tied embedding and output projection): each owning layer holds a copy and training
+    # sums their gradients so the copies stay equal. The first name is the primary copy.
+    ties: tuple[tuple[str, ...], ...] = ()
     # trace_shapes results by batch size: a rebuild asks for them again under every new plan.
     _shapes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -113,6 +117,13 @@ class LayeredModel:
             if spec.name in seen:
                 raise ValueError(f"model {self.name!r} repeats layer name {spec.name!r}")
             seen.add(spec.name)
+        for group in self.ties:
+            for pname in group:
+                if pname.partition(".")[0] not in seen:
+                    raise ValueError(
+                        f"model {self.name!r} ties {pname!r} but has no layer "
+                        f"{pname.partition('.')[0]!r}"
+                    )
 
     def __len__(self) -> int:
         return len(self.layers)

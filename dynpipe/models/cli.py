@@ -147,7 +147,11 @@ def _show_model(args: argparse.Namespace) -> int:
         f"{model.name}: {len(model)} layers, {total:,} parameters ({format_count(total)}), "
         f"batch {args.batch_size}, {args.dtype}"
     )
-    print(" ".join(f"{k}={v}" for k, v in model.config.items()))
+    # A cut model's map back to its source's names is for export, not for reading.
+    print(" ".join(f"{k}={v}" for k, v in model.config.items() if k != "source_paths"))
+    if model.ties:
+        print("tied (one copy per layer, gradients summed): " + "; ".join(
+            " = ".join(group) for group in model.ties))  # fmt: skip
     print(
         _table(
             rows, ["#", "name", "kind", "params", "output", "fwd GFLOP", "bwd GFLOP", "saved MiB"]

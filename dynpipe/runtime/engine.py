@@ -66,6 +66,13 @@ from dynpipe.runtime.mesh import Mesh
 from dynpipe.runtime.optim import OptimConfig, build_optimizer, export_state, import_state, lr_at
 from dynpipe.runtime.scaler import LossScaler, ScalerConfig
 from dynpipe.runtime.stage import StageModule, TimedPipelineStage, boundary_examples
+from dynpipe.runtime.ties import (
+    check_freeze,
+    secondary_names,
+    spread_ties,
+    sum_tied_grads,
+    tied_shapes,
+)
 from dynpipe.runtime.timing import LayerTiming, StageTimer, StepTiming, queue_ahead
 from dynpipe.runtime.topology import Topology
 
@@ -235,9 +242,11 @@ def param_slots(model: LayeredModel) -> dict[str, int]:
     norm is bit-identical to the one computed by a single process.
     """
     slots: dict[str, int] = {}
+    copies = secondary_names(model)  # a tied parameter counts once in the norm
     for i, spec in enumerate(model.layers):
         for pname, _ in model.build_layer(i, device="meta").named_parameters():
-            slots[f"{spec.name}.{pname}"] = len(slots)
+            if f"{spec.name}.{pname}" not in copies:
+                slots[f"{spec.name}.{pname}"] = len(slots)
     return slots
 
 
@@ -245,7 +254,7 @@ def fill_grad_norms(
     vec: torch.Tensor, named_params: dict[str, nn.Parameter], slots: dict[str, int]
 ) -> None:
     """Write each held parameter's gradient norm into its global slot of ``vec``."""
-    names = [n for n, p in named_params.items() if p.grad is not None]
+    names = [n for n, p in named_params.items() if p.grad is not None and n in slots]
     if not names:
         return
     norms = torch._foreach_norm([named_params[n].grad.detach() for n in names], 2)
@@ -287,6 +296,8 @@ class PipelineEngine:
         self._own_group = group  # one pipeline's group (a reshape may come back to it)
         self.group = self.mesh.pp_group if self.mesh.dp > 1 else group
         self.slots = param_slots(model)
+        self._tie_shapes = tied_shapes(model) if model.ties else None
+        self._tie_spread = False  # copies of a tied parameter on more than one stage
         self.timer = StageTimer(device=topo.device, enabled=config.timing)
         self._synced = False  # replicas' copies made identical by DDP's first build
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
@@ -332,6 +343,9 @@ class PipelineEngine:
             )
         check_batch(plan, self.config.batch_size)
         old, self.plan = self.plan, plan
+        self._tie_spread = spread_ties(
+            self.model, [set(self.model.layer_names[s.start : s.stop]) for s in plan.stages]
+        )
         self.stage_index = plan.stage_of_rank(self.mesh.pp_rank)
         pipe_group = self._pipe_group(plan)
         if self.stage_index is None:
@@ -476,6 +490,7 @@ class PipelineEngine:
         runs their backward."""
         if frozen < self.frozen:
             raise UserError(f"frozen layers cannot thaw ({self.frozen} -> {frozen})")
+        check_freeze(self.model, frozen)
         if not self.idle and self.stage_index == 0:
             assert self.plan.stages[0].stop > frozen, (
                 "the frozen prefix must leave the first stage a layer to train"
@@ -732,6 +747,15 @@ class PipelineEngine:
             self._divide_grads(self.plan.counted_microbatches)
         elif _HAS_SCALE_GRADS:
             self._divide_grads(self.plan.microbatches)
+        if self.model.ties:
+            sum_tied_grads(
+                self.model,
+                self.named_params,
+                spread=self._tie_spread,
+                group=self._stage_parts[4],
+                device=dev,
+                shapes=self._tie_shapes,
+            )
         found = None
         if self.scaler is not None:
             if self.grad_hook is not None:

@@ -300,6 +300,20 @@ class Freezer:
             t = torch.tensor([k], dtype=torch.int64, device=engine.topo.device)
             dist.broadcast(t, src=0)
             k = int(t.item())
+        if engine.model.ties:
+            from dynpipe.runtime.ties import freeze_limit
+
+            # A tied parameter's copies train together: the prefix stops before the first.
+            capped = freeze_limit(engine.model, k)
+            if capped < k and capped <= engine.frozen and self.log is not None:
+                self.log.event(
+                    "freeze_capped",
+                    step=step + 1,
+                    wanted=k,
+                    frozen=engine.frozen,
+                    reason="the prefix would freeze one copy of a tied parameter",
+                )
+            k = capped
         if k <= engine.frozen:
             return None
         world = engine.topo.world_size

@@ -34,6 +34,7 @@ from dynpipe.runtime.engine import (
     param_slots,
 )
 from dynpipe.runtime.optim import OptimConfig, build_optimizer, export_state, lr_at
+from dynpipe.runtime.ties import check_freeze, sum_tied_grads
 
 if TYPE_CHECKING:
     from dynpipe.data import BatchSource
@@ -69,6 +70,7 @@ class ReferenceTrainer:
         state (the state of the layers that train is kept)."""
         from dynpipe.runtime.optim import import_state
 
+        check_freeze(self.model, frozen)
         names = list(self.layers)
         keep = {
             k: v for k, v in self.optim_state().items() if names.index(k.split(".", 1)[0]) >= frozen
@@ -101,6 +103,8 @@ class ReferenceTrainer:
                 if p.grad is not None:
                     p.grad.div_(self.microbatches)
             mean = float(torch.stack(losses).float().mean())
+        # The tied copies' gradients summed as a pipeline sums them (``runtime.ties``).
+        sum_tied_grads(self.model, self.named_params, spread=False)
         if not math.isfinite(mean):
             raise NonFiniteLoss(f"loss is {mean} at step {step}")
         if self.optim.clip_grad > 0:

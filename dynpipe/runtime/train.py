@@ -22,6 +22,7 @@ import torch.distributed as dist
 from dynpipe.data.loader import BatchStream, CyclicBatches
 from dynpipe.errors import UserError
 from dynpipe.models import LayeredModel, get_model
+from dynpipe.models.cut import cut_model_meta
 from dynpipe.planner.costs import CostModel
 from dynpipe.planner.diff import diff
 from dynpipe.planner.plan import Plan, split_label
@@ -1339,6 +1340,8 @@ def _save(
         "config": cfg.to_dict(),
         "model": engine.model.name,
         "model_fingerprint": engine.model.fingerprint(),
+        # What ``dynpipe export`` rebuilds a cut model (hf:, tv:) from; plain JSON.
+        **cut_model_meta(engine.model),
         "data_position": step,
         "world_size": topo.world_size,
         "frozen": engine.frozen,  # --freeze: layers [0, frozen) train no more
