@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in models:
             config, batch = sizes[m]
             results["models"][m] = _one_model(
-                m, config, batch, dev=dev, args=args, peak=peak * 1e12 if peak else None
+                m, config, batch, dev=dev, args=args, peak=peak
             )
             # Written after every model: a run cut short keeps the models it finished.
             results["wall_s"] = time.perf_counter() - t0
