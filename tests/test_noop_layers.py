@@ -61,7 +61,7 @@ def test_window_takes_impossible_readings_as_data() -> None:
 def _scenario(path: Path, onset: int) -> str:
     path.write_text(
         f'name = "noop"\n[[events]]\nstep = {onset}\naction = "start"\nkind = "emulate"\n'
-        "factor = 3.0\nstage = 1\n"
+        "factor = 10.0\nstage = 1\n"
     )
     return str(path)
 
@@ -118,6 +118,7 @@ def test_noop_layers_adapt_under_every_mode(noop_run, mode: str, nproc: int) -> 
     # (``--cpu-threads``), under any split and any number of moves.
     assert _train(tmp, name, *extra, nproc=nproc) == one
     if mode != "static":
-        # A 3x slowdown of stage 1 from step 15 moves layers (the sweep moves by design).
+        # A 10x slowdown of stage 1 from step 15 moves layers, on a loaded machine too (the
+        # sweep moves by design).
         moves = _train.moves[name]  # type: ignore[attr-defined]
         assert any(m["step"] > 15 for m in moves), [m["step"] for m in moves]
