@@ -4,9 +4,9 @@ model against the allocator's peak.
 Three cases, each a one-stage dynpipe pipeline (``PipelineEngine``, bf16 autocast, AdamW) in
 its own process, so an out-of-memory case leaves nothing behind for the next:
 
-- ``none``: gpt width 2048, seq 1024, at a batch the memory model says needs about 1.25x
-  what the card has free (picked at run time from the card's memory): expected to run out
-  of memory, reported in one line;
+- ``none``: gpt width 2048, seq 1024, at a batch the memory model says needs ``--over``
+  (1.3) times the 90% of the card's free memory a stage plans to fill (picked at run time,
+  more than the whole card): expected to run out of memory, reported in one line;
 - ``auto``: the same run with ``--recompute auto``: the planner's layers recompute, and the
   step time and the predicted against measured peak are reported;
 - ``fits``: gpt width 1024, depth 12, seq 1024, batch 32 without recomputation: the memory
@@ -75,8 +75,13 @@ def _model(width: int, depth: int, heads: int, seq: int):
 
 
 def _pick_batch(args: argparse.Namespace, limit: float | None, device: Any) -> int:
-    """The batch whose predicted peak without recomputation is ``over`` x ``limit``
-    (activations grow linearly with the batch), at least 1."""
+    """The batch whose predicted peak without recomputation is ``over`` x ``limit``, at
+    least 1. A microbatch's activations are a part per sample plus a part it keeps once
+    whatever its size (bf16 autocast's weight copies): both from the memory model at one
+    and two samples, as ``PipelineEngine`` prices its one stage."""
+    import numpy as np
+
+    from dynpipe.planner.recompute import kept_bytes, stage_peak
     from dynpipe.runtime.memory import memory_costs
 
     if args.batch is not None:
@@ -85,11 +90,17 @@ def _pick_batch(args: argparse.Namespace, limit: float | None, device: Any) -> i
         return 2
     model = _model(args.width, args.depth, args.heads, args.seq)
     half = device.type == "cuda"  # the cases run under bf16 autocast on a GPU
-    cm = memory_costs(
-        model, microbatch_size=1, optimizer="adamw", half=half, recompute="none", device=device
-    )
-    static, act = float(cm.static_bytes.sum()), float(cm.act_bytes.sum())
-    return max(1, int((args.over * limit - static) / act))
+
+    def peak(b: int) -> float:
+        cm = memory_costs(
+            model, microbatch_size=b, optimizer="adamw", half=half, recompute="none", device=device
+        )
+        none = np.zeros(len(model), dtype=bool)
+        return stage_peak(float(cm.static_bytes.sum()), cm.act_bytes, kept_bytes(cm), none, 1)
+
+    one, two = peak(1), peak(2)
+    per = two - one
+    return max(1, int((args.over * limit - (one - per)) / per))
 
 
 def run_case(name: str, spec: dict[str, Any], *, device: str) -> dict[str, Any]:
@@ -127,7 +138,8 @@ def run_case(name: str, spec: dict[str, Any], *, device: str) -> dict[str, Any]:
     try:
         engine = PipelineEngine(model, plan, topo=topo, config=cfg)
         out["recomputed"] = list(engine.recomputed)
-        out["predicted_peak_gib"] = _gib(engine.predicted_peak_bytes)
+        # The memory model measured on this device (the engine measures only under auto).
+        out["predicted_peak_gib"] = _gib(engine.predict_peak_bytes(measure=True))
         x, y = model.input_spec.example(spec["batch"], device=topo.device)
         times = []
         for s in range(2 + spec["steps"]):
@@ -179,7 +191,7 @@ def _device_name(topo: Any) -> str:
 
 
 def _gib(x: float | None) -> float | None:
-    return None if x is None else round(float(x) / _GIB, 3)
+    return None if x is None else round(float(x) / _GIB, 6)
 
 
 def _probe_flags(args: argparse.Namespace) -> list[str]:

@@ -74,8 +74,11 @@ def _peak(cm, layers, a, b, k) -> float:
 
     act, kept = cm.act_bytes[a:b], kept_bytes(cm)[a:b]
     mask = np.array([i in layers for i in range(a, b)])
-    rebuilt = (act - kept)[mask].max() if mask.any() else 0.0
-    return float(cm.static_bytes[a:b].sum() + k * np.where(mask, kept, act).sum() + rebuilt)
+    held = np.where(mask, kept, act)
+    # The last microbatch's forward end, or a recomputed layer's re-forward in its backward
+    # (the layers after it freed, the ones before it still holding what they keep).
+    rebuild = [held[: j - a].sum() + act[j - a] for j in layers if a <= j < b]
+    return float(cm.static_bytes[a:b].sum() + (k - 1) * held.sum() + max([held.sum(), *rebuild]))
 
 
 def test_all_and_none_and_what_cannot_fit() -> None:
@@ -289,9 +292,10 @@ def test_recompute_memory_bench_writes_every_field(tmp_path) -> None:
             assert key in c, (c["case"], key)
         assert c["oom"] is None and c["step_ms"] > 0
     auto = rep["cases"][1]
-    # A 1 MiB stage cannot hold these activations: auto recomputes every block.
-    assert auto["recomputed"] == ["block00", "block01"]
+    # A 1 MiB stage cannot hold these activations: auto recomputes blocks until it fits.
+    assert auto["recomputed"] and set(auto["recomputed"]) <= {"block00", "block01"}
     assert auto["predicted_peak_gib"] is not None
+    assert auto["predicted_peak_gib"] <= auto["limit_gib"] < rep["cases"][0]["predicted_peak_gib"]
 
 
 # ---- the training loop: a live move makes the receiving stage recompute -------------------

@@ -4,10 +4,14 @@ A recomputed layer (``torch.utils.checkpoint``) keeps only its input from the fo
 until the backward and runs its forward again inside its backward. Per microbatch in
 flight it saves ``act_bytes - kept`` (``kept``: its input, which the checkpoint holds) and
 costs one more forward. While one microbatch's backward runs through it, the layer's full
-activations exist again, once: a stage's peak with recomputed layers ``R`` and ``k``
-microbatches in flight is
+activations exist again, once, and that microbatch has by then freed what the layers after
+it held. With ``held_l`` = ``kept`` inside ``R`` and ``act_bytes`` outside, ``H`` their sum
+over the stage, and ``k`` microbatches in flight, a stage's peak is
 
-    static + k * (sum of act_bytes outside R + sum of kept inside R) + max over R of saving
+    static + (k - 1) * H + max(H, max over j in R of (sum of held_l for l < j) + act_bytes_j)
+
+(the last microbatch's forward end, or the re-forward of a recomputed layer in its backward,
+whichever is higher: recomputing the first layers of a stage adds nothing to the peak).
 
 Modes: ``none`` keeps everything; ``all`` recomputes every layer; ``auto`` recomputes
 nothing when the stage fits and otherwise the cheapest layers that make it fit: layers in
@@ -24,7 +28,7 @@ import numpy as np
 
 from dynpipe.planner.costs import CostModel, gib
 
-__all__ = ["RECOMPUTE", "Recompute", "choose_recompute", "kept_bytes"]
+__all__ = ["RECOMPUTE", "Recompute", "choose_recompute", "kept_bytes", "stage_peak"]
 
 RECOMPUTE = ("none", "all", "auto")
 
@@ -54,10 +58,21 @@ def kept_bytes(costs: CostModel) -> np.ndarray:
     return np.minimum(inp, costs.act_bytes)
 
 
-def _peak(static: float, act: np.ndarray, kept: np.ndarray, chosen: np.ndarray, k: int) -> float:
-    held = np.where(chosen, kept, act).sum()
-    rebuilt = float((act - kept)[chosen].max()) if chosen.any() else 0.0
-    return float(static + k * held + rebuilt)
+def stage_peak(
+    static: float, act: np.ndarray, kept: np.ndarray, chosen: np.ndarray, k: int
+) -> float:
+    """The peak bytes of a stage (layers ``act``/``kept``, recomputed where ``chosen``) with
+    ``k`` microbatches in flight: see the module's docstring."""
+    held = np.where(chosen, kept, act)
+    total = float(held.sum())
+    last = total
+    if chosen.any():
+        before = np.concatenate([[0.0], np.cumsum(held)[:-1]])
+        last = max(total, float((before + act)[chosen].max()))
+    return float(static + (k - 1) * total + last)
+
+
+_peak = stage_peak
 
 
 def choose_recompute(

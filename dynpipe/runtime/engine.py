@@ -324,8 +324,40 @@ class PipelineEngine:
         self.grad_hook: Callable[[PipelineEngine, int], None] | None = None
         self._mem_costs: CostModel | None = None
         self.recomputed: tuple[str, ...] = ()
-        self.predicted_peak_bytes: float | None = None
+        self._peak_bytes: float | None = None  # --recompute auto's, from its memory model
+        self._peak_cache: tuple[Any, float | None] | None = None
         self._build(plan, layers=layers, opt_state=None)
+
+    @property
+    def predicted_peak_bytes(self) -> float | None:
+        """This stage's predicted peak memory: under ``--recompute auto`` its memory model's
+        (measured on a GPU); else the meta-trace estimate, made on first read (building a
+        stage runs no measuring forward passes: ``predict_peak_bytes(measure=True)``)."""
+        if self._peak_bytes is not None or self.stage_index is None:
+            return self._peak_bytes
+        if self._peak_cache is None or self._peak_cache[0] is not self.plan:
+            self._peak_cache = (self.plan, self.predict_peak_bytes(measure=False))
+        return self._peak_cache[1]
+
+    def predict_peak_bytes(self, *, measure: bool) -> float | None:
+        """This stage's predicted peak memory; ``measure``: on a GPU, with each distinct
+        layer's saved activations measured there (``dynpipe.runtime.memory``)."""
+        from dynpipe.runtime.memory import estimate_peak
+
+        if self._peak_bytes is not None or self.stage_index is None:
+            return self._peak_bytes
+        return estimate_peak(
+            self.model,
+            self.plan,
+            self.stage_index,
+            mode=self.config.recompute,
+            microbatches=self.microbatches or self.plan.microbatches,
+            batch_size=self.config.batch_size,
+            optimizer=self.config.optim.name,
+            half=self.config.amp_dtype is not None,
+            device=self.topo.device,
+            measure=measure,
+        )
 
     # ---- construction ------------------------------------------------------------------
     def _build(
@@ -413,10 +445,10 @@ class PipelineEngine:
 
     def _recompute(self, plan: Plan) -> tuple[str, ...]:
         """The layers this stage recomputes under ``plan`` (``EngineConfig.recompute``);
-        sets its predicted peak memory (``predicted_peak_bytes``)."""
+        sets its predicted peak memory under ``auto`` (``predicted_peak_bytes``)."""
         from dynpipe.runtime.memory import stage_layers
 
-        names, self.predicted_peak_bytes, self._mem_costs = stage_layers(
+        names, self._peak_bytes, self._mem_costs = stage_layers(
             self.model,
             plan,
             self.stage_index,

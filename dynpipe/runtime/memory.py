@@ -8,6 +8,7 @@ layers a stage recomputes under ``--recompute auto`` are the planner's choice fo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -19,13 +20,15 @@ from dynpipe.models.base import LayeredModel
 from dynpipe.planner.costs import CostModel
 from dynpipe.planner.evaluate import in_flight
 from dynpipe.planner.plan import Plan
-from dynpipe.planner.recompute import Recompute, choose_recompute, kept_bytes
+from dynpipe.planner.recompute import Recompute, choose_recompute, kept_bytes, stage_peak
 
 __all__ = [
     "HEADROOM",
+    "SavedBytes",
     "check_memory",
     "check_run_memory",
     "device_memory_bytes",
+    "estimate_peak",
     "memory_costs",
     "over_memory",
     "saved_activation_bytes",
@@ -60,21 +63,26 @@ def memory_costs(
     recompute: str,
     device: torch.device | None = None,
 ) -> CostModel:
-    """The model's analytic cost model for one device, its memory as a stage holds it.
+    """The model's cost model for one device, its memory as a stage holds it.
 
     Parameters, gradients and optimizer state are float32. Under bf16 / fp16 autocast on a
-    GPU (``device``) the bytes autograd keeps per layer are measured there, one sample
-    through each layer under the stage's own autocast (``saved_activation_bytes``), and
-    scaled by the microbatch: the meta trace would price attention by its math fallback
+    GPU (``device``) the bytes autograd keeps per layer are measured there
+    (``saved_activation_bytes``): the meta trace would price attention by its math fallback
     (a float32 ``heads x seq x seq`` matrix) where the GPU's flash kernel keeps none, and
-    would miss the float32 copies that autocast's layer norms keep. Elsewhere the
-    activations come from the meta trace in the run's dtype (``layer_stats``).
+    would miss the float32 copies that autocast's layer norms keep. A microbatch keeps the
+    measured per-sample bytes times its size plus, once, autocast's bf16 copies of the
+    weights (a transformer block's are larger than one sample's activations at width 2048).
+    Elsewhere the activations come from the meta trace in the run's dtype (``layer_stats``).
+    This runs each distinct layer forward twice on ``device``: only ``--recompute auto``
+    and the planner's recompute pricing need it.
     """
     cm = CostModel.from_model(model, microbatch_size=microbatch_size, optimizer=optimizer)
     if half and device is not None and device.type == "cuda":
-        act, out = saved_activation_bytes(model, device=device, dtype=torch.bfloat16)
+        saved = saved_activation_bytes(model, device=device, dtype=torch.bfloat16)
         cm = dataclasses.replace(
-            cm, act_bytes=act * microbatch_size, out_bytes=out * microbatch_size
+            cm,
+            act_bytes=saved.act_bytes(microbatch_size),
+            out_bytes=saved.out * microbatch_size,
         )
     elif half:
         lo = CostModel.from_model(
@@ -84,53 +92,117 @@ def memory_costs(
     return dataclasses.replace(cm, recompute=recompute)
 
 
-def saved_activation_bytes(
-    model: LayeredModel, *, device: torch.device, dtype: torch.dtype
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per layer, the bytes autograd keeps for one sample (parameters excluded) and the bytes
-    of its output, measured by running each layer once on ``device`` under ``dtype``
-    autocast. Layers of one spec and input (a transformer's blocks) are measured once."""
+@dataclasses.dataclass(frozen=True)
+class SavedBytes:
+    """What autograd keeps per layer for its backward, measured (``saved_activation_bytes``).
+
+    fixed: ``[L]`` bytes a microbatch keeps whatever its size: autocast's low-precision
+        copies of the weights, which every microbatch's graph holds once.
+    per_sample: ``[L]`` bytes each sample of a microbatch adds.
+    out: ``[L]`` bytes of the layer's output per sample (what a recomputed next layer keeps).
+    """
+
+    fixed: np.ndarray
+    per_sample: np.ndarray
+    out: np.ndarray
+
+    def act_bytes(self, microbatch_size: int) -> np.ndarray:
+        """``[L]`` bytes each layer keeps for one microbatch of ``microbatch_size`` samples."""
+        return self.fixed + microbatch_size * self.per_sample
+
+
+def _saved_once(
+    fn: Any,
+    x: torch.Tensor,
+    *,
+    skip: set[int],
+    device: torch.device,
+    dtype: torch.dtype | None,
+    grad_input: bool = True,
+) -> tuple[float, float, torch.Tensor, float]:
+    """One call ``fn(x)``: the bytes of the distinct storages autograd saves (storages in
+    ``skip``, the parameters', not counted), of those the input's and the output's, and the
+    output. ``grad_input``: whether ``x`` needs a gradient (not the model's data: the first
+    layer then keeps no weight copy for an input gradient)."""
     from torch.autograd.graph import saved_tensors_hooks
 
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip and st.nbytes():
+            kept[st.data_ptr()] = max(kept.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    inp = x.detach().requires_grad_(grad_input and x.is_floating_point())
+    autocast = (
+        torch.autocast(device_type=device.type, dtype=dtype)
+        if dtype is not None
+        else contextlib.nullcontext()
+    )
+    with saved_tensors_hooks(pack, lambda t: t), autocast:
+        y = fn(inp)
+    in_kept = kept.get(inp.untyped_storage().data_ptr(), 0)
+    out_kept = kept.get(y.untyped_storage().data_ptr(), 0)
+    return float(sum(kept.values())), float(in_kept), y.detach(), float(out_kept)
+
+
+def saved_activation_bytes(
+    model: LayeredModel, *, device: torch.device, dtype: torch.dtype | None
+) -> SavedBytes:
+    """Per layer, the bytes autograd keeps for its backward, measured on ``device`` under
+    ``dtype`` autocast (None: the model's own dtype) by running the layer on one and on two
+    samples under ``saved_tensors_hooks``: storages counted once, parameters not at all.
+
+    The difference of the two runs is what a sample adds; the rest is what any microbatch
+    keeps once (autocast's weight copies). A tensor that a layer saves as its output and the
+    next saves as its input is counted in the first only, as autograd holds it once. Layers
+    alike in structure and input (a transformer's blocks) are measured once. The last layer
+    also holds the float32 output the loss reads and what the loss keeps (a language
+    model's log-softmax over its vocabulary).
+    """
     n = len(model)
-    act, out = np.zeros(n), np.zeros(n)
-    x, _ = model.input_spec.example(1, device=device)
-    seen: dict[tuple, tuple[float, float, torch.Tensor]] = {}
+    fixed, per, out = np.zeros(n), np.zeros(n), np.zeros(n)
+    x, target = model.input_spec.example(2, device=device)
+    seen: dict[tuple, tuple[float, float, float, float, float, torch.Tensor]] = {}
+    prev_out = 0.0  # per sample: bytes of the previous layer's output that it saves itself
     # Dropout draws here must not move the run's random stream.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for i in range(n):
             layer = model.build_layer(i, device=device)
             layer.train()
-            key = (
-                model.layers[i].kind,
-                tuple(x.shape),
-                x.dtype,
-                tuple((k, tuple(p.shape)) for k, p in layer.named_parameters()),
-            )
-            if key in seen:
-                act[i], out[i], x = seen[key]
-                continue
-            params = {p.untyped_storage()._cdata for p in layer.parameters()}
-            kept: dict[int, int] = {}
+            # The module tree (pooling, strides) with the input's shape: vgg's blocks share
+            # kinds and parameter shapes and differ in their pooling.
+            key = (repr(layer), tuple(x.shape), x.dtype)
+            if key not in seen:
+                skip = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+                skip |= {b.untyped_storage().data_ptr() for b in layer.buffers()}
+                # One sample in a storage of its own: a view would count both samples.
+                run = dict(skip=skip, device=device, dtype=dtype, grad_input=i > 0)
+                one = _saved_once(layer, x[:1].clone(), **run)
+                two, in2, y, out2 = _saved_once(layer, x, **run)
+                s = max(two - one[0], 0.0)
+                o = y.numel() * y.element_size() / 2
+                seen[key] = (max(one[0] - s, 0.0), s, in2 / 2, out2 / 2, o, y)
+            f, s, in_s, out_s, o, y = seen[key]
+            # Autograd holds a boundary tensor once: in the layer that saves its output.
+            fixed[i], per[i], out[i] = f, s - min(in_s, prev_out), o
+            prev_out, x = out_s, y
+            del layer
+        per[-1] += _loss_bytes(model, x, target, device=device) / 2
+    return SavedBytes(fixed=fixed, per_sample=per, out=out)
 
-            def pack(t: torch.Tensor, kept: dict[int, int] = kept, params: set = params):
-                k = t.untyped_storage()._cdata
-                if k not in params:
-                    kept[k] = max(kept.get(k, 0), t.untyped_storage().nbytes())
-                return t
 
-            inp = x.detach().requires_grad_(x.is_floating_point())
-            with (
-                saved_tensors_hooks(pack, lambda t: t),
-                torch.autocast(device_type=device.type, dtype=dtype),
-            ):
-                y = layer(inp)
-            act[i] = float(sum(kept.values()))
-            out[i] = float(y.numel() * y.element_size())
-            x = y.detach()
-            seen[key] = (act[i], out[i], x)
-            del layer, y, inp
-    return act, out
+def _loss_bytes(
+    model: LayeredModel, y: torch.Tensor, target: torch.Tensor, *, device: torch.device
+) -> float:
+    """Bytes the last stage holds for the loss of output ``y``: the float32 output the
+    schedule keeps for the backward and what the loss saves besides it."""
+    y32 = y.float()
+    got, _in, _loss, _out = _saved_once(
+        lambda t: model.loss_fn(t, target), y32, skip=set(), device=device, dtype=None
+    )
+    return float(y32.numel() * y32.element_size()) + got - _in
 
 
 def stage_recompute(
@@ -151,9 +223,7 @@ def _priced(costs: CostModel, chosen: set[int], a: int, b: int, k: int, lim: flo
     """A given set of recomputed layers of ``[a, b)``, priced as the planner prices one."""
     act, kept = costs.act_bytes[a:b], kept_bytes(costs)[a:b]
     mask = np.array([i in chosen for i in range(a, b)])
-    held = float(np.where(mask, kept, act).sum())
-    rebuilt = float((act - kept)[mask].max()) if mask.any() else 0.0
-    peak = float(costs.static_bytes[a:b].sum()) + k * held + rebuilt
+    peak = stage_peak(float(costs.static_bytes[a:b].sum()), act, kept, mask, k)
     return Recompute(
         layers=tuple(sorted(chosen)),
         extra_ms=float(costs.fwd_ms[0, a:b][mask].sum()),
@@ -240,32 +310,71 @@ def stage_layers(
     costs: CostModel | None = None,
 ) -> tuple[tuple[str, ...], float | None, CostModel | None]:
     """What a running stage recomputes: the names of its recomputed layers, its predicted
-    peak bytes (None on CPU unless choosing) and the memory model it priced them with
-    (``costs``, made here on first use and kept by the caller across rebuilds).
+    peak bytes (under ``auto`` only, else None: ``estimate_peak``) and the memory model it
+    priced them with (``costs``, made here on first use and kept by the caller across
+    rebuilds; only ``auto`` makes one, and on a GPU that measures each distinct layer).
 
     mode: ``all``, ``none``, ``auto`` (the planner's choice under ``limit``; a stage that
     cannot fit raises a one-line ``UserError``), or None: the plan's own list.
     """
-    st = plan.stages[stage]
-    if mode in ("all", "none"):
-        names = tuple(model.layer_names[st.start : st.stop]) if mode == "all" else ()
-        stages = list(plan.stages)
-        stages[stage] = dataclasses.replace(st, recompute=names)
-        plan = dataclasses.replace(plan, stages=tuple(stages))
+    if mode != "auto":
+        # No memory model, no measuring forward passes: ``estimate_peak`` prices the stage
+        # when someone asks.
+        return _fixed_recompute(model, plan, stage, mode=mode).stages[stage].recompute, None, costs
     cuda = device.type == "cuda"
-    if not (cuda or mode == "auto"):
-        return plan.stages[stage].recompute, None, costs  # no memory model needed
     if costs is None:
         costs = memory_costs(
             model,
             microbatch_size=batch_size // plan.total_microbatches,
             optimizer=optimizer,
             half=half and cuda,
-            recompute="auto" if mode == "auto" else "none",
+            recompute="auto",
             device=device,
         )
     got = stage_recompute(costs, plan, stage, limit=limit, microbatches=microbatches)
-    if mode == "auto" and not got.fits:
+    if not got.fits:
         assert limit is not None
         raise UserError(over_memory(costs, plan, [got], limit, stages=[stage]))
     return tuple(model.layer_names[i] for i in got.layers), got.peak_bytes, costs
+
+
+def _fixed_recompute(model: LayeredModel, plan: Plan, stage: int, *, mode: str | None) -> Plan:
+    """``plan`` with stage ``stage`` recomputing every layer (``all``), none (``none``), or
+    its own list (None)."""
+    if mode not in ("all", "none"):
+        return plan
+    st = plan.stages[stage]
+    names = tuple(model.layer_names[st.start : st.stop]) if mode == "all" else ()
+    stages = list(plan.stages)
+    stages[stage] = dataclasses.replace(st, recompute=names)
+    return dataclasses.replace(plan, stages=tuple(stages))
+
+
+def estimate_peak(
+    model: LayeredModel,
+    plan: Plan,
+    stage: int,
+    *,
+    mode: str | None,
+    microbatches: int,
+    batch_size: int,
+    optimizer: str,
+    half: bool,
+    device: torch.device,
+    measure: bool,
+) -> float:
+    """Stage ``stage``'s predicted peak bytes under ``mode`` (``all``, ``none`` or None: the
+    plan's own list). ``measure``: on a GPU, with the activations measured there (each
+    distinct layer runs forward twice; ``memory_costs``); else from the meta trace alone,
+    which runs nothing."""
+    cuda = device.type == "cuda"
+    costs = memory_costs(
+        model,
+        microbatch_size=batch_size // plan.total_microbatches,
+        optimizer=optimizer,
+        half=half and cuda,
+        recompute="none",
+        device=device if measure else None,
+    )
+    plan = _fixed_recompute(model, plan, stage, mode=mode)
+    return stage_recompute(costs, plan, stage, limit=None, microbatches=microbatches).peak_bytes
