@@ -14,7 +14,7 @@ import numpy as np
 from dynpipe.planner.costs import CostModel
 from dynpipe.planner.plan import PlanError
 
-__all__ = ["StageCosts", "in_flight", "stage_costs", "transfer_ms"]
+__all__ = ["StageCosts", "in_flight", "memory_limits", "stage_costs", "transfer_ms"]
 
 
 def in_flight(schedule: str, *, num_stages: int, microbatches: int) -> np.ndarray:
@@ -61,6 +61,22 @@ class StageCosts:
         return max(max(self.load_ms), max(self.comm_ms, default=0.0))
 
 
+def memory_limits(memory_bytes: float | Sequence[float] | None, num_stages: int) -> np.ndarray:
+    """Per-stage memory limits ``[S]`` in bytes (``inf`` = unlimited)."""
+    if memory_bytes is None:
+        return np.full(num_stages, np.inf)
+    a = np.asarray(memory_bytes, dtype=np.float64)
+    if a.ndim == 0:
+        a = np.full(num_stages, float(a))
+    if a.shape != (num_stages,):
+        raise PlanError(
+            f"{a.size} memory limits for {num_stages} stages; give one, or one per stage"
+        )
+    if np.any(a <= 0):
+        raise PlanError(f"memory limits must be > 0 bytes, got {a.tolist()}")
+    return a
+
+
 def stage_costs(
     costs: CostModel,
     bounds: Sequence[tuple[int, int]],
@@ -74,7 +90,6 @@ def stage_costs(
     memory_bytes: per-device limits (one, or one per stage): with ``costs.recompute`` auto,
         what decides which layers each stage recomputes.
     """
-    from dynpipe.planner.problem import memory_limits
     from dynpipe.planner.recompute import choose_recompute, kept_bytes
 
     n = len(bounds)

@@ -7,34 +7,16 @@ the same as ``evaluate.stage_costs`` (tested equal).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
 from dynpipe.planner.costs import CostModel, host_factor
-from dynpipe.planner.evaluate import in_flight
+from dynpipe.planner.evaluate import in_flight, memory_limits
 from dynpipe.planner.plan import PlanError
 from dynpipe.planner.recompute import Recompute, choose_recompute, kept_bytes
 
 __all__ = ["INF", "Problem", "memory_limits", "range_min"]
 
 INF = np.inf
-
-
-def memory_limits(memory_bytes: float | Sequence[float] | None, num_stages: int) -> np.ndarray:
-    """Per-stage memory limits ``[S]`` in bytes (``inf`` = unlimited)."""
-    if memory_bytes is None:
-        return np.full(num_stages, INF)
-    a = np.asarray(memory_bytes, dtype=np.float64)
-    if a.ndim == 0:
-        a = np.full(num_stages, float(a))
-    if a.shape != (num_stages,):
-        raise PlanError(
-            f"{a.size} memory limits for {num_stages} stages; give one, or one per stage"
-        )
-    if np.any(a <= 0):
-        raise PlanError(f"memory limits must be > 0 bytes, got {a.tolist()}")
-    return a
 
 
 def range_min(val: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
