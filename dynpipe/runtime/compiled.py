@@ -11,11 +11,12 @@ The unit compiled is the layer, the unit dynpipe times and moves, not the stage:
   code object and guards on the module's structure and tensor shapes, not on its
   identity, so a model's twelve identical blocks compile once between them and a migrated
   block costs a guard check where blocks of its kind already ran.
-* ``nn.Module.compile`` compiles in place: the layer keeps its class and its parameter
+* A layer is compiled in place (its ``forward`` under ``torch.compile``, as
+  ``nn.Module.compile`` does with ``_call_impl``): the layer keeps its class and its parameter
   names, so ``state_dict`` keys, checkpoints and optimizer state by name carry no
   ``_orig_mod.`` prefix.
 
-Every layer of every kind shares one code object (``Module._call_impl``'s), and dynamo
+Every layer of a class shares one code object (its ``forward``), and dynamo
 keeps at most ``recompile_limit`` (8) compiled entries per code object before it falls
 back to eager without an error: vgg16's sixteen conv and linear shapes would run their
 last eight layers eager. ``compile_layers`` raises the limit to what the model needs, and
@@ -82,5 +83,10 @@ def compile_layers(layers: Iterable[nn.Module], *, backend: str, model_layers: i
     raise_recompile_limit(entries=4 * model_layers + 16)
     for layer in layers:
         if not is_compiled(layer):
-            layer.compile(backend=backend, dynamic=False)
+            # What ``nn.Module.compile`` does, with the layer's ``forward`` as the compiled
+            # function instead of ``Module._call_impl``: on torch 2.13 (CPU build) dynamo
+            # captured no graph from ``_call_impl`` and the layer silently ran eager, while
+            # ``forward`` compiles on every torch tested (2.11, 2.13, 2.14). Module hooks do
+            # not run inside; dynpipe registers none on layers.
+            layer._compiled_call_impl = torch.compile(layer.forward, backend=backend, dynamic=False)
     return time.perf_counter() - t0
