@@ -176,6 +176,7 @@ def test_what_the_marks_cost_the_host_is_taken_back_from_host_bound_layers():
     assert _discount_marks(cost, launch, [3.2, 3.6], [True, True]) == (cost, launch)
 
 
+@pytest.mark.timing
 def test_the_first_layers_backward_ends_where_its_gradients_go_to_the_all_reduce():
     """With data parallelism the last microbatch's backward ends after the gradient
     all-reduce and its wait for the slowest replica. A first layer whose input takes no
