@@ -389,9 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for m in models:
             config, batch = sizes[m]
-            results["models"][m] = _one_model(
-                m, config, batch, dev=dev, args=args, peak=peak
-            )
+            results["models"][m] = _one_model(m, config, batch, dev=dev, args=args, peak=peak)
             # Written after every model: a run cut short keeps the models it finished.
             results["wall_s"] = time.perf_counter() - t0
             out.write_text(json.dumps(results, indent=1))

@@ -106,13 +106,18 @@ def test_resuming_from_an_older_step_never_rewrites_a_published_checkpoint(tmp_p
 
 
 def _swap_from_other_save(ckpt: Path, other: Path) -> Path:
-    name = next(ckpt.glob("*.distcp")).name
+    # A file whose bytes differ between the saves (a rank's state is spread over files).
+    name = next(
+        f.name
+        for f in sorted(ckpt.glob("*.distcp"))
+        if f.read_bytes() != (other / f.name).read_bytes()
+    )
     shutil.copy(other / name, ckpt / name)
     return ckpt
 
 
 def _flip_a_byte(ckpt: Path, other: Path) -> Path:
-    f = next(ckpt.glob("*.distcp"))
+    f = max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))

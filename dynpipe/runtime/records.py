@@ -500,7 +500,7 @@ EVENTS: dict[str, EventSpec] = {
             "checkpoint",
             "a checkpoint of the state after `step - 1` published at `path` (older logs: "
             "written); newer ones carry its `save_id`, `bytes`, the training thread's "
-            "`stall_ms`, `write_ms` until publication and the marker's `marker_sha256`",
+            "`stall_ms` (of which `wait_ms` waiting for the previous save's write), `write_ms` until publication and the marker's `marker_sha256`",
             ("step", "path"),
         ),
         EventSpec(

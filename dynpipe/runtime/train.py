@@ -1401,6 +1401,7 @@ def _log_saves(log: RunLog | None, records: list[SaveRecord]) -> None:
                 save_id=r.save_id,
                 bytes=r.bytes,
                 stall_ms=round(r.stall_ms, 3),
+                wait_ms=round(r.wait_ms, 3),
                 write_ms=round(r.write_ms, 3),
                 marker_sha256=r.marker_sha256,
             )
