@@ -217,6 +217,42 @@ def pipeline_page() -> str:
     return "\n".join(out) + "\n"
 
 
+def efficiency_page() -> str:
+    out = [
+        "# One-GPU efficiency",
+        "",
+        _HEAD.format(src="bench/results/gpu_efficiency_*.json"),
+        "",
+        "Each model trained four ways in one process on one device, side by side in one run",
+        "(`bench/gpu_efficiency.py`, see [Performance](../performance.md)): a plain",
+        "gradient-accumulation loop eager and `torch.compile`d whole, and dynpipe's engine on",
+        "one rank eager and with `--compile` (each layer compiled). Median step time; a ratio",
+        "is the plain loop's step time over dynpipe's (1.0: as fast; higher is faster).",
+        "",
+        "| model | batch | card | torch | revision | plain eager ms | plain compiled ms | "
+        "dynpipe eager ms | dynpipe compiled ms | dynpipe eager / plain eager | "
+        "dynpipe compiled / plain compiled | file |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for path in sorted(RESULTS.glob("gpu_efficiency_*.json")):
+        d = _load(path)
+        where = d.get("where", {})
+        for name, m in sorted(d.get("models", {}).items()):
+            ms = {k: v.get("step_ms") for k, v in m.get("variants", {}).items()}
+            ratios = m.get("ratios", {})
+            out.append(
+                f"| {name} | {m.get('batch_size')} | {where.get('device_name', '-')} | "
+                f"{where.get('torch', '-')} | {_code(str(where.get('revision', '-'))[:7])} | "
+                + " | ".join(
+                    _f(ms.get(v), 1)
+                    for v in ("plain_eager", "plain_compiled", "dynpipe_eager", "dynpipe_compiled")
+                )
+                + f" | {_f(ratios.get('dynpipe_eager/plain_eager'))} | "
+                f"{_f(ratios.get('dynpipe_compiled/plain_compiled'))} | `{_rel(path)}` |"
+            )
+    return "\n".join(out) + "\n"
+
+
 def dp_pp_page() -> str:
     out = [
         "# Data x pipeline",
@@ -555,6 +591,7 @@ PAGES: dict[str, Callable[[], str]] = {
     "elastic.md": elastic_page,
     "time-to-accuracy.md": tta_page,
     "predictors.md": predictors_page,
+    "efficiency.md": efficiency_page,
 }
 
 
