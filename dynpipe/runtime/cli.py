@@ -387,7 +387,7 @@ def _worker(cfg, args: argparse.Namespace) -> int:
 
             traceback.print_exc()  # not a known failure mode: the stack is what helps
         if getattr(exc, "quiet", False):
-            return 1  # a peer failed first and printed why
+            return StageFailure.peer_exit_code  # a peer failed first and printed why
         print(f"dynpipe train: rank {topo.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return int(getattr(exc, "exit_code", 1))
     finally:

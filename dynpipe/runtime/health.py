@@ -64,6 +64,9 @@ class StageFailure(RuntimeError):
     """
 
     exit_code = 1
+    # The exit status of a rank whose failure is a peer's, which printed why: the launcher
+    # names that peer's failure, not this one.
+    peer_exit_code = 5
 
     def __init__(self, message: str, *, quiet: bool = False) -> None:
         super().__init__(message)

@@ -4,6 +4,12 @@
 (``python -m dynpipe train ...`` with ``RANK``/``WORLD_SIZE`` set by the agent). For several
 nodes, users call ``torchrun`` themselves with the same arguments (docs/multi-node.md).
 
+Workers start from a fork server that has imported torch and the training code once: a
+worker started as a fresh interpreter spends several CPU-seconds importing torch and
+``torch.distributed.pipelining`` (5.6 s on a 2-core VM), which N workers on a small machine
+pay N times over. The server runs nothing but those imports (no tensor work, no CUDA), so a
+worker it forks is as fresh as a spawned one.
+
 The agent relaunches every worker when one dies, up to ``max_restarts`` times; each relaunch
 resumes from the run's newest checkpoint (``dynpipe.runtime.train``). SIGTERM / SIGINT /
 SIGHUP to the launcher reach the workers through the agent, which waits ``SHUTDOWN_S`` for
@@ -13,17 +19,23 @@ launcher then prints one line and exits with 128 + the signal number.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import signal
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 __all__ = ["SHUTDOWN_S", "launch_local"]
+
+# What every worker imports: done once, in the fork server.
+_PRELOAD = ["torch", "torch.distributed", "dynpipe.cli", "dynpipe.runtime.train"]
 
 # How long the agent waits for stopping workers before it kills them; the workers give up
 # on their final checkpoint a few seconds earlier (signals.GRACE_S).
@@ -51,14 +63,20 @@ def launch_local(
     ``log``: the run log, whose ``stopped`` event names it.
     """
     started = time.time()
+    import multiprocessing as mp
+
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # torch's elastic loggers each carry their own level: quiet every one of them.
-    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed")]:
+    # (torch.multiprocessing's: the workers' processes when they are forked, whose clean-up
+    # after a failed worker would otherwise add a line per stopped peer.)
+    quiet = ("torch.distributed", "torch.multiprocessing")
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith(quiet)]:
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     run_id = f"dynpipe-{uuid.uuid4().hex[:8]}"
     config = LaunchConfig(
         min_nodes=1,
@@ -72,45 +90,115 @@ def launch_local(
         # No log folder at all (torch's default leaves an empty torchelastic_* in the temp
         # directory on every launch): each worker prints its own errors to the console.
         logs_specs=DefaultLogsSpecs(log_dir=os.devnull),
+        start_method=_start_method(mp),
         # Named only where torch has it (2.12 on): before, the agent's wait on a stop is its
         # own fixed 30 s, the same as SHUTDOWN_S.
         **_shutdown_timeout(LaunchConfig),
     )
-    try:
-        elastic_launch(config, sys.executable)("-m", "dynpipe", "train", *argv)
-    except SignalException as exc:
-        sig = signal.Signals(exc.sigval)
-        print(
-            f"dynpipe train: stopped by {sig.name}; "
-            f"{_final_checkpoint(checkpoint_dir, run_id, log=log, since=started)}",
-            file=sys.stderr,
-        )
-        return 128 + int(sig)
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        codes = sorted({f.exitcode for f in exc.failures.values()})
-        # Exit code 2 is bad input, already reported in one line by a worker; -15 is the agent
-        # stopping the remaining workers after that.
-        if 2 in codes and set(codes) <= {2, -15}:
-            return 2
-        from dynpipe.runtime.health import OutOfMemory
-
-        if OutOfMemory.exit_code in codes:
-            return 1  # the rank that ran out of memory said where and what to lower
-        tried = f" after {max_restarts} relaunches" if max_restarts else ""
-        if failure.exitcode < 0:
-            # Killed from outside (the OOM killer, a scheduler, a user): it printed nothing.
-            how = f"was killed by {signal.Signals(-failure.exitcode).name}"
-            hint = "" if max_restarts else "; --max-restarts N relaunches the workers"
-        else:
-            how, hint = f"exited with code {failure.exitcode}", "; its error is printed above"
-        print(
-            f"dynpipe train: {len(exc.failures)} of {nproc} workers failed{tried}; first: rank "
-            f"{rank} {how} (exit codes {codes}){hint}",
-            file=sys.stderr,
-        )
-        return 2 if failure.exitcode == 2 else 1
+    with tempfile.TemporaryDirectory(prefix="dynpipe-exits-") as exits:
+        try:
+            if config.start_method == "forkserver":
+                mp.set_forkserver_preload(_PRELOAD)
+                elastic_launch(config, _worker)(list(argv), exits)
+            else:
+                elastic_launch(config, sys.executable)("-m", "dynpipe", "train", *argv)
+        except SignalException as exc:
+            sig = signal.Signals(exc.sigval)
+            print(
+                f"dynpipe train: stopped by {sig.name}; "
+                f"{_final_checkpoint(checkpoint_dir, run_id, log=log, since=started)}",
+                file=sys.stderr,
+            )
+            return 128 + int(sig)
+        except ChildFailedError as exc:
+            failures = _failures(exc, Path(exits))
+            return _report(failures, nproc=nproc, max_restarts=max_restarts)
     return 0
+
+
+def _failures(exc: Any, exits: Path) -> dict[int, tuple[float, int]]:
+    """Every failed rank of the last attempt: (when, exit code). The agent reports the
+    workers it found failed at one poll (a forked worker's context stops at the first it
+    sees); the workers' own exit files (``_worker``) complete that, so the launcher's line
+    names the rank that failed first whichever order the agent saw them in."""
+    out = {r: (f.timestamp, f.exitcode) for r, f in exc.failures.items()}
+    attempts: dict[int, dict[int, tuple[float, int]]] = {}
+    for f in exits.glob("rank*-attempt*"):
+        rank, attempt = (int(x) for x in f.name[4:].split("-attempt"))
+        code, when = f.read_text().split()
+        attempts.setdefault(attempt, {})[rank] = (float(when), int(code))
+    if attempts:
+        last = attempts[max(attempts)]
+        out.update({r: v for r, v in last.items() if v[1] != 0})
+    return out
+
+
+def _report(failures: dict[int, tuple[float, int]], *, nproc: int, max_restarts: int) -> int:
+    """The job's exit status after failed workers, and its one line where no worker has
+    said it all already."""
+    from dynpipe.runtime.health import OutOfMemory, StageFailure
+
+    codes = sorted({code for _, code in failures.values()})
+    # Stopped by the agent after another worker failed, or failed because another did.
+    stopped = {-15, 128 + 15, StageFailure.peer_exit_code}
+    # Exit code 2 is bad input, already reported in one line by a worker.
+    if 2 in codes and set(codes) <= {2} | stopped:
+        return 2
+    if OutOfMemory.exit_code in codes:
+        return 1  # the rank that ran out of memory said where and what to lower
+    first = [r for r in failures if failures[r][1] not in stopped]
+    if not first and StageFailure.peer_exit_code in codes:
+        # The worker whose failure the others echo printed it, and was stopped before its
+        # own exit was recorded: its line is the job's.
+        return 1
+    rank = min(first or failures, key=lambda r: failures[r][0])
+    code = failures[rank][1]
+    tried = f" after {max_restarts} relaunches" if max_restarts else ""
+    if code < 0:
+        # Killed from outside (the OOM killer, a scheduler, a user): it printed nothing.
+        how = f"was killed by {signal.Signals(-code).name}"
+        hint = "" if max_restarts else "; --max-restarts N relaunches the workers"
+    else:
+        how, hint = f"exited with code {code}", "; its error is printed above"
+    print(
+        f"dynpipe train: {len(failures)} of {nproc} workers failed{tried}; first: rank "
+        f"{rank} {how} (exit codes {codes}){hint}",
+        file=sys.stderr,
+    )
+    return 2 if code == 2 else 1
+
+
+def _start_method(mp: Any) -> str:
+    """``forkserver`` where this platform has it and CUDA is not initialised in this
+    process (the server is forked from here); otherwise each worker is a fresh interpreter
+    (the agent's own way)."""
+    import torch
+
+    if "forkserver" not in mp.get_all_start_methods() or torch.cuda.is_initialized():
+        return "spawn"
+    # The server listens on a Unix socket in the temporary directory, whose path the
+    # kernel limits to 107 bytes: a long TMPDIR leaves the workers to start fresh.
+    from multiprocessing import util
+
+    if len(os.path.join(util.get_temp_dir(), "listener-12345678")) > 100:
+        return "spawn"
+    return "forkserver"
+
+
+def _worker(argv: list[str], exits: str) -> None:
+    """One worker: ``dynpipe train argv`` with the agent's RANK/WORLD_SIZE environment.
+    Its exit status is the command's (2 for bad input, 128 + N after signal N), also
+    written to ``exits`` for the launcher (``_failures``)."""
+    from dynpipe.cli import main
+
+    code = main(["train", *argv])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    attempt = f"-attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+    with contextlib.suppress(OSError):
+        (Path(exits) / f"rank{os.environ['RANK']}{attempt}").write_text(f"{code} {time.time()}")
+    if code:
+        raise SystemExit(code)
 
 
 def _final_checkpoint(
