@@ -46,7 +46,11 @@ def _run(rank: int, world: int, schedule: str, moves: bool) -> dict:
         r = eng.step(s, make_batch(model, s), sample_layers=s == 1)
         losses.append(r.loss)
         timings.append(r.timing)
+    # Forward-only evaluation through the same multi-stage schedule, after the repartition.
+    held_out = [make_batch(model, 100 + i) for i in range(2)]
+    ev = eng.evaluate(held_out)
     return {
+        "eval": (ev.loss, ev.batches),
         "model": eng.model_state(),
         "optim": eng.optim_state(),
         "losses": losses,
@@ -67,7 +71,8 @@ def _reference():
         optim=optim_config("adamw"),
     )
     losses = [ref.step(s, make_batch(ref.model, s)) for s in range(STEPS)]
-    return ref.model_state(), ref.optim_state(), losses
+    ev = ref.evaluate([make_batch(ref.model, 100 + i) for i in range(2)])
+    return ref.model_state(), ref.optim_state(), losses, (ev.loss, ev.batches)
 
 
 @pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb", "zbv", "dualpipev"])
@@ -75,7 +80,7 @@ def test_multi_stage_schedule_is_bit_identical(schedule: str) -> None:
     torch.set_num_threads(1)
     world = 2
     results = [r["value"] for r in run_ranks(_run, world, schedule, True)]
-    want_m, want_o, want_losses = _reference()
+    want_m, want_o, want_losses, want_eval = _reference()
     model, optim = {}, {}
     for r in results:
         assert not set(r["model"]) & set(model), "two ranks hold the same tensor"
@@ -89,6 +94,7 @@ def test_multi_stage_schedule_is_bit_identical(schedule: str) -> None:
     # The loss is the last stage's: rank 1 under looped placement, rank 0 under V.
     last = 0 if schedule in ("zbv", "dualpipev") else world - 1
     assert results[last]["losses"] == want_losses
+    assert all(r["eval"] == want_eval for r in results), [r["eval"] for r in results]
     # The repartition moved layers between ranks, and each rank holds two virtual stages.
     assert results[0]["moved"]
     for r in results:

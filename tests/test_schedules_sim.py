@@ -86,7 +86,9 @@ def test_virtual_plan_is_valid_and_no_worse_than_its_dp_split() -> None:
         dp = [tuple(b) for b in plan.meta["dp_bounds"]]
         kw = {"schedule": schedule, "microbatches": 6, "chunks": 2}
         assert plan.meta["step_ms"] <= schedule_step_ms(cm, dp, **kw) + 1e-5
-        assert plan.meta["step_ms"] == pytest.approx(schedule_step_ms(cm, plan.bounds, **kw), abs=1e-5)
+        assert plan.meta["step_ms"] == pytest.approx(
+            schedule_step_ms(cm, plan.bounds, **kw), abs=1e-5
+        )
         # The slowed rank 1 gets fewer layers than either clean rank.
         held = [len(plan.layers_of_rank(r)) for r in range(3)]
         assert held[1] < min(held[0], held[2]), (schedule, held)
@@ -101,3 +103,29 @@ def test_plan_cli_prints_every_schedule(capsys) -> None:
     for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zb", "zbv", "dualpipev"):
         assert f"\n{schedule} " in table
     assert "<- fastest" in table
+
+
+def test_recorded_cpu_run_is_predicted_within_ten_percent() -> None:
+    """The simulator against the committed raw log of bench/schedules_cpu.py (4 ranks,
+    clean and one rank slowed), and the docs table is the one the log gives."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("tbl", root / "bench/schedules_table.py")
+    tbl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tbl)
+    text, rows = tbl.table(root / "analysis/logs/schedules-cpu/raw.jsonl")
+    assert {r["schedule"] for r in rows} == {
+        "gpipe",
+        "1f1b",
+        "interleaved-1f1b",
+        "zb",
+        "zbv",
+        "dualpipev",
+    }
+    for r in rows:
+        for cond in ("clean", "slowed"):
+            assert abs(r[cond][2]) <= 0.10, (r["schedule"], cond, r[cond])
+        assert r["slowed"][0] > 1.3 * r["clean"][0]  # the slowdown is visible
+    assert text in (root / "docs/schedules.md").read_text()

@@ -127,11 +127,16 @@ def simulate_schedule(
     comm_ms: Sequence[float] | None = None,
     update_ms: Sequence[float] | None = None,
     w_frac: float = W_FRAC,
+    bwd_w_ms: Sequence[float] | None = None,
+    action_ms: float = 0.0,
 ) -> SimResult:
     """Simulate one step: ``fwd_ms[s]``/``bwd_ms[s]`` per microbatch of (virtual) stage
     ``s`` of ``len(fwd_ms) = pp * chunks``, ``comm_ms[s]`` to move a microbatch's
     activation or gradient between stages ``s`` and ``s + 1``, ``update_ms[r]`` for rank
-    ``r``'s optimizer step. ``SimResult.busy_ms`` is per rank."""
+    ``r``'s optimizer step. ``bwd_w_ms[s]``: the weight-gradient part of ``bwd_ms[s]`` where
+    it is known (measured), else ``w_frac`` of it. ``action_ms``: the schedule runtime's host
+    time around each compute action (its loop, posting the action's transfers), which the
+    stages' compute timers do not see. ``SimResult.busy_ms`` is per rank."""
     n = len(fwd_ms)
     if len(bwd_ms) != n or n % chunks:
         raise PlanError(
@@ -154,6 +159,9 @@ def simulate_schedule(
             return float(fwd_ms[s])
         if kind == "B":
             return float(bwd_ms[s])
+        if bwd_w_ms is not None:
+            w = min(float(bwd_w_ms[s]), float(bwd_ms[s]))
+            return float(bwd_ms[s]) - w if kind == "I" else w
         if kind == "I":
             return 0.0 if s == 0 else (1.0 - w_frac) * float(bwd_ms[s])
         return float(bwd_ms[s]) if s == 0 else w_frac * float(bwd_ms[s])
@@ -181,7 +189,7 @@ def simulate_schedule(
                 if ready is None:
                     break
                 start = max(free[r], ready)
-                free[r] = end = start + dur(kind, s)
+                free[r] = end = start + dur(kind, s) + action_ms
                 # "G": the input gradient is out (a whole backward or an input part).
                 done[("G" if kind in "BI" else kind, s, m)] = end
                 events.append(Event(kind, s, m, start, end))

@@ -153,6 +153,19 @@ class TimedPipelineStage(PipelineStage):
         self.timer.stop("bwd_w", key=(self.local, chunk))
         return out
 
+    # A forward-only pass (``schedule.eval``) of a V-shaped schedule still walks its backward
+    # actions, which skip their compute but hand gradients between the two adjacent stages
+    # of one rank; torch asserts there (2.14). Without a backward there is nothing to hand.
+    def get_local_bwd_output(self, mb_index: int):
+        if not self.has_backward:
+            return ()
+        return super().get_local_bwd_output(mb_index)
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+        if not self.has_backward:
+            return
+        super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
 
 def _chunk(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> int:
     return int(args[0]) if args else int(kwargs[name])
