@@ -110,3 +110,55 @@ def test_multi_stage_schedule_is_bit_identical(schedule: str) -> None:
         # Per-layer timings cover every layer the rank held when sampled (4 of 8).
         assert t.layers is not None and len(t.layers.fwd_ms) == len(t.layers.bwd_ms) == 4
         assert all(x >= 0 for x in t.layers.bwd_ms)
+
+
+def _split_timing(rank: int, world: int, schedule: str) -> dict:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from dynpipe.models import get_model
+    from dynpipe.planner import Plan
+    from dynpipe.runtime.engine import EngineConfig, PipelineEngine
+    from dynpipe.runtime.optim import OptimConfig
+    from dynpipe.runtime.topology import Topology
+
+    # Each layer sleeps 5 ms in its forward, 5 in its input gradient, 5 in its weight one.
+    model = get_model("sleepy:sleepy", depth=8, fwd_ms=5.0, bwd_i_ms=5.0, bwd_w_ms=5.0)
+    plan = Plan.even(model, world, schedule=schedule, microbatches=4, chunks=2)
+    eng = PipelineEngine(
+        model,
+        plan,
+        topo=Topology.from_env(device="cpu"),
+        config=EngineConfig(batch_size=BATCH, optim=OptimConfig(name="sgd", lr=0.01)),
+    )
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(BATCH, 16, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
+    eng.step(0, batch)
+    t = eng.step(1, batch, sample_layers=True).timing
+    # The head does not sleep; the first layer's input needs no gradient (its backward is
+    # its weight part alone).
+    sleeping = [i for i in plan.layers_of_rank(rank) if 0 < i < len(model) - 1]
+    held = plan.layers_of_rank(rank)
+    at = [held.index(i) for i in sleeping]
+    return {
+        "fwd": [t.layers.fwd_ms[j] for j in at],
+        "bwd": [t.layers.bwd_ms[j] for j in at],
+        "stage_fwd": sorted(t.fwd_ms),
+        "stage_bwd": sorted(t.bwd_ms),
+    }
+
+
+@pytest.mark.timing
+@pytest.mark.parametrize("schedule", ["zb", "zbv"])
+def test_zero_bubble_backward_times_both_parts(schedule: str) -> None:
+    """A layer's backward is its input- and its weight-gradient part: twice its forward
+    here (timing only the input part would read one forward)."""
+    torch.set_num_threads(1)
+    for r in run_ranks(_split_timing, 2, schedule):
+        got = r["value"]
+        for f, b in zip(got["fwd"], got["bwd"], strict=True):
+            assert 1.5 < b / f < 2.7, got
+        # Stage totals: every backward (input + weight) against every forward (the first
+        # layer's and the head's lower it a little).
+        assert 1.4 < sum(got["stage_bwd"]) / sum(got["stage_fwd"]) < 2.7, got
