@@ -91,3 +91,16 @@ def test_engine_refuses_too_few_microbatches(model) -> None:
     plan = Plan.even(model, 2, schedule="dualpipev", chunks=2, microbatches=2)
     with pytest.raises(UserError, match="dualpipev needs at least as many microbatches"):
         check_batch(plan, 8)
+
+
+def test_plan_cli_refusals_are_one_line(capsys) -> None:
+    from dynpipe.cli import main
+
+    for argv, match in (
+        (["--gpus", "4", "--schedule", "zb"], "runs one pipeline: plan it with --stages"),
+        (["--stages", "4", "--schedule", "dualpipev", "--microbatches", "4"], "4 < 8"),
+        (["--stages", "6", "--schedule", "zbv", "--microbatches", "8"], "at most 4 ranks"),
+    ):
+        assert main(["plan", "--model", "mlp", "--set", "depth=6", *argv]) != 0
+        err = capsys.readouterr().err.strip()
+        assert match in err and "\n" not in err, err

@@ -439,6 +439,11 @@ def _shape(args: argparse.Namespace, model: Any) -> int:
         raise UserError("--gpus takes one --conditions entry (every device alike)")
     if args.gpus < 1:
         raise UserError(f"--gpus must be >= 1, got {args.gpus}")
+    if args.schedule not in ("gpipe", "1f1b"):
+        raise UserError(
+            f"--gpus ranks dp x pp shapes under gpipe or 1f1b; --schedule {args.schedule} "
+            "runs one pipeline: plan it with --stages"
+        )
     memory = _memory(args.memory_gb, 1)
     one = argparse.Namespace(**{**vars(args), "stages": 1})
     shapes = choose_shape(

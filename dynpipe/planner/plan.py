@@ -472,7 +472,7 @@ class Plan:
         """One ``(start, stop)`` per rank of the world, in rank order: an idle rank holds the
         empty range at the boundary where it sits in the pipeline. A plan of a subset of the
         ranks is one point in the same space as the full plans (one replica only)."""
-        if self.dp != 1:
+        if self.dp != 1 or self.chunks > 1:
             return tuple(self.bounds)
         by_rank = {st.rank: (st.start, st.stop) for st in self.stages}
         out, at = [], 0

@@ -107,7 +107,11 @@ class SimResult:
 
 def _check(schedule: str, num_stages: int, microbatches: int) -> None:
     if schedule not in _ONE_STAGE:
-        other = " (a multi-stage schedule: see simulate_multi)" if schedule in SCHEDULES else ""
+        other = (
+            " (a multi-stage schedule: simulate it with dynpipe.planner.multisim)"
+            if schedule in SCHEDULES
+            else ""
+        )
         raise PlanError(f"schedule {schedule!r} is not one of {', '.join(_ONE_STAGE)}{other}")
     if num_stages < 1 or microbatches < 1:
         raise PlanError(
