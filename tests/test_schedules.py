@@ -37,7 +37,9 @@ def _run(rank: int, world: int, schedule: str, moves: bool) -> dict:
         config=EngineConfig(batch_size=BATCH, optim=optim_config("adamw")),
     )
     n = len(model)
-    # Uneven: the first virtual stage keeps one layer, the rest pile up on the last one.
+    # Uneven: the first virtual stages keep one layer each, the rest pile up on the last.
+    # Layers move between ranks, and one (layer 3 under the looped placement) stays on its
+    # rank but moves from its first virtual stage to its second.
     moved = Plan.from_bounds(model, [1] * (2 * world - 1) + [n - 2 * world + 1], **kw)
     losses, timings, transfers = [], [], []
     for s in range(STEPS):
