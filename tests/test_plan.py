@@ -93,7 +93,7 @@ def test_structural_errors() -> None:
     with pytest.raises(PlanError, match="two stages on one rank"):
         Plan(model="m", num_layers=2, stages=(StagePlan(0, 1, 0), StagePlan(1, 2, 0)))
     with pytest.raises(PlanError, match="unknown schedule"):
-        Plan(model="m", num_layers=1, stages=(StagePlan(0, 1, 0),), schedule="zb")
+        Plan(model="m", num_layers=1, stages=(StagePlan(0, 1, 0),), schedule="pipedream")
     with pytest.raises(PlanError, match="version 9"):
         Plan(model="m", num_layers=1, stages=(StagePlan(0, 1, 0),), version=9)
     with pytest.raises(PlanError, match="not valid JSON"):

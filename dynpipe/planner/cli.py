@@ -21,6 +21,8 @@ import dataclasses
 import json
 from typing import Any
 
+from dynpipe.planner.plan import SCHEDULES
+
 __all__ = ["register", "run"]
 
 
@@ -65,7 +67,19 @@ def register(subparsers: Any) -> None:
         metavar="M",
         help="microbatches per step (default 2 x stages); must divide --batch-size",
     )
-    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    p.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=SCHEDULES,
+        help="pipeline schedule (default 1f1b); interleaved-1f1b, zb, zbv and dualpipev "
+        "give each rank --chunks virtual stages",
+    )
+    p.add_argument(
+        "--chunks",
+        type=int,
+        metavar="V",
+        help="virtual stages per rank under a multi-stage schedule (default 2)",
+    )
     p.add_argument(
         "--profile",
         nargs="+",
@@ -315,8 +329,9 @@ def run(args: argparse.Namespace) -> int:
     from dynpipe.models import get_model
     from dynpipe.models.cli import parse_overrides
     from dynpipe.planner.make import baseline_plan, make_plan
-    from dynpipe.planner.plan import Plan
-    from dynpipe.planner.report import format_comparison, format_plan
+    from dynpipe.planner.plan import MULTI_SCHEDULES, Plan
+    from dynpipe.planner.report import format_comparison, format_plan, format_schedules
+    from dynpipe.planner.virtual import make_virtual_plan, schedule_table
 
     try:
         model = get_model(args.model, **parse_overrides(args.overrides))
@@ -349,15 +364,27 @@ def run(args: argparse.Namespace) -> int:
     costs = dataclasses.replace(costs, recompute=args.recompute)
     current = Plan.load(args.current).validate(model) if args.current else None
     memory = _memory(args.memory_gb, s)
-    plan = make_plan(
-        costs,
-        num_stages=s,
-        schedule=args.schedule,
-        microbatches=m,
-        memory_bytes=memory,
-        current=current,
-        migration_ms_per_byte=args.migration_ms_per_gb / 2**30,
-    )
+    chunks = args.chunks or 2
+    schedules = schedule_table(costs, pp=s, microbatches=m, chunks=chunks)
+    if args.schedule in MULTI_SCHEDULES:
+        for flag in ("current", "memory_gb"):
+            if getattr(args, flag):
+                raise UserError(
+                    f"--{flag.replace('_', '-')} is priced for one stage per rank; plan "
+                    f"--schedule {args.schedule} without it"
+                )
+        plan = make_virtual_plan(costs, pp=s, chunks=chunks, schedule=args.schedule, microbatches=m)
+    else:
+        plan = make_plan(
+            costs,
+            num_stages=s,
+            schedule=args.schedule,
+            microbatches=m,
+            memory_bytes=memory,
+            current=current,
+            migration_ms_per_byte=args.migration_ms_per_gb / 2**30,
+        )
+    plan.meta["schedules"] = schedules
     plan.meta.update(
         batch_size=args.batch_size, model_config=json.loads(json.dumps(model.config, default=str))
     )
@@ -369,6 +396,9 @@ def run(args: argparse.Namespace) -> int:
             f"{m} microbatches of {args.batch_size // m}"
         )
         print(format_plan(plan))
+        print()
+        print("predicted step time per schedule (best split of each):")
+        print(format_schedules(schedules))
         if args.compare:
             others = [
                 baseline_plan(
@@ -409,6 +439,11 @@ def _shape(args: argparse.Namespace, model: Any) -> int:
         raise UserError("--gpus takes one --conditions entry (every device alike)")
     if args.gpus < 1:
         raise UserError(f"--gpus must be >= 1, got {args.gpus}")
+    if args.schedule not in ("gpipe", "1f1b"):
+        raise UserError(
+            f"--gpus ranks dp x pp shapes under gpipe or 1f1b; --schedule {args.schedule} "
+            "runs one pipeline: plan it with --stages"
+        )
     memory = _memory(args.memory_gb, 1)
     one = argparse.Namespace(**{**vars(args), "stages": 1})
     shapes = choose_shape(

@@ -17,10 +17,67 @@ from dynpipe.errors import UserError
 if TYPE_CHECKING:
     from dynpipe.models.base import LayeredModel
 
-__all__ = ["PLAN_VERSION", "SCHEDULES", "Plan", "PlanError", "StagePlan", "split_label"]
+__all__ = [
+    "MULTI_SCHEDULES",
+    "PLAN_VERSION",
+    "SCHEDULES",
+    "Plan",
+    "PlanError",
+    "StagePlan",
+    "microbatch_problem",
+    "schedule_ranks",
+    "split_label",
+]
 
 PLAN_VERSION = 1
-SCHEDULES = ("gpipe", "1f1b")
+# gpipe and 1f1b run one stage per rank; the others are torch's multi-stage schedules
+# (``PipelineScheduleMulti``), which may give a rank several virtual stages.
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb", "zbv", "dualpipev")
+# Multi-stage schedules and how they place stage ``s`` of ``pp * chunks`` on a rank: "loop"
+# (rank ``s % pp``, torch's default) or "v" (down the ranks and back up, so a rank holds
+# stages ``r`` and ``2 pp - 1 - r``), as ``torch.distributed.pipelining`` maps them.
+MULTI_SCHEDULES = {"interleaved-1f1b": "loop", "zb": "loop", "zbv": "v", "dualpipev": "v"}
+# Schedules that need an exact number of virtual stages per rank.
+_FIXED_CHUNKS = {"zbv": 2, "dualpipev": 2}
+
+
+def schedule_ranks(schedule: str, *, pp: int, chunks: int) -> list[int]:
+    """The rank of each of the ``pp * chunks`` stages under ``schedule``'s placement."""
+    n = pp * chunks
+    if MULTI_SCHEDULES.get(schedule, "loop") == "loop":
+        return [s % pp for s in range(n)]
+    out = []
+    for s in range(n):
+        lap, at = divmod(s, pp)
+        out.append(at if lap % 2 == 0 else pp - 1 - at)
+    return out
+
+
+def microbatch_problem(schedule: str, *, pp: int, chunks: int, microbatches: int) -> str | None:
+    """Why ``schedule`` cannot run ``microbatches`` microbatches over ``pp`` ranks holding
+    ``chunks`` virtual stages each (a one-line error with the fix), or None when it can.
+    The rules are torch's (``torch.distributed.pipelining.schedules``)."""
+    m, stages = microbatches, pp * chunks
+    if schedule == "1f1b" and m < pp:
+        return (
+            f"1F1B needs at least as many microbatches as stages ({m} < {pp}); use "
+            f"--microbatches {pp} or more, or --schedule gpipe"
+        )
+    if schedule in ("interleaved-1f1b", "zb"):
+        rounds = max(1, m // pp)
+        if m % rounds:
+            good = (m // pp) * pp
+            return (
+                f"{schedule} runs microbatches in rounds of {pp} (one per rank) and needs "
+                f"their count to be a multiple of the rounds ({m} microbatches, {rounds} "
+                f"rounds); use --microbatches {good} or {good + pp}"
+            )
+    if schedule == "dualpipev" and m < stages:
+        return (
+            f"dualpipev needs at least as many microbatches as virtual stages ({m} < "
+            f"{stages}: {pp} ranks x 2); use --microbatches {stages} or more"
+        )
+    return None
 
 
 class PlanError(UserError):
@@ -83,6 +140,10 @@ class Plan:
     dropped: replicas whose share is left out of the update (SD-Pipe's partial reduce: they
         compute nothing, and the gradient is the mean over the other replicas' microbatches
         only). This changes what training computes; empty (the default) keeps it exact.
+    chunks: virtual stages per rank (``v``). The plan has ``pp * chunks`` stages in
+        pipeline order; under a multi-stage schedule each of the ``pp`` ranks holds
+        ``chunks`` of them, placed as the schedule places them (``schedule_ranks``: looped
+        for interleaved-1f1b and zb, V-shaped for zbv and dualpipev). 1 for gpipe and 1f1b.
     """
 
     model: str
@@ -96,6 +157,7 @@ class Plan:
     dp: int = 1
     shares: tuple[int, ...] | None = None
     dropped: tuple[int, ...] = ()
+    chunks: int = 1
 
     def __post_init__(self) -> None:
         # Structural checks that need no model: a Plan object is always self-consistent.
@@ -111,6 +173,7 @@ class Plan:
             )
         if self.microbatches < 1:
             raise PlanError(f"microbatches must be >= 1, got {self.microbatches}")
+        self._check_chunks()
         if not self.stages:
             raise PlanError("plan has no stages; it needs at least one")
         if len(self.stages) > self.num_layers:
@@ -152,9 +215,55 @@ class Plan:
                 f"{self.model} --stages {len(self.stages)}`"
             )
         ranks = [st.rank for st in self.stages]
-        if len(set(ranks)) != len(ranks):
+        if self.chunks > 1 or self.schedule in MULTI_SCHEDULES:
+            self._check_placement(ranks)
+        elif len(set(ranks)) != len(ranks):
             raise PlanError(f"plan puts two stages on one rank (ranks {ranks}); use one rank each")
         self._check_replicas()
+
+    def _check_chunks(self) -> None:
+        v, sched = self.chunks, self.schedule
+        if v < 1:
+            raise PlanError(f"chunks (virtual stages per rank) must be >= 1, got {v}")
+        if v > 1 and sched not in MULTI_SCHEDULES:
+            raise PlanError(
+                f"schedule {sched} runs one stage per rank but the plan gives each rank {v} "
+                f"virtual stages; use --schedule interleaved-1f1b (or zb, zbv, dualpipev), or "
+                "--chunks 1"
+            )
+        need = _FIXED_CHUNKS.get(sched)
+        if need is not None and v != need:
+            raise PlanError(
+                f"schedule {sched} needs exactly {need} virtual stages per rank, got {v}; "
+                f"use --chunks {need}"
+            )
+        n = len(self.stages)
+        if n % v:
+            raise PlanError(
+                f"plan has {n} stages, which {v} virtual stages per rank cannot share out "
+                f"evenly; give it a multiple of {v} stages"
+            )
+        if v > 1 and n > self.num_layers:
+            raise PlanError(
+                f"{n // v} ranks x {v} virtual stages need {n} layers but {self.model} has "
+                f"{self.num_layers}; use at most {self.num_layers // v} ranks or fewer chunks"
+            )
+        if (v > 1 or sched in MULTI_SCHEDULES) and self.dp > 1:
+            raise PlanError(
+                f"schedule {sched} ({v} virtual stages per rank) runs one pipeline only, but "
+                f"the plan has {self.dp} replicas; use --dp 1, or --schedule 1f1b or gpipe"
+            )
+
+    def _check_placement(self, ranks: list[int]) -> None:
+        want = schedule_ranks(self.schedule, pp=self.pp, chunks=self.chunks)
+        if ranks != want:
+            bad = next(s for s, (a, b) in enumerate(zip(ranks, want, strict=True)) if a != b)
+            raise PlanError(
+                f"stage {bad} sits on rank {ranks[bad]} but {self.schedule} with {self.chunks} "
+                f"virtual stages per rank places it on rank {want[bad]} (ranks by stage: "
+                f"{want}); make the plan with `dynpipe plan --schedule {self.schedule} "
+                f"--chunks {self.chunks}`"
+            )
 
     def _check_replicas(self) -> None:
         if self.dp < 1:
@@ -181,7 +290,21 @@ class Plan:
     # ---- views -------------------------------------------------------------------------
     @property
     def num_stages(self) -> int:
+        """Stages of the pipeline (virtual stages: ``pp * chunks``)."""
         return len(self.stages)
+
+    @property
+    def pp(self) -> int:
+        """Ranks of one pipeline (each holds ``chunks`` stages)."""
+        return len(self.stages) // self.chunks
+
+    def stages_of_rank(self, rank: int) -> list[int]:
+        """The stages ``rank`` holds, in pipeline order (one, or ``chunks``)."""
+        return [s for s, st in enumerate(self.stages) if st.rank == rank]
+
+    def layers_of_rank(self, rank: int) -> list[int]:
+        """The layer indices ``rank`` holds, in layer order."""
+        return [i for s in self.stages_of_rank(rank) for i in range(*self.bounds[s])]
 
     @property
     def bounds(self) -> list[tuple[int, int]]:
@@ -194,7 +317,7 @@ class Plan:
     @property
     def world_size(self) -> int:
         """Ranks the plan runs on: every stage of every replica."""
-        return self.num_stages * self.dp
+        return self.pp * self.dp
 
     @property
     def total_microbatches(self) -> int:
@@ -250,9 +373,10 @@ class Plan:
                 dp += f" shares={'/'.join(map(str, self.shares))}"
             if self.dropped:
                 dp += f" dropped={list(self.dropped)}"
+        v = f" v={self.chunks}" if self.chunks > 1 else ""
         return (
-            f"Plan({self.model} L={self.num_layers} {self.schedule} mb={self.microbatches}{dp}: "
-            f"{parts})"
+            f"Plan({self.model} L={self.num_layers} {self.schedule}{v} mb={self.microbatches}"
+            f"{dp}: {parts})"
         )
 
     # ---- construction ------------------------------------------------------------------
@@ -266,8 +390,12 @@ class Plan:
         schedule: str = "1f1b",
         microbatches: int = 4,
         meta: dict[str, Any] | None = None,
+        chunks: int = 1,
     ) -> Plan:
-        """A plan from stage sizes ``[n0, n1, ...]`` or ``[(start, stop), ...]`` ranges."""
+        """A plan from stage sizes ``[n0, n1, ...]`` or ``[(start, stop), ...]`` ranges.
+
+        ranks: one per stage; default: one rank each, or under a multi-stage schedule the
+        schedule's placement of ``len(bounds) // chunks`` ranks (``schedule_ranks``)."""
         ranges: list[tuple[int, int]] = []
         if bounds and isinstance(bounds[0], int):
             start = 0
@@ -276,6 +404,15 @@ class Plan:
                 start += int(n)  # type: ignore[arg-type]
         else:
             ranges = [(int(a), int(b)) for a, b in bounds]  # type: ignore[misc]
+        if chunks < 1:
+            raise PlanError(f"chunks (virtual stages per rank) must be >= 1, got {chunks}")
+        if ranks is None and (chunks > 1 or schedule in MULTI_SCHEDULES):
+            if len(ranges) % chunks:
+                raise PlanError(
+                    f"{len(ranges)} stages cannot be shared out as {chunks} virtual stages per "
+                    f"rank; give a multiple of {chunks} stages"
+                )
+            ranks = schedule_ranks(schedule, pp=len(ranges) // chunks, chunks=chunks)
         ranks = list(range(len(ranges))) if ranks is None else list(ranks)
         if len(ranks) != len(ranges):
             raise PlanError(f"{len(ranges)} stages but {len(ranks)} ranks given; give one each")
@@ -291,22 +428,39 @@ class Plan:
             microbatches=microbatches,
             model_fingerprint=model.fingerprint(),
             meta=dict(meta or {}),
+            chunks=chunks,
         )
 
     @classmethod
     def even(
-        cls, model: LayeredModel, num_stages: int, *, schedule: str = "1f1b", microbatches: int = 4
+        cls,
+        model: LayeredModel,
+        num_stages: int,
+        *,
+        schedule: str = "1f1b",
+        microbatches: int = 4,
+        chunks: int = 1,
     ) -> Plan:
-        """Equal layer counts per stage (earlier stages take the remainder)."""
+        """Equal layer counts per stage (earlier stages take the remainder); ``num_stages``
+        ranks, each holding ``chunks`` virtual stages (``num_stages * chunks`` in all)."""
         n = len(model)
-        if num_stages < 1 or num_stages > n:
+        total = num_stages * max(chunks, 1)
+        if chunks >= 1 and (num_stages < 1 or total > n):
+            each = f" x {chunks} virtual stages" if chunks > 1 else ""
             raise PlanError(
-                f"cannot split {model.name} ({n} layers) into {num_stages} stages; use 1–{n} stages"
+                f"cannot split {model.name} ({n} layers) into {num_stages} ranks{each} = "
+                f"{total} stages of at least one layer; use at most {n // max(chunks, 1)} ranks"
+                + (" or fewer chunks" if chunks > 1 else "")
             )
-        q, r = divmod(n, num_stages)
-        sizes = [q + (1 if s < r else 0) for s in range(num_stages)]
+        q, r = divmod(n, total)
+        sizes = [q + (1 if s < r else 0) for s in range(total)]
         return cls.from_bounds(
-            model, sizes, schedule=schedule, microbatches=microbatches, meta={"method": "even"}
+            model,
+            sizes,
+            schedule=schedule,
+            microbatches=microbatches,
+            meta={"method": "even"},
+            chunks=chunks,
         )
 
     def idle_ranks(self, world_size: int) -> list[int]:
@@ -318,7 +472,7 @@ class Plan:
         """One ``(start, stop)`` per rank of the world, in rank order: an idle rank holds the
         empty range at the boundary where it sits in the pipeline. A plan of a subset of the
         ranks is one point in the same space as the full plans (one replica only)."""
-        if self.dp != 1:
+        if self.dp != 1 or self.chunks > 1:
             return tuple(self.bounds)
         by_rank = {st.rank: (st.start, st.stop) for st in self.stages}
         out, at = [], 0
@@ -388,7 +542,13 @@ class Plan:
                 f"but this {model.name} has {model.fingerprint()} (its layers changed); "
                 f"regenerate it with `dynpipe plan --model {model.name} --stages {self.num_stages}`"
             )
-        if world_size is not None and elastic and self.dp == 1 and self.num_stages < world_size:
+        if (
+            world_size is not None
+            and elastic
+            and self.dp == 1
+            and self.chunks == 1
+            and self.pp < world_size
+        ):
             if any(not 0 <= r < world_size for r in self.ranks) or self.ranks != sorted(self.ranks):
                 raise PlanError(
                     f"plan places its {self.num_stages} stages on ranks {self.ranks}; a plan "
@@ -405,26 +565,27 @@ class Plan:
             if world_size != self.world_size:
                 idle = (
                     ", or train with --elastic to leave the other ranks idle"
-                    if self.num_stages < world_size and self.dp == 1
+                    if self.pp < world_size and self.dp == 1 and self.chunks == 1
                     else ""
                 )
+                what = f"{self.pp} stages" if self.chunks == 1 else f"{self.pp} ranks of stages"
                 raise PlanError(
-                    f"plan has {self.num_stages} stages but the world has {world_size} ranks; "
-                    f"launch with --nproc {self.num_stages} (one process per stage) or make a "
+                    f"plan has {what} but the world has {world_size} ranks; "
+                    f"launch with --nproc {self.pp} (one process per stage) or make a "
                     f"{world_size}-stage plan{idle}"
                 )
-            bad = [r for r in self.ranks if not 0 <= r < self.num_stages]
+            bad = [r for r in self.ranks if not 0 <= r < self.pp]
             if bad:
                 raise PlanError(
-                    f"plan places stages on ranks {bad} outside 0–{self.num_stages - 1}; "
+                    f"plan places stages on ranks {bad} outside 0–{self.pp - 1}; "
                     "fix the stage ranks"
                 )
-        if self.microbatches < self.num_stages:
+        if self.microbatches < self.pp:
             import warnings
 
             warnings.warn(
-                f"{self.microbatches} microbatches for {self.num_stages} stages leaves stages "
-                f"idle most of the step; use at least {self.num_stages} (ideally 2–4×)",
+                f"{self.microbatches} microbatches for {self.pp} stages leaves stages "
+                f"idle most of the step; use at least {self.pp} (ideally 2–4×)",
                 stacklevel=2,
             )
         return self
@@ -442,6 +603,8 @@ class Plan:
         ]
         # One replica writes the plan as it always has (files, logs and checkpoints of
         # single-pipeline runs do not change).
+        if self.chunks == 1:
+            d.pop("chunks")
         if self.dp == 1:
             for k in ("dp", "shares", "dropped"):
                 d.pop(k)

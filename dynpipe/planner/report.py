@@ -7,7 +7,13 @@ from pathlib import Path
 
 from dynpipe.planner.plan import Plan, split_label
 
-__all__ = ["format_comparison", "format_plan", "format_shapes", "replace_section"]
+__all__ = [
+    "format_comparison",
+    "format_plan",
+    "format_schedules",
+    "format_shapes",
+    "replace_section",
+]
 
 
 def _mem(b: int | None) -> str:
@@ -169,3 +175,18 @@ def format_shapes(shapes: Sequence) -> str:
         )
     head = ["dp x pp", "split", "microbatches", "pipe ms", "reduce ms", "step ms", "memory", ""]
     return _table(rows, head)
+
+
+def format_schedules(rows: list[dict]) -> str:
+    """The predicted step time of each schedule (``virtual.schedule_table``)."""
+    best = min((r["step_ms"] for r in rows if r["step_ms"] is not None), default=None)
+    out = []
+    for r in rows:
+        split = "|".join(map(str, r.get("split", []))) or "-"
+        if r["step_ms"] is None:
+            step, note = "-", r["note"]
+        else:
+            step = f"{r['step_ms']:.3f}"
+            note = "<- fastest" if r["step_ms"] == best else ""
+        out.append([r["schedule"], str(r["chunks"]), step, split, note])
+    return _table(out, ["schedule", "chunks", "step ms", "split", ""])

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from dynpipe.planner.costs import CostModel
     from dynpipe.planner.plan import Plan
 
+# The schedules this module's per-stage recurrence covers (one stage per rank).
+_ONE_STAGE = ("gpipe", "1f1b")
+
 __all__ = [
     "Action",
     "Event",
@@ -103,8 +106,13 @@ class SimResult:
 
 
 def _check(schedule: str, num_stages: int, microbatches: int) -> None:
-    if schedule not in SCHEDULES:
-        raise PlanError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if schedule not in _ONE_STAGE:
+        other = (
+            " (a multi-stage schedule: simulate it with dynpipe.planner.multisim)"
+            if schedule in SCHEDULES
+            else ""
+        )
+        raise PlanError(f"schedule {schedule!r} is not one of {', '.join(_ONE_STAGE)}{other}")
     if num_stages < 1 or microbatches < 1:
         raise PlanError(
             f"need at least one stage and one microbatch, got {num_stages} and {microbatches}"

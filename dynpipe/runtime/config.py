@@ -39,7 +39,10 @@ class TrainConfig:
     steps: training steps to run.
     batch_size: samples per step, split into ``microbatches``.
     microbatches: microbatches per step (unset: the plan's, else 4).
-    schedule: pipeline schedule (unset: the plan's, else 1f1b).
+    schedule: pipeline schedule (unset: the plan's, else 1f1b); interleaved-1f1b, zb, zbv
+        and dualpipev are torch's multi-stage schedules (docs/schedules.md).
+    chunks: virtual stages per rank without a plan (unset: 2 under a multi-stage
+        schedule, else 1).
     stages: without a plan, this many equal-layer stages (unset: the world size over
         ``dp``).
     dp: pipeline replicas (data parallelism): N ranks run dp pipelines of N/dp stages on a
@@ -115,6 +118,7 @@ class TrainConfig:
     batch_size: int = 32
     microbatches: int | None = None
     schedule: str | None = field(default=None, metadata={"choices": SCHEDULES})
+    chunks: int | None = field(default=None, metadata={"metavar": "V"})
     stages: int | None = None
     dp: int | None = field(default=None, metadata={"metavar": "R"})
     plan: str | None = None

@@ -60,7 +60,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from dynpipe.errors import UserError
 from dynpipe.models.base import LayeredModel
 from dynpipe.planner.costs import CostModel
-from dynpipe.planner.plan import Plan
+from dynpipe.planner.plan import MULTI_SCHEDULES, Plan, microbatch_problem
 from dynpipe.runtime.compiled import compile_layers
 from dynpipe.runtime.mesh import Mesh
 from dynpipe.runtime.optim import OptimConfig, build_optimizer, export_state, import_state, lr_at
@@ -379,6 +379,8 @@ class PipelineEngine:
             self.model, [set(self.model.layer_names[s.start : s.stop]) for s in plan.stages]
         )
         self.stage_index = plan.stage_of_rank(self.mesh.pp_rank)
+        # Every stage this rank holds, in pipeline order (several: virtual stages).
+        self.local_stages = plan.stages_of_rank(self.mesh.pp_rank)
         pipe_group = self._pipe_group(plan)
         if self.stage_index is None:
             if old is not None and old.stage_of_rank(self.mesh.pp_rank) is not None:
@@ -391,9 +393,11 @@ class PipelineEngine:
         self.dropped = replica in plan.dropped
         # A dropped replica (partial reduce) computes nothing; it takes part in the reduce.
         self.microbatches = 0 if self.dropped else plan.replica_microbatches[replica]
-        st = plan.stages[self.stage_index]
         if layers is None:
-            layers = self.model.build_range(st.start, st.stop, device=self.topo.device)
+            layers = nn.ModuleDict()
+            for s in self.local_stages:
+                st = plan.stages[s]
+                layers.update(self.model.build_range(st.start, st.stop, device=self.topo.device))
         if self.config.compile is not None:
             # Kept layers stay compiled; received ones join them (compiled code is cached
             # by class and shapes, so a layer of a kind this rank already ran costs nothing).
@@ -403,7 +407,12 @@ class PipelineEngine:
         amp = self.config.amp_dtype if self.topo.is_cuda else None
         wire = amp or torch.float32
         is_last = self.stage_index == plan.num_stages - 1
-        self.recomputed = self._recompute(plan)
+        multi = plan.schedule in MULTI_SCHEDULES
+        if multi:
+            self._check_multi(plan)
+            self.recomputed = tuple(n for s in self.local_stages for n in self._recompute(plan, s))
+        else:
+            self.recomputed = self._recompute(plan)
         self.module = StageModule(
             layers,
             autocast_dtype=amp,
@@ -421,6 +430,15 @@ class PipelineEngine:
         inp, out = boundary_examples(
             self.model, plan, self.stage_index, microbatch_size=mb, wire_dtype=wire
         )
+        if multi:
+            self._stage_parts = (plan, self.module, inp, out, pipe_group)
+            self._build_chunks(plan, amp=amp, wire=wire, mb=mb)
+            self.reducer = None
+            self.pipe_stage, self.schedule = self._new_schedule()
+            self._trained = False
+            return
+        self.timer.set_probes(1)
+        self.chunk_modules = [self.module]
         submod: nn.Module = self.module
         self.reducer = None
         # A stage whose layers are all frozen (--freeze) has no gradient to average (and
@@ -443,15 +461,50 @@ class PipelineEngine:
         self.pipe_stage, self.schedule = self._new_schedule()
         self._trained = False  # the schedule has yet to run a training step
 
-    def _recompute(self, plan: Plan) -> tuple[str, ...]:
-        """The layers this stage recomputes under ``plan`` (``EngineConfig.recompute``);
-        sets its predicted peak memory under ``auto`` (``predicted_peak_bytes``)."""
+    def _check_multi(self, plan: Plan) -> None:
+        """What virtual stages do not run with, as one-line errors."""
+        if self.config.recompute == "auto":
+            raise UserError(
+                f"--recompute auto plans one stage per rank, but {plan.schedule} gives this "
+                "rank several; use --recompute all or none with virtual stages"
+            )
+        if plan.pp != self.topo.world_size:
+            raise UserError(
+                f"{plan.schedule} runs on every rank of the world ({self.topo.world_size}) "
+                f"but the plan uses {plan.pp}; plans that leave ranks idle run gpipe or 1f1b"
+            )
+
+    def _build_chunks(self, plan: Plan, *, amp: torch.dtype | None, wire: torch.dtype, mb: int):
+        """One ``StageModule`` per virtual stage over the held layers, each with its own
+        layer probe, and the receive/send examples of each."""
+        probes = self.timer.set_probes(len(self.local_stages))
+        self.chunk_modules, self._chunk_io = [], []
+        for v, s in enumerate(self.local_stages):
+            st = plan.stages[s]
+            names = self.model.layer_names[st.start : st.stop]
+            self.chunk_modules.append(
+                StageModule(
+                    nn.ModuleDict({n: self.module.layers[n] for n in names}),
+                    autocast_dtype=amp,
+                    out_dtype=torch.float32 if s == plan.num_stages - 1 else wire,
+                    probe=probes[v],
+                    recompute=frozenset(self.recomputed) & frozenset(names),
+                )
+            )
+            self._chunk_io.append(
+                boundary_examples(self.model, plan, s, microbatch_size=mb, wire_dtype=wire)
+            )
+
+    def _recompute(self, plan: Plan, stage: int | None = None) -> tuple[str, ...]:
+        """The layers this stage (or ``stage`` of this rank's) recomputes under ``plan``
+        (``EngineConfig.recompute``); sets its predicted peak memory under ``auto``
+        (``predicted_peak_bytes``)."""
         from dynpipe.runtime.memory import stage_layers
 
         names, self._peak_bytes, self._mem_costs = stage_layers(
             self.model,
             plan,
-            self.stage_index,
+            self.stage_index if stage is None else stage,
             mode=self.config.recompute,
             limit=self.config.memory_bytes,
             microbatches=self.microbatches or plan.microbatches,
@@ -463,9 +516,38 @@ class PipelineEngine:
         )
         return names
 
-    def _new_schedule(self) -> tuple[TimedPipelineStage, Any]:
-        """A pipeline stage and schedule over the built stage module."""
+    def _new_schedule(self) -> tuple[Any, Any]:
+        """A pipeline stage and schedule over the built stage module (virtual stages: a
+        ``StageGroup`` of one stage per chunk and torch's multi-stage schedule)."""
         plan, submod, inp, out, pipe_group = self._stage_parts
+        if plan.schedule in MULTI_SCHEDULES:
+            from dynpipe.runtime.multistage import StageGroup, schedule_class
+
+            stages = [
+                TimedPipelineStage(
+                    module,
+                    stage_index=s,
+                    num_stages=plan.num_stages,
+                    device=self.topo.device,
+                    input_args=io[0],
+                    output_args=io[1],
+                    group=pipe_group,
+                    timer=self.timer,
+                    probe=module._probe,
+                    local=v,
+                )
+                for v, (s, module, io) in enumerate(
+                    zip(self.local_stages, self.chunk_modules, self._chunk_io, strict=True)
+                )
+            ]
+            group = StageGroup(stages)
+            group.keep_outputs = False
+            return group, schedule_class(plan.schedule)(
+                stages,
+                n_microbatches=plan.microbatches,
+                loss_fn=self._loss_fn(),
+                scale_grads=False,
+            )
         # Stage indices map to ranks through the plan; torch pipelining addresses peers by
         # stage index within the group, so the group ranks must follow pipeline order.
         stage = TimedPipelineStage(
@@ -568,7 +650,7 @@ class PipelineEngine:
     def _pipe_group(self, plan: Plan) -> dist.ProcessGroup | None:
         """The group the plan's stages talk over: the run's own, or for a plan that leaves
         ranks idle a group of its ranks (collective: every rank calls it with the plan)."""
-        if plan.dp > 1 or plan.num_stages == self.topo.world_size:
+        if plan.dp > 1 or plan.pp == self.topo.world_size:
             return self.group
         key = tuple(plan.ranks)
         if key not in self._groups:
@@ -590,6 +672,8 @@ class PipelineEngine:
         self.dropped = False
         self.microbatches = 0
         self.module = StageModule(nn.ModuleDict(), probe=self.timer.layers)
+        self.chunk_modules = []
+        self.local_stages = []
         self.named_params = {}
         self.optimizer = None
         self.reducer = None
@@ -659,6 +743,9 @@ class PipelineEngine:
         statistics and gradients are untouched."""
         if self.config.compile is None or self.idle or self.dropped:
             return 0.0
+        if len(self.chunk_modules) > 1:
+            # Each virtual stage receives its own shapes; its first step compiles them.
+            return 0.0
         t0 = time.perf_counter()
         dev = self.topo.device
         inp = self._stage_parts[2]
@@ -693,11 +780,14 @@ class PipelineEngine:
 
     @property
     def is_first(self) -> bool:
+        """This rank holds the pipeline's first stage (it reads the inputs)."""
         return self.stage_index == 0
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index is not None and self.stage_index == self.plan.num_stages - 1
+        """This rank holds the pipeline's last stage (it reads the targets and the loss;
+        under a V-shaped schedule the first rank holds it too)."""
+        return self.stage_index is not None and self.plan.num_stages - 1 in self.local_stages
 
     # ---- training ----------------------------------------------------------------------
     def step(
@@ -1215,6 +1305,12 @@ def check_batch(plan: Plan, batch_size: int) -> None:
             f"1F1B needs at least as many microbatches as stages ({plan.microbatches} < "
             f"{plan.num_stages}); use --microbatches {plan.num_stages} or more, or --schedule gpipe"
         )
+    if plan.schedule in MULTI_SCHEDULES:
+        problem = microbatch_problem(
+            plan.schedule, pp=plan.pp, chunks=plan.chunks, microbatches=plan.microbatches
+        )
+        if problem:
+            raise UserError(problem)
     counts = [n for r, n in enumerate(plan.replica_microbatches) if r not in plan.dropped]
     if plan.schedule == "1f1b" and min(counts) < plan.num_stages:
         raise UserError(

@@ -452,9 +452,10 @@ def _install(
     dev = engine.topo.device
     # Kept layers are the same module objects (no copy); received ones are built from the
     # model spec and loaded; optimizer state follows every parameter by name.
-    new_stage = new_plan.stage_of_rank(place)
-    # A rank the new plan leaves idle keeps nothing: every layer it held was sent.
-    held = range(0) if new_stage is None else range(*new_plan.bounds[new_stage])
+    # A rank the new plan leaves idle keeps nothing: every layer it held was sent. Under
+    # virtual stages a rank holds several ranges; a layer that moves between two of them
+    # stays on the rank (the same module object, re-seated in its new virtual stage).
+    held = new_plan.layers_of_rank(place)
     kept_opt = engine.optim_state()
     layers = nn.ModuleDict()
     opt_state: dict[str, torch.Tensor] = {}

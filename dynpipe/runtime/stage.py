@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from typing import Any
 
 import torch
@@ -86,9 +87,19 @@ class TimedPipelineStage(PipelineStage):
     hold compute only; everything else inside ``schedule.step`` is the stage's wait.
     """
 
-    def __init__(self, *args: Any, timer: StageTimer, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        timer: StageTimer,
+        probe: LayerProbe | None = None,
+        local: int = 0,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.timer = timer
+        # The layer probe of this (virtual) stage and its place among the rank's stages.
+        self.probe = probe if probe is not None else timer.layers
+        self.local = local
         # The last stage keeps every microbatch's output for the schedule to concatenate
         # and return after the step. Training reads only the losses: off, the outputs are
         # freed with each microbatch's backward. For gpt (32000-token vocabulary, 8 x 1024
@@ -97,7 +108,7 @@ class TimedPipelineStage(PipelineStage):
         self.keep_outputs = True
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any):
-        self.timer.layers.chunk = _chunk(args, kwargs, "fwd_chunk_id")
+        self.timer.layers.chunk = self.probe.chunk = _chunk(args, kwargs, "fwd_chunk_id")
         self.timer.start()
         kept = len(self.output_chunks)
         out = super().forward_one_chunk(*args, **kwargs)
@@ -112,13 +123,48 @@ class TimedPipelineStage(PipelineStage):
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any):
         chunk = _chunk(args, kwargs, "bwd_chunk_id")
-        self.timer.layers.chunk = chunk
+        full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
+        self.timer.layers.chunk = self.probe.chunk = chunk
         self.timer.start()
-        self.timer.layers.begin_backward(chunk)
+        # A zero-bubble input part of the first stage computes nothing (its input needs no
+        # gradient): its weight part runs the whole backward and carries the layer marks.
+        marks = full or not self.is_first
+        if marks:
+            self.probe.begin_backward(chunk)
         out = super().backward_one_chunk(*args, **kwargs)
-        self.timer.layers.end_backward(chunk)
-        self.timer.stop("bwd")
+        if marks:
+            self.probe.end_backward(chunk)
+        self.timer.stop("bwd", key=(self.local, chunk))
         return out
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any):
+        chunk = _chunk(args, kwargs, "bwd_chunk_id")
+        self.timer.layers.chunk = self.probe.chunk = chunk
+        self.timer.start()
+        if self.is_first:
+            self.timer.marked_in_weight((self.local, chunk))
+            self.probe.begin_backward(chunk)
+        began = time.perf_counter()
+        out = super().backward_weight_one_chunk(*args, **kwargs)
+        if self.is_first:
+            self.probe.end_backward(chunk)
+        else:
+            self.probe.stretch(began)  # the hooks stretched the input part only
+        self.timer.stop("bwd_w", key=(self.local, chunk))
+        return out
+
+    # A forward-only pass (``schedule.eval``) of a V-shaped schedule still walks its backward
+    # actions, which skip their compute but hand gradients between the two adjacent stages
+    # of one rank; torch asserts there (2.14). Without a backward there is nothing to hand.
+    def get_local_bwd_output(self, mb_index: int):
+        if not self.has_backward:
+            return ()
+        return super().get_local_bwd_output(mb_index)
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+        if not self.has_backward:
+            return
+        super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
 
 def _chunk(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> int:

@@ -37,6 +37,19 @@ microbatch made the sampled step 8 ms longer. Every microbatch of a step runs th
 layers on the same shapes, so the median of three says what the median of eight says.
 Events come from a pool that lives as long as the timer, so a step creates none.
 
+Zero-bubble schedules (torch's ``zb``, ``zbv``, ``dualpipev``) split a microbatch's backward
+into an input-gradient part (``I``) and a weight-gradient part (``W``) that run at different
+times. Both are timed: a stage's backward of a microbatch is ``I + W`` (``StepTiming.bwd_ms``;
+the W parts alone in ``bwd_w_ms``). The layer marks are taken in the part that runs the
+autograd graph through the layers' boundaries (``I``; on the first stage, whose input needs no
+gradient, ``W`` runs the whole backward), and each layer's backward is scaled by the stage's
+``(I + W) / marked part`` over the same microbatches: the weight-gradient time is spread over
+the layers in proportion to their marked backward (weight- and input-gradient costs of dense
+layers are of one size; the stage total is exact).
+
+A rank holding several virtual stages has one ``LayerProbe`` per virtual stage
+(``StageTimer.probes``, in pipeline order): their per-layer readings join in layer order.
+
 Emulated interference (tests, CPU demos without a real interferer) stretches every layer's
 forward and backward to ``dilation`` times its length, so the per-layer timings see it where a
 real interferer would put it: in the layers, not in the stage's overhead.
@@ -104,6 +117,9 @@ class StepTiming:
     # after the step's last backward and grows with the parameters a rank holds, which
     # the shape decides (every parameter in DP only, a quarter in a 4-stage pipeline).
     update_ms: float = float("nan")
+    # Zero-bubble schedules: the weight-gradient parts of the backwards (already counted in
+    # ``bwd_ms``, which holds each microbatch's input- plus weight-gradient time).
+    bwd_w_ms: list[float] = field(default_factory=list)
 
     @property
     def fwd_total(self) -> float:
@@ -267,6 +283,11 @@ class LayerProbe:
             now = time.perf_counter()
         return now
 
+    def stretch(self, since: float) -> float:
+        """Emulated interference on work the layer marks do not see (a zero-bubble
+        schedule's weight-gradient part): stretch what ran since ``since``."""
+        return self._stretch(since)
+
     def run(self, layers: Iterable[nn.Module], x: torch.Tensor) -> torch.Tensor:
         layers = list(layers)
         self._n = len(layers)
@@ -398,6 +419,15 @@ class StageTimer:
         self.cuda = device.type == "cuda"
         self._mark, self._pool = _marker(self.cuda)
         self.layers = LayerProbe(device=device)
+        # One probe per virtual stage the rank holds, in pipeline order (``set_probes``).
+        self.probes: list[LayerProbe] = [self.layers]
+        self._device = device
+        # Zero-bubble: per backward interval its key (virtual stage, microbatch); the
+        # weight-gradient intervals by key; the keys whose layer marks were taken in the
+        # weight part (a first stage) rather than the input part.
+        self._bwd_keys: list[tuple[int, int] | None] = []
+        self._bwd_w: dict[tuple[int, int], tuple[object, object]] = {}
+        self._marked_in_w: set[tuple[int, int]] = set()
         self._fwd: list = []
         self._bwd: list = []
         self._reduce: list = []
@@ -419,7 +449,18 @@ class StageTimer:
 
     @dilation.setter
     def dilation(self, factor: float) -> None:
-        self.layers.dilation = factor
+        for p in self.probes:
+            p.dilation = factor
+
+    def set_probes(self, count: int) -> list[LayerProbe]:
+        """``count`` layer probes, one per virtual stage (the first is ``layers``); the
+        others share its settings."""
+        while len(self.probes) < count:
+            extra = LayerProbe(device=self._device)
+            extra.dilation = self.layers.dilation
+            self.probes.append(extra)
+        del self.probes[max(count, 1) :]
+        return list(self.probes)
 
     def sample_layers(
         self, on: bool, *, microbatches: int | None = None, spare_last: bool = False
@@ -434,6 +475,8 @@ class StageTimer:
                 if microbatches is None
                 else sampled_chunks(microbatches, spare_last=spare_last)
             )
+        for p in self.probes[1:]:
+            p.sampling, p.chunks = self.layers.sampling, self.layers.chunks
 
     def start(self) -> None:
         """A microbatch's forward or backward begins (``layers.chunk`` names it)."""
@@ -441,10 +484,19 @@ class StageTimer:
             self._open = self._mark()
             self._open_timed = self.layers._timed(self.layers.chunk)
 
-    def stop(self, phase: str) -> None:
+    def stop(self, phase: str, key: tuple[int, int] | None = None) -> None:
+        """``phase``: "fwd", "bwd" (a whole backward, or a zero-bubble input part) or "bwd_w"
+        (a zero-bubble weight part); ``key``: (virtual stage, microbatch) of a backward."""
         if not self.enabled or self._open is None:
             return
         end = self._mark()
+        if phase == "bwd_w":
+            if key is not None:
+                self._bwd_w[key] = (self._open, end)
+            self._open = None
+            return
+        if phase == "bwd":
+            self._bwd_keys.append(key)
         if phase == "bwd" and self._handed is not None:
             # Compute ended when the last bucket went to the all-reduce; the rest waited.
             self._bwd.append((self._open, self._handed))
@@ -455,6 +507,11 @@ class StageTimer:
             self._bwd_reduced.append(self._handed is not None)
         (self._fwd_timed if phase == "fwd" else self._bwd_timed).append(self._open_timed)
         self._open = self._handed = None
+
+    def marked_in_weight(self, key: tuple[int, int]) -> None:
+        """The layer marks of backward ``key`` were taken in its weight part (a first stage
+        under a zero-bubble schedule: its input part computes nothing)."""
+        self._marked_in_w.add(key)
 
     def handed_to_reduce(self) -> None:
         """A gradient bucket went to the data-parallel all-reduce (the reduce hook calls
@@ -484,16 +541,24 @@ class StageTimer:
         def ms(pairs: list) -> list[float]:
             return [_elapsed_ms(self.cuda, a, b) for a, b in pairs]
 
+        bwd = ms(self._bwd)
+        split = {k: _elapsed_ms(self.cuda, *v) for k, v in self._bwd_w.items()}
+        part = list(bwd)  # each backward's part that carried the layer marks
+        for i, k in enumerate(self._bwd_keys):
+            if k is not None and k in split:
+                part[i] = split[k] if k in self._marked_in_w else bwd[i]
+                bwd[i] += split[k]
         out = StepTiming(
             fwd_ms=ms(self._fwd),
-            bwd_ms=ms(self._bwd),
+            bwd_ms=bwd,
+            bwd_w_ms=list(split.values()),
             schedule_ms=schedule_ms,
             reduce_ms=float(sum(ms(self._reduce))),
             update_ms=(
                 _elapsed_ms(self.cuda, *self._update) if self._update is not None else float("nan")
             ),
         )
-        per_layer = self.layers.collect()
+        per_layer = self._collect_layers(out.bwd_ms, part)
         if per_layer is not None:
             f, b, hf, hb, df, db = per_layer
             # The backwards that ran no all-reduce: the others share the device with it.
@@ -512,13 +577,40 @@ class StageTimer:
                 device_fwd_ms=df,
                 device_bwd_ms=db,
             )
-        self.layers.sampling = False
+        for p in self.probes:
+            p.sampling = False
+        self._bwd_keys, self._bwd_w, self._marked_in_w = [], {}, set()
         self._fwd, self._bwd, self._reduce = [], [], []
         self._update = None
         self._fwd_timed, self._bwd_timed, self._bwd_reduced = [], [], []
         if self._pool is not None:
             self._pool.reset()
         return out
+
+    def _collect_layers(self, bwd_ms: list[float], part_ms: list[float]) -> tuple | None:
+        """The probes' per-layer readings joined in layer order, each virtual stage's
+        backward scaled by its whole backward over the part its marks were taken in (1 for
+        schedules that do not split the backward)."""
+        got = [p.collect() for p in self.probes]
+        if all(g is None for g in got):
+            return None
+        if any(g is None for g in got):
+            return None  # a virtual stage ran no sampled microbatch: nothing comparable
+        joined: list[list[float] | None] = [[] for _ in range(6)]
+        for v, g in enumerate(got):
+            keys = [i for i, k in enumerate(self._bwd_keys) if k is not None and k[0] == v]
+            whole = [bwd_ms[i] for i in keys if self._bwd_timed[i]]
+            part = [part_ms[i] for i in keys if self._bwd_timed[i]]
+            scale = 1.0
+            if whole and part and float(np.median(part)) > 0:
+                scale = float(np.median(whole)) / float(np.median(part))
+            for j, vals in enumerate(g):
+                if vals is None or joined[j] is None:
+                    joined[j] = None
+                    continue
+                k = j % 2 == 1  # the backward lists (bwd, launch bwd, device bwd)
+                joined[j] += [x * scale for x in vals] if k else list(vals)
+        return tuple(joined)
 
 
 def _readable(ms: list[float]) -> list[float]:

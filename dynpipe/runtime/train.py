@@ -25,7 +25,7 @@ from dynpipe.models import LayeredModel, get_model
 from dynpipe.models.cut import cut_model_meta
 from dynpipe.planner.costs import CostModel
 from dynpipe.planner.diff import diff
-from dynpipe.planner.plan import Plan, split_label
+from dynpipe.planner.plan import MULTI_SCHEDULES, Plan, split_label
 from dynpipe.runtime.adapt.loop import Adapter
 from dynpipe.runtime.adapt.make import activation_bytes, make_policy, warm_bytes
 from dynpipe.runtime.adapt.policy import Policy
@@ -120,14 +120,24 @@ def resolve_plan(cfg: TrainConfig, model: LayeredModel, world_size: int) -> Plan
     else:
         dp = cfg.dp or 1
         pp = check_dp(dp, world_size=world_size)
+        schedule = cfg.schedule or "1f1b"
         plan = Plan.even(
             model,
             cfg.stages or pp,
-            schedule=cfg.schedule or "1f1b",
+            schedule=schedule,
             microbatches=cfg.microbatches or 4,
+            chunks=cfg.chunks or (2 if schedule in MULTI_SCHEDULES else 1),
         )
         if dp > 1:
             plan = dataclasses.replace(plan, dp=dp)
+    if plan.schedule in MULTI_SCHEDULES and cfg.adapt.mode != "static":
+        # The adaptation core prices moves per rank of one stage; migration itself moves
+        # layers between virtual stages exactly (tests/test_schedules.py).
+        raise UserError(
+            f"--schedule {plan.schedule} runs with --adapt static (the controller does not "
+            f"price virtual stages yet, and this run asks for --adapt {cfg.adapt.mode}); add "
+            "--adapt static, or use --schedule 1f1b"
+        )
     # With --elastic a plan may leave ranks idle from the start (a GPU held back until the
     # controller finds it worth using); the idle ranks probe their devices like any other.
     plan.validate(model, world_size, elastic=cfg.adapt.elastic and plan.dp == 1)
