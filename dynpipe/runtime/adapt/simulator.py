@@ -818,18 +818,18 @@ class _Clairvoyant:
 def default_factory(predictor: str | None = None, **overrides: Any) -> PolicyFactory:
     """Controllers as the runtime builds them, with ``AdaptConfig`` ``overrides``; the
     ``adaptive`` mode loads ``predictor`` (prepared once per workload)."""
+    from dynpipe.runtime.adapt.model import ModelPolicy
     from dynpipe.runtime.adapt.policy import Controller
 
     loaded = predictor_for(predictor)
 
     def factory(w: Workload, sc: Scenario, mode: str) -> Policy:
-        cfg = AdaptConfig(mode=mode, **overrides)
-        if mode != "adaptive" or predictor is None:
-            return Controller(base=w.base, config=cfg, num_ranks=sc.stages)
-        est, prepared = loaded(w)
-        return Controller(
-            base=w.base, config=cfg, num_ranks=sc.stages, predictor=est, prepared=prepared
-        )
+        # A mode may name its core: ``measured:model`` runs the model core beside the rules.
+        mode, _, core = mode.partition(":")
+        cfg = AdaptConfig(mode=mode, **({"core": core} if core else {}), **overrides)
+        est, prepared = loaded(w) if mode == "adaptive" else (None, None)
+        kind = ModelPolicy if cfg.core == "model" else Controller
+        return kind(base=w.base, config=cfg, num_ranks=sc.stages, predictor=est, prepared=prepared)
 
     return factory
 
