@@ -73,7 +73,7 @@ class ModelState:
     less the model's) and the learned variance of its change from window to window under
     one plan (timers that swing while the steps do not make it large);
     pauses: measured pauses; pending: ``[plan left, predicted log gain, its mean log step,
-    segments]`` of the move decided, until judged; last_key: the plan of the last trusted
+    segments, first step, plan taken]`` of the move decided, until judged; last_key: the plan of the last trusted
     window (None right after a move); settle: windows still to ignore.
     """
 
@@ -160,7 +160,9 @@ class ModelPolicy:
 
     # ---- after a move ----------------------------------------------------------------------
     def applied(self, *, step: int, pause_ms: float, moved_bytes: int) -> None:
-        del step, moved_bytes
+        del moved_bytes
+        if self.st.pending is not None:
+            self.st.pending[4] = int(step)
         self.st.pauses.append(float(pause_ms))
         self.st.settle = self.config.settle_windows
         self.st.last_key = None
@@ -345,20 +347,27 @@ class ModelPolicy:
         st = self.st
         if st.pending is None or st.last_key is not None:
             return None
-        left, d_pred, y_before, segs_then = st.pending
+        left, d_pred, y_before, segs_then, step, dst = st.pending
         st.pending = None
+        out: dict[str, Any] = {
+            "step": step,
+            "src": left,
+            "dst": dst,
+            "before_ms": round(math.exp(y_before), 4),
+            "after_ms": round(math.exp(y), 4),
+        }
         if segs != segs_then or before != segs_then:
-            return {"verdict": "conditions changed", "plan_left": left}
+            return {**out, "verdict": "conditions changed"}
         d_meas = y_before - y
         # At most 3 sd of the model's error so far (Huber): one move across a change of
         # conditions the devices did not show must not silence the model for good.
         cap = 3.0 * math.sqrt(self._model_var())
         st.errors.append(max(-cap, min(cap, d_meas - d_pred)))
         return {
+            **out,
             "verdict": "faster" if d_meas > 0 else "slower",
-            "plan_left": left,
             "predicted_gain": round(d_pred, 4),
-            "measured_gain": round(d_meas, 4),
+            "achieved_gain": round(d_meas, 4),
         }
 
     def _model_var(self) -> float:
@@ -510,7 +519,8 @@ class ModelPolicy:
         proposed = cur_ms * math.exp(-best[2]) if best is not None else cur_ms
         nbytes = moved_bytes(self.base.state_bytes, w.bounds, best[1], w.ranks) if move else 0
         if move:
-            st.pending = [[list(x) for x in w.key], best[2], y_now, list(segs)]
+            dst = [list(x) for x in best[1]]
+            st.pending = [[list(x) for x in w.key], best[2], y_now, list(segs), w.step + 1, dst]
         return Decision(
             step=w.step + 1,
             mode=self.mode_used,
