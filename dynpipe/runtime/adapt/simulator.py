@@ -953,7 +953,8 @@ def main(argv: list[str] | None = None) -> int:
         "--modes",
         nargs="+",
         default=["measured", "adaptive", "clairvoyant"],
-        help="policies to run; clairvoyant: the reaction floor (true costs, moves at window ends)",
+        help="policies to run; clairvoyant: the reaction floor (true costs, moves at window "
+        "ends); MODE:model runs MODE on the model core (--adapt-core model)",
     )
     ap.add_argument("--predictor", default="predictor/h200.json.gz")
     ap.add_argument("--profiles", nargs="+", default=list(DEFAULT_PROFILES))
