@@ -26,7 +26,7 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from dynpipe.runtime.adapt import simulator as sim
+from dynpipe.sim import simulator as sim
 from dynpipe.runtime.runlog import code_revision
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@
 | ``replicas`` | ``ReplicaPolicy``: the same for data x pipeline runs (batch share, layers, shape) |
 | ``make`` | the policy a configuration asks for |
 | ``loop`` | ``Adapter``: runs the policy in the training loop and carries out its moves |
-| ``simulator`` | the controller simulator: the real policy against the exact oracle |
-| ``replica_simulator`` | the same for ``ReplicaPolicy`` over random dp x pp scenarios |
+
+The simulators that drive these policies are tools, in ``dynpipe.sim``.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ best over that phase, with zero pause: from an exact plan on the phase's true me
 or where slowdowns follow the load, every split of 2 stages timed and, with more, a local
 search around the exact plan (``_oracle``).
 
-    python -m dynpipe.runtime.adapt.simulator --scenarios 300 --modes measured adaptive
+    python -m dynpipe.sim.simulator --scenarios 300 --modes measured adaptive
 """
 
 from __future__ import annotations
@@ -78,7 +78,6 @@ __all__ = [
 ]
 
 CLEAN = "none"
-_REPO = Path(__file__).resolve().parents[3]
 DEFAULT_PROFILES = ("profiles/h200-bs32.parquet", "profiles/h200-bs64.parquet")
 DEFAULT_LOGS = "analysis/logs"
 
@@ -164,8 +163,9 @@ def load_workloads(paths: Sequence[str | Path] = DEFAULT_PROFILES) -> list[Workl
 
 
 def _path(p: str | Path) -> Path:
-    p = Path(p)
-    return p if p.exists() else _REPO / p
+    """A data path as given (relative ones to the working directory: the command line and
+    the tests run from the repository root)."""
+    return Path(p)
 
 
 @dataclass(frozen=True, eq=False)
