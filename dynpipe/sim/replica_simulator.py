@@ -50,6 +50,7 @@ from dynpipe.runtime.adapt.config import AdaptConfig
 from dynpipe.runtime.adapt.policy import Policy, moved_bytes
 from dynpipe.runtime.adapt.record import Bounds
 from dynpipe.runtime.adapt.replicas import ReplicaPolicy, best_shares, shape_options
+from dynpipe.runtime.autodp import copy_plan
 from dynpipe.sim.simulator import (
     DEFAULT_LOGS,
     DEFAULT_PROFILES,
@@ -70,7 +71,6 @@ from dynpipe.sim.simulator import (
     predictor_for,
     summarise,
 )
-from dynpipe.runtime.autodp import copy_plan
 
 __all__ = [
     "ReplicaScenario",
