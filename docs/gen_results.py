@@ -151,7 +151,7 @@ def simulator_page() -> str:
         "",
         _HEAD.format(src="bench/results/simulator.json and replica_simulator.json"),
         "",
-        "The controller simulator (`dynpipe/runtime/adapt/simulator.py`) runs the real policy",
+        "The controller simulator (`dynpipe/sim/simulator.py`) runs the real policy",
         "over hundreds of scenarios with true per-layer costs that change over time, real",
         "measurement noise and real pause costs, and compares each run with the oracle (the",
         "best static split per phase) and with the static plan. Ratios are step time over",

@@ -450,7 +450,7 @@ def test_light_ranks_probe_in_training_without_changing_what_it_computes(tmp_pat
 
 @pytest.mark.slow
 def test_simulated_blind_stage_runs_clean_and_its_probe_reads_the_device() -> None:
-    from dynpipe.runtime.adapt import simulator as sim
+    from dynpipe.sim import simulator as sim
 
     workloads = {w.name: w for w in sim.load_workloads()}
     traces = sim.noise_from_logs()

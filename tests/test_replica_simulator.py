@@ -19,8 +19,8 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from dynpipe.runtime.adapt import replica_simulator as rs
-from dynpipe.runtime.adapt import simulator as sim
+from dynpipe.sim import replica_simulator as rs
+from dynpipe.sim import simulator as sim
 
 pytestmark = pytest.mark.slow
 

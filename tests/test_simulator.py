@@ -26,8 +26,8 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from dynpipe.runtime.adapt import simulator as sim
 from dynpipe.runtime.runlog import code_revision
+from dynpipe.sim import simulator as sim
 
 pytestmark = pytest.mark.slow
 

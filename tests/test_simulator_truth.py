@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from dynpipe.runtime.adapt import simulator as sim
+from dynpipe.sim import simulator as sim
 
 
 @lru_cache(maxsize=1)

@@ -83,7 +83,7 @@ _GROUPS = (
 _NOT_FLAGS = ("model_args", "optim", "adapt")
 # Flag names older than the fields they set (the rest are --field-name).
 OPTIM_FLAGS = {"name": "--optimizer", "schedule": "--lr-schedule", "warmup_steps": "--warmup"}
-ADAPT_FLAGS = {"mode": "--adapt", "horizon_steps": "--horizon"}
+ADAPT_FLAGS = {"mode": "--adapt", "horizon_steps": "--horizon", "core": "--adapt-core"}
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:

@@ -7,11 +7,13 @@
 | ``estimates`` | ``CostEstimates``: every layer's cost on every device now |
 | ``record`` | ``PlanMemory`` (measured plans) and ``MoveRecord`` (one move, decision to verdict) |
 | ``policy`` | ``Controller`` and ``SweepPolicy``: window -> ``Decision`` (pure logic) |
+| ``belief`` | the model core's state: device slowdown filters, plan step times, the move rule |
+| ``model`` | ``ModelPolicy``: the model core (``--adapt-core model``) |
 | ``replicas`` | ``ReplicaPolicy``: the same for data x pipeline runs (batch share, layers, shape) |
 | ``make`` | the policy a configuration asks for |
 | ``loop`` | ``Adapter``: runs the policy in the training loop and carries out its moves |
-| ``simulator`` | the controller simulator: the real policy against the exact oracle |
-| ``replica_simulator`` | the same for ``ReplicaPolicy`` over random dp x pp scenarios |
+
+The simulators that drive these policies are tools, in ``dynpipe.sim``.
 """
 
 from __future__ import annotations

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dynpipe.errors import UserError
 
-__all__ = ["ADAPT_MODES", "AdaptConfig"]
+__all__ = ["ADAPT_CORES", "ADAPT_MODES", "AdaptConfig"]
 
 ADAPT_MODES = ("static", "measured", "adaptive", "restart", "sweep")
+ADAPT_CORES = ("rules", "model")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,16 @@ class AdaptConfig:
         dp' x pp' of the same ranks); exact, like every move.
     elastic: one pipeline: may change the number of stages, leaving a slowed device idle and
         bringing it back when its probe says it recovered.
+    core: the decision core of ``measured`` / ``adaptive`` with one pipeline: ``rules``
+        (``Controller``) or ``model`` (``ModelPolicy``: device and plan beliefs, one rule).
+    confidence: model core: a move is made when the gain over ``horizon_steps`` less the
+        pause is positive at this one-sided confidence.
+    model_error: model core: the prior standard deviation of the cost model's error on a
+        move's log gain, before moves measure it.
+    change_h: model core: the CUSUM threshold (in standardised innovations) at which a
+        device's readings are a change of conditions.
+    noise_floor: model core: the smallest standard deviation (relative) any window's reading
+        is given: no two windows of a real machine agree more closely than this.
     """
 
     mode: str = "adaptive"
@@ -57,6 +68,11 @@ class AdaptConfig:
     partial_reduce: bool = False
     reshape: bool = False
     elastic: bool = False
+    core: str = field(default="rules", metadata={"choices": ADAPT_CORES})
+    confidence: float = 0.9
+    model_error: float = 0.02
+    change_h: float = 4.0
+    noise_floor: float = 0.01
 
     def __post_init__(self) -> None:
         if self.mode not in ADAPT_MODES:
@@ -77,6 +93,16 @@ class AdaptConfig:
             raise UserError(
                 f"sweep_windows must be >= 2 (one settles, one measures), got {self.sweep_windows}"
             )
+        if self.core not in ADAPT_CORES:
+            raise UserError(f"unknown adaptation core {self.core!r}; use one of {ADAPT_CORES}")
+        if not 0.5 <= self.confidence < 1:
+            raise UserError(f"confidence must be in [0.5, 1), got {self.confidence}")
+        if self.model_error <= 0:
+            raise UserError(f"model_error must be > 0, got {self.model_error}")
+        if self.noise_floor <= 0:
+            raise UserError(f"noise_floor must be > 0, got {self.noise_floor}")
+        if self.change_h <= 0:
+            raise UserError(f"change_h must be > 0, got {self.change_h}")
         if self.sweep_plans < 1:
             raise UserError(f"sweep_plans must be >= 1, got {self.sweep_plans}")
 

@@ -70,6 +70,18 @@ def make_policy(
             predictor=loaded,
             prepared=prepared,
         )
+    if config.core == "model" and not config.elastic:
+        from dynpipe.runtime.adapt.model import ModelPolicy
+
+        # The model core covers one pipeline over a fixed set of ranks; --elastic (idle
+        # ranks, probes) stays with the rules core.
+        return ModelPolicy(
+            base=base,
+            config=config,
+            num_ranks=num_ranks,
+            predictor=loaded,
+            prepared=prepared,
+        )
     return Controller(
         base=base,
         config=config,

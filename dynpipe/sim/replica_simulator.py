@@ -28,7 +28,7 @@ job for the fixed part and its busiest rank's copies over the link, and its firs
 runs about 4x a step) and the oracle weighs every shape the policy may take. Never
 partial reduce (which changes the training math).
 
-    python -m dynpipe.runtime.adapt.replica_simulator --scenarios 100 --seed 7 [--reshape]
+    python -m dynpipe.sim.replica_simulator --scenarios 100 --seed 7 [--reshape]
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ from dynpipe.runtime.adapt.config import AdaptConfig
 from dynpipe.runtime.adapt.policy import Policy, moved_bytes
 from dynpipe.runtime.adapt.record import Bounds
 from dynpipe.runtime.adapt.replicas import ReplicaPolicy, best_shares, shape_options
-from dynpipe.runtime.adapt.simulator import (
+from dynpipe.runtime.autodp import copy_plan
+from dynpipe.sim.simulator import (
     DEFAULT_LOGS,
     DEFAULT_PROFILES,
     NoiseTrace,
@@ -70,7 +71,6 @@ from dynpipe.runtime.adapt.simulator import (
     predictor_for,
     summarise,
 )
-from dynpipe.runtime.autodp import copy_plan
 
 __all__ = [
     "ReplicaScenario",

@@ -36,7 +36,7 @@ best over that phase, with zero pause: from an exact plan on the phase's true me
 or where slowdowns follow the load, every split of 2 stages timed and, with more, a local
 search around the exact plan (``_oracle``).
 
-    python -m dynpipe.runtime.adapt.simulator --scenarios 300 --modes measured adaptive
+    python -m dynpipe.sim.simulator --scenarios 300 --modes measured adaptive
 """
 
 from __future__ import annotations
@@ -78,7 +78,6 @@ __all__ = [
 ]
 
 CLEAN = "none"
-_REPO = Path(__file__).resolve().parents[3]
 DEFAULT_PROFILES = ("profiles/h200-bs32.parquet", "profiles/h200-bs64.parquet")
 DEFAULT_LOGS = "analysis/logs"
 
@@ -164,8 +163,9 @@ def load_workloads(paths: Sequence[str | Path] = DEFAULT_PROFILES) -> list[Workl
 
 
 def _path(p: str | Path) -> Path:
-    p = Path(p)
-    return p if p.exists() else _REPO / p
+    """A data path as given (relative ones to the working directory: the command line and
+    the tests run from the repository root)."""
+    return Path(p)
 
 
 @dataclass(frozen=True, eq=False)
@@ -818,18 +818,18 @@ class _Clairvoyant:
 def default_factory(predictor: str | None = None, **overrides: Any) -> PolicyFactory:
     """Controllers as the runtime builds them, with ``AdaptConfig`` ``overrides``; the
     ``adaptive`` mode loads ``predictor`` (prepared once per workload)."""
+    from dynpipe.runtime.adapt.model import ModelPolicy
     from dynpipe.runtime.adapt.policy import Controller
 
     loaded = predictor_for(predictor)
 
     def factory(w: Workload, sc: Scenario, mode: str) -> Policy:
-        cfg = AdaptConfig(mode=mode, **overrides)
-        if mode != "adaptive" or predictor is None:
-            return Controller(base=w.base, config=cfg, num_ranks=sc.stages)
-        est, prepared = loaded(w)
-        return Controller(
-            base=w.base, config=cfg, num_ranks=sc.stages, predictor=est, prepared=prepared
-        )
+        # A mode may name its core: ``measured:model`` runs the model core beside the rules.
+        mode, _, core = mode.partition(":")
+        cfg = AdaptConfig(mode=mode, **({"core": core} if core else {}), **overrides)
+        est, prepared = loaded(w) if mode == "adaptive" else (None, None)
+        kind = ModelPolicy if cfg.core == "model" else Controller
+        return kind(base=w.base, config=cfg, num_ranks=sc.stages, predictor=est, prepared=prepared)
 
     return factory
 
@@ -953,7 +953,8 @@ def main(argv: list[str] | None = None) -> int:
         "--modes",
         nargs="+",
         default=["measured", "adaptive", "clairvoyant"],
-        help="policies to run; clairvoyant: the reaction floor (true costs, moves at window ends)",
+        help="policies to run; clairvoyant: the reaction floor (true costs, moves at window "
+        "ends); MODE:model runs MODE on the model core (--adapt-core model)",
     )
     ap.add_argument("--predictor", default="predictor/h200.json.gz")
     ap.add_argument("--profiles", nargs="+", default=list(DEFAULT_PROFILES))
