@@ -254,9 +254,10 @@ def _fit(args: argparse.Namespace) -> int:
     from dynpipe.predictor.report import write_report
     from dynpipe.predictor.train import fit_predictor
     from dynpipe.profiler.schema import load_profiles
+    from dynpipe.profiler.work import add_work
 
     _ints(args.stages, flag="--stages"), _splits(args.splits)  # fail before the slow part
-    df = load_profiles(args.profiles)
+    df = add_work(load_profiles(args.profiles))
     params = parse_overrides(args.params)
     if args.n_jobs is not None and args.estimator != "ridge":
         params.setdefault("n_jobs", args.n_jobs)
@@ -290,10 +291,11 @@ def _eval(args: argparse.Namespace) -> int:
     from dynpipe.predictor.io import dataset_fingerprint, load_predictor
     from dynpipe.predictor.report import render_markdown, write_report
     from dynpipe.profiler.schema import load_profiles
+    from dynpipe.profiler.work import add_work
 
     _ints(args.stages, flag="--stages"), _splits(args.splits)  # fail before the slow part
     pred = load_predictor(args.predictor)
-    df = load_profiles(args.profiles)
+    df = add_work(load_profiles(args.profiles))
     primary = pred.estimator_name
     ev = _evaluate(args, df, primary=primary, primary_est=pred.estimator, tune=args.tune)
     fp = dataset_fingerprint(df)

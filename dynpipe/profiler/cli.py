@@ -86,6 +86,10 @@ def run_profile(args: argparse.Namespace) -> int:
         return _run_summary(args)
     if args.profile_cmd == "telemetry":
         return _run_telemetry(args)
+    if args.profile_cmd == "corpus":
+        from dynpipe.profiler.corpus import run_corpus
+
+        return run_corpus(args)
     missing = [
         f
         for f, v in (
@@ -249,10 +253,31 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_profile, profile_cmd=None)
-    sub = p.add_subparsers(dest="profile_cmd", metavar="{summary,telemetry}")
+    sub = p.add_subparsers(dest="profile_cmd", metavar="{summary,telemetry,corpus}")
     s = sub.add_parser("summary", help="markdown summary of profile datasets")
     s.add_argument("profiles", nargs="+", help="parquet files or directories")
     s.add_argument("-o", "--out", help="write the markdown here instead of stdout")
+    c = sub.add_parser(
+        "corpus",
+        help="profile the predictor's corpus of architectures, one file each",
+        description="Profile every architecture of the predictor's corpus (zoo, Hugging Face, "
+        "torchvision, MobileNet, EfficientNet, MLP-Mixer) under a sweep, one parquet per "
+        "architecture in OUT, each in its own process. --seconds splits a time budget over "
+        "them (below 1800 s: the reduced sweep and two batch sizes).",
+    )
+    c.add_argument("out", metavar="OUT", help="folder for <card>-<arch>.parquet and corpus.json")
+    c.add_argument("--device", default="cuda:0", help="cuda:N (default cuda:0) or cpu")
+    c.add_argument(
+        "--size", default="gpu", help="gpu: full-size models (default); tiny: CPU-sized ones"
+    )
+    c.add_argument("--seconds", type=float, help="total time budget (default: none)")
+    c.add_argument("--only", help="comma-separated corpus architectures, e.g. mlp,mixer")
+    c.add_argument("--batch-sizes", help="override the batch sizes, e.g. 16,32")
+    c.add_argument("--sweep", help="override the sweep file")
+    c.add_argument("--dtype", help="default bfloat16 on GPU, float32 on CPU")
+    c.add_argument("--cores", help="pin the profiler to these cores (CPU), e.g. 0")
+    c.add_argument("--repeats", type=int, help="override the sweep's timing samples")
+    c.add_argument("--sample-ms", type=float, help="override the sweep's sample length")
     t = sub.add_parser("telemetry", help="print telemetry windows of a device")
     t.add_argument("--device", default="cpu")
     t.add_argument("--cores")
