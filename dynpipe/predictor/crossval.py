@@ -283,6 +283,7 @@ def _summarise(layers: pd.DataFrame, stages: pd.DataFrame) -> dict:
             "all": ape_summary(stg["measured_ms"].to_numpy(), stg["predicted_ms"].to_numpy()),
             "by_n_stages": _breakdown(stg, "n_stages"),
             "by_interferer": _breakdown(stg, "interferer"),
+            **({"by_model": _breakdown(stg, "model")} if "model" in stg else {}),
         },
     }
 
