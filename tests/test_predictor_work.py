@@ -87,7 +87,7 @@ def test_depthwise_convolution_backward_counts_groups():
     assert fwd["work_flops_conv_grouped"] == 1.0
     # Input and weight gradients: two forwards' worth, not a dense convolution's.
     assert bwd["work_flops"] == pytest.approx(2 * fwd["work_flops"])
-    assert classify("convolution", [None] * 8 + [1]) == "conv"
+    assert classify("convolution", args=[None] * 8 + [1]) == "conv"
 
 
 def test_features_name_no_model_or_layer():
@@ -121,7 +121,7 @@ def test_add_work_rebuilds_models_from_the_profile_command():
 def test_calibrated_errors_remove_the_other_half_mean():
     err = np.array([1.0, 1.0, 3.0, 3.0, 0.0, 2.0])
     runs = np.array([0, 0, 0, 0, 1, 1])
-    cal, level = calibrated_errors(err, runs)
+    cal, level = calibrated_errors(err, runs=runs)
     assert cal.tolist() == [-2.0, -2.0, 2.0, 2.0, -2.0, 2.0]
     assert level.tolist() == [2.0, 1.0]
     assert z_of(0.8) == pytest.approx(1.2816, abs=1e-4)

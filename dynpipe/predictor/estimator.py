@@ -287,7 +287,7 @@ class SlowdownRegressor(_SlowdownBase):
         if self.coverage is not None:
             from dynpipe.predictor.spread import fit_spread
 
-            fit_spread(self, arr, np.log(y), names=names, runs=ids, groups=groups)
+            fit_spread(self, arr=arr, log_y=np.log(y), names=names, runs=ids, groups=groups)
         return self
 
     def _fit_point(self, arr, y, names, sample_weight, ids) -> None:
@@ -353,7 +353,7 @@ class SlowdownRegressor(_SlowdownBase):
         names, arr = _as_matrix(X)
         if names is not None:
             arr = self._check_predict_input(X)
-        return log_sd(self, arr, calibrated=calibrated)
+        return log_sd(self, arr=arr, calibrated=calibrated)
 
     def set_predict_threads(self, n: int) -> None:
         """Threads for prediction. The runtime predicts a few hundred rows between steps:

@@ -421,7 +421,7 @@ def predict_layer_distribution(
     times = alone * np.asarray(est.predict_array(flat)).reshape(n_dev, 2 * n)
     from dynpipe.predictor.spread import log_sd
 
-    sd = np.asarray(log_sd(est, flat, calibrated=calibrated)).reshape(n_dev, 2 * n)
+    sd = np.asarray(log_sd(est, arr=flat, calibrated=calibrated)).reshape(n_dev, 2 * n)
     return LayerTimes(
         fwd_ms=times[:, :n],
         bwd_ms=times[:, n:],

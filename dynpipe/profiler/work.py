@@ -87,7 +87,7 @@ _NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_st
               "sym_numel", "sym_storage_offset", "is_same_size"}  # fmt: skip
 
 
-def classify(name: str, args: Sequence[Any] = ()) -> str:
+def classify(name: str, *, args: Sequence[Any] = ()) -> str:
     """The ``OP_KINDS`` kind of an ATen operator by its packet name (``"addmm"``)."""
     if name in _MATMUL:
         return "matmul"
@@ -163,7 +163,7 @@ class WorkCounter(TorchDispatchMode):
         ins, _ = tree_flatten((args, kwargs))
         outs, _ = tree_flatten(out)
         # An in-place operator's output is its first input: counted once, read and written.
-        self.record(classify(name, args), flops=flops, nbytes=_nbytes(ins) + _nbytes(outs))
+        self.record(classify(name, args=args), flops=flops, nbytes=_nbytes(ins) + _nbytes(outs))
         return out
 
     def as_row(self) -> dict[str, float]:
