@@ -4,13 +4,16 @@
 # ConvNeXt-T; MobileNetV3-Small, EfficientNet-B0 and an MLP-Mixer built from configs), each
 # timed layer by layer alone and beside gemm / copy / train interferers, one parquet each.
 #
-#   bash bench/profile_corpus.sh OUT [SECONDS]
+#   bash bench/profile_corpus.sh OUT [SECONDS [EXTRA dynpipe profile corpus ARGS...]]
 #
 # SECONDS (default: none) is split evenly over the architectures; below 1800 the reduced
 # sweep (recipes/sweeps/gpu-corpus-quick.toml: 8 conditions, 3 samples of 20 ms) and batch
 # sizes 16 and 32 are used, else recipes/sweeps/gpu.toml's 15 conditions at 16, 32 and 64.
 # 480 fits in about 8 minutes on an H100 (each architecture stops at its share and keeps
-# every condition it finished); re-running with the same OUT resumes each file.
+# every condition it finished); re-running with the same OUT resumes each file. The full
+# corpus takes longer than one 10-minute call: run, as often as needed (each call gives every
+# unfinished architecture another share; finished ones return at once),
+#   bash bench/profile_corpus.sh OUT 540 --sweep recipes/sweeps/gpu.toml --batch-sizes 16,32,64
 # Writes OUT/profiles/<card>-<arch>.parquet (card, driver and torch in each file's metadata),
 # a markdown summary beside each, OUT/profiles/corpus.json and OUT/device.txt. Copy the
 # parquet files into profiles/ and fit with
@@ -38,7 +41,7 @@ for lib in ("transformers", "torchvision"):
 PY
 } | tee "$OUT/device.txt"
 python -m dynpipe profile corpus "$OUT/profiles" --device cuda:0 --size gpu \
-    ${SECONDS_BUDGET:+--seconds "$SECONDS_BUDGET"}
+    ${SECONDS_BUDGET:+--seconds "$SECONDS_BUDGET"} "${@:3}"
 for f in "$OUT"/profiles/*.parquet; do
     python -m dynpipe profile summary "$f" -o "${f%.parquet}.md" >/dev/null || true
 done
