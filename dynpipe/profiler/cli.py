@@ -12,13 +12,12 @@ Heavy libraries (torch, pandas, pynvml) are imported inside the handlers.
 from __future__ import annotations
 
 import argparse
-import ast
-import inspect
 import signal
 import time
 from typing import Any
 
 from dynpipe.errors import UserError
+from dynpipe.profiler.settings import model_configs
 
 __all__ = ["parse_cores", "register", "run_interfere", "run_profile"]
 
@@ -35,41 +34,6 @@ def parse_cores(text: str | None) -> list[int] | None:
     except ValueError:
         raise UserError(f"--cores {text!r}: write core numbers like 0 or 0,1 or 0-3") from None
     return sorted(cores)
-
-
-def _value(text: str) -> Any:
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
-def _model_configs(names: list[str], args: list[str]) -> list[tuple[str, dict[str, Any]]]:
-    """Apply ``--set [MODEL.]KEY=VALUE`` to the models that take that keyword."""
-    from dynpipe.models import ZOO, load_zoo
-
-    load_zoo()
-    configs: dict[str, dict[str, Any]] = {n: {} for n in names}
-    for item in args:
-        key, sep, val = item.partition("=")
-        if not sep:
-            raise UserError(f"--set {item!r}: write KEY=VALUE or MODEL.KEY=VALUE, e.g. depth=4")
-        target, _, key = key.rpartition(".") if "." in key else ("", "", key)
-        hits = []
-        for name in names:
-            if target and target != name:
-                continue
-            factory = ZOO.get(name)
-            params = inspect.signature(factory).parameters if factory else {}
-            if factory is None or key in params:
-                configs[name][key] = _value(val)
-                hits.append(name)
-        if not hits:
-            raise UserError(
-                f"--set {item!r}: none of the models {', '.join(names)} takes {key!r}; "
-                "see `dynpipe models --model NAME`"
-            )
-    return [(n, configs[n]) for n in names]
 
 
 def _term_as_interrupt() -> None:
@@ -137,7 +101,7 @@ def run_profile(args: argparse.Namespace) -> int:
         sweep = replace(sweep, **overrides)
     _term_as_interrupt()
     df = run_sweep(
-        _model_configs(names, args.overrides),
+        model_configs(names, overrides=args.overrides),
         batch_sizes=sizes,
         sweep=sweep,
         out=args.out,

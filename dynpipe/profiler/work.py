@@ -237,9 +237,12 @@ def layer_work(
     The backward of layer 0 leaves out the gradient of its input (data), as a pipeline does;
     a layer without a backward (no parameters, data input) gets zeros.
     """
-    from dynpipe.profiler.layers import dtype_of
-
-    dt = dtype_of(dtype)
+    # Not profiler.layers.dtype_of: layers imports this module.
+    dt = (
+        dtype
+        if isinstance(dtype, torch.dtype)
+        else getattr(torch, str(dtype).removeprefix("torch."))
+    )
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     x, _ = model.input_spec.example(batch_size, device="meta")
@@ -276,7 +279,7 @@ def _models_of_command(command: str) -> dict[str, Any]:
     import shlex
 
     from dynpipe.models import get_model
-    from dynpipe.profiler.cli import _model_configs
+    from dynpipe.profiler.settings import model_configs
 
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--model", action="append", default=[])
@@ -284,7 +287,7 @@ def _models_of_command(command: str) -> dict[str, Any]:
     args, _ = parser.parse_known_args(shlex.split(command)[2:])  # drop "dynpipe profile"
     names = [n for item in args.model for n in item.split(",") if n]
     out = {}
-    for name, cfg in _model_configs(names, args.overrides):
+    for name, cfg in model_configs(names, overrides=args.overrides):
         model = get_model(name, **cfg)
         out[model.name] = model
     return out
