@@ -29,20 +29,37 @@ import pandas as pd
 
 
 def _layers(n: int, kinds: tuple[str, ...], rng: np.random.Generator) -> pd.DataFrame:
-    """A plausible layer table (LayerStats-like columns) of ``n`` layers."""
+    """A plausible layer table (LayerStats-like columns, and work counts per phase) of ``n``
+    layers."""
+    from dynpipe.profiler.work import FLOP_KINDS, OP_KINDS
+
     flops = rng.lognormal(np.log(2e9), 1.5, n)
     params = rng.lognormal(np.log(4e6), 1.5, n).astype(np.int64)
     act = rng.lognormal(np.log(8e6), 1.0, n).astype(np.int64)
-    return pd.DataFrame(
-        {
-            "kind": rng.choice(list(kinds), n),
-            "fwd_flops": flops,
-            "bwd_flops": 2 * flops,
-            "param_bytes": params,
-            "in_bytes": act,
-            "out_bytes": act,
-        }
-    )
+    cols = {
+        "kind": rng.choice(list(kinds) or ["block"], n),
+        "fwd_flops": flops,
+        "bwd_flops": 2 * flops,
+        "param_bytes": params,
+        "in_bytes": act,
+        "out_bytes": act,
+    }
+    for phase, mult in (("fwd", 1.0), ("bwd", 2.0)):
+        moved = mult * (params + 2 * act) * rng.uniform(1.0, 3.0, n)
+        launches = np.round(mult * rng.integers(1, 40, n))
+        byte_mix = rng.dirichlet(np.ones(len(OP_KINDS)), n)
+        flop_mix = rng.dirichlet(np.ones(len(FLOP_KINDS)), n)
+        cols.update(
+            {
+                f"{phase}_work_flops": mult * flops,
+                f"{phase}_work_bytes": moved,
+                f"{phase}_work_launches": launches,
+                f"{phase}_work_max_op_bytes": moved / np.sqrt(launches),
+                **{f"{phase}_work_bytes_{k}": byte_mix[:, i] for i, k in enumerate(OP_KINDS)},
+                **{f"{phase}_work_flops_{k}": flop_mix[:, i] for i, k in enumerate(FLOP_KINDS)},
+            }
+        )
+    return pd.DataFrame(cols)
 
 
 def _time(calls: dict, *, warmup: int = 5) -> dict[str, tuple[list[float], list[float]]]:
@@ -84,6 +101,7 @@ def main() -> None:
     from dynpipe.predictor import (
         fit_predictor,
         load_predictor,
+        predict_layer_distribution,
         predict_layer_times,
         prepare_layers,
     )
@@ -139,6 +157,14 @@ def main() -> None:
                 lambda call=call, layers=layers: call(layers=layers),
                 reps,
             )
+        if getattr(pred.estimator, "spread_booster_", None) is not None:
+            # Times and their spread in one call: what the adaptation core uses.
+            def dist(layers=prepared, pred=pred, a_f=a_f, a_b=a_b, tel=tel):
+                return predict_layer_distribution(
+                    pred, layers=layers, alone_fwd_ms=a_f, alone_bwd_ms=a_b, telemetry=tel
+                )
+
+            calls[f"{name} with spread"] = (dist, reps)
     results = {}
     for key, (ms, cpu) in _time(calls).items():
         results[key] = {

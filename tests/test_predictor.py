@@ -29,7 +29,12 @@ from dynpipe.predictor import (
     rescale_to_measured,
     save_predictor,
 )
-from dynpipe.predictor.features import NUMERIC_STATIC, NUMERIC_STATIC_V1, FeatureSchema
+from dynpipe.predictor.features import (
+    NUMERIC_STATIC,
+    NUMERIC_STATIC_V1,
+    NUMERIC_WORK,
+    FeatureSchema,
+)
 from dynpipe.predictor.floor import sibling_floor
 from dynpipe.predictor.io import Predictor, dataset_fingerprint
 from dynpipe.predictor.stages import (
@@ -76,21 +81,24 @@ def test_features_are_static_plus_telemetry_only(df, xy):
     for label in ("interferer", "intensity", "n_jobs", "condition"):
         assert label not in X.columns and not any(c.startswith(label) for c in X.columns)
     assert schema.telemetry == tuple(c for c in COLUMNS if c.startswith("tel_"))
-    kind_cols = [c for c in X.columns if c.startswith("kind_")]
-    np.testing.assert_array_equal(X[kind_cols].sum(axis=1), 1.0)
+    # No feature names a model or a layer: the layer-kind label is not one.
+    assert not [c for c in X.columns if c.startswith("kind_")] and schema.kinds == ()
     np.testing.assert_array_equal(X[["phase_fwd", "phase_bwd"]].sum(axis=1), 1.0)
     row = df.iloc[5]
-    nbytes = row["param_bytes"] + row["in_bytes"] + row["out_bytes"]
-    assert X.iloc[5]["log_flops"] == pytest.approx(np.log10(1 + row["flops"]))
-    assert X.iloc[5]["log_arith_intensity"] == pytest.approx(np.log10(row["flops"] / nbytes))
+    nbytes = row["work_bytes"]
+    assert X.iloc[5]["log_flops"] == pytest.approx(np.log10(1 + row["work_flops"]))
+    assert X.iloc[5]["log_arith_intensity"] == pytest.approx(np.log10(row["work_flops"] / nbytes))
     assert X.iloc[5]["log_time_alone_ms"] == pytest.approx(np.log10(row["time_alone_ms"]))
     # The rates the layer achieves alone: what tells a launch-bound layer from a busy one.
-    rate = row["flops"] / row["time_alone_ms"]
+    rate = row["work_flops"] / row["time_alone_ms"]
     assert X.iloc[5]["log_flops_per_ms"] == pytest.approx(np.log10(1 + rate))
     assert X.iloc[5]["log_bytes_per_ms"] == pytest.approx(
         np.log10(1 + nbytes / row["time_alone_ms"])
     )
-    assert X.iloc[5][f"kind_{row['kind']}"] == 1.0
+    assert X.iloc[5]["log_ms_per_launch"] == pytest.approx(
+        np.log10(row["time_alone_ms"] / row["work_launches"])
+    )
+    assert X.iloc[5]["bytes_share_matmul"] == row["work_bytes_matmul"]
 
 
 def test_extract_features_is_pure_and_follows_schema_order(df, xy):
@@ -121,20 +129,27 @@ def test_missing_static_column_and_bad_alone_time(df):
         extract_features(df.assign(time_alone_ms=np.r_[0.0, df["time_alone_ms"].to_numpy()[1:]]))
 
 
-def test_unknown_kind_warns_and_has_no_one_hot(df, xy):
-    _, _, schema = xy
-    new = df.head(4).assign(kind="mamba")
+def test_kind_label_is_no_feature_and_old_schemas_warn(df, xy):
+    X, _, schema = xy
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        X2, _ = extract_features(df.head(4).assign(kind="mamba"), schema=schema)
+    pd.testing.assert_frame_equal(X2, X.head(4))
+    # Schema-2 files (a one-hot of the label) still read, and warn on a label they lack.
+    old = FeatureSchema(kinds=("conv", "linear"), telemetry=schema.telemetry, version=2)
     with pytest.warns(UserWarning, match="mamba"):
-        X, _ = extract_features(new, schema=schema)
-    assert (X[[f"kind_{k}" for k in schema.kinds]].to_numpy() == 0).all()
+        X3, _ = extract_features(df.head(4).assign(kind="mamba"), schema=old)
+    assert (X3[["kind_conv", "kind_linear"]].to_numpy() == 0).all()
 
 
 def test_schema_round_trips_as_dict(xy):
     _, _, schema = xy
     assert FeatureSchema.from_dict(schema.to_dict()) == schema
-    assert schema.names[: len(NUMERIC_STATIC)] == list(NUMERIC_STATIC)
+    assert schema.names[: len(NUMERIC_WORK)] == list(NUMERIC_WORK)
+    v2 = FeatureSchema.from_dict({**schema.to_dict(), "kinds": ["conv"], "version": 2})
+    assert v2.names[: len(NUMERIC_STATIC) + 1] == [*NUMERIC_STATIC, "kind_conv"]
     # Predictors saved before the achieved rates were features keep their columns.
-    old = FeatureSchema.from_dict({**schema.to_dict(), "version": 1})
+    old = FeatureSchema.from_dict({**schema.to_dict(), "kinds": ["conv"], "version": 1})
     assert old.names[: len(NUMERIC_STATIC_V1)] == list(NUMERIC_STATIC_V1)
     assert old.names[len(NUMERIC_STATIC_V1)].startswith("kind_")
     with pytest.raises(UserError, match="version 9"):
@@ -549,20 +564,18 @@ def test_runtime_refills_alone_dependent_features_per_device(df, predictor):
     assert not np.allclose(got_f[1] / got_f[0], scale[1])
 
 
-def test_runtime_from_layer_stats(predictor):
+def test_runtime_from_the_model(predictor):
     from dynpipe.models import get_model
-    from dynpipe.models.stats import layer_stats
 
     model = get_model("mlp", depth=4, width=64)
-    stats = layer_stats(model, batch_size=32)
-    n = len(stats)
+    n = len(model)
     quiet = dict.fromkeys(predictor.schema.telemetry, 0.0)
     busy = {**quiet, "tel_other_util": 95.0, "tel_other_procs": 2.0, "tel_other_mem_util": 40.0}
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # mlp's kinds are known: no warning expected
+        warnings.simplefilter("error")  # no warning expected
         fwd, bwd = predict_layer_times(
             predictor,
-            layers=stats,
+            layers=model,  # its work counts are taken on the meta device
             batch_size=32,
             alone_fwd_ms=np.full(n, 0.05),
             alone_bwd_ms=np.full((2, n), 0.1),

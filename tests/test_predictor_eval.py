@@ -165,16 +165,19 @@ def test_nested_tuning_only_sees_training_folds(df, monkeypatch):
     seen: list[set] = []
     real_fit = SlowdownRegressor.fit
 
-    def spy(self, X, y, sample_weight=None, runs=None):
+    def spy(self, X, y, sample_weight=None, runs=None, groups=None):
         seen.append(set(X.index))
-        return real_fit(self, X, y, sample_weight, runs)
+        return real_fit(self, X, y, sample_weight, runs, groups)
 
     monkeypatch.setattr(crossval, "TUNE_GRID", {"max_depth": [2, 3]})
     monkeypatch.setattr(SlowdownRegressor, "fit", spy)
     sub = df[df["model"] != "cnn_a"]
     out = evaluate(
         sub,
-        estimators={"xgb": SlowdownRegressor(**{**SMALL_XGB, "n_estimators": 10})},
+        # Without a spread: its own inner refits are not the search's.
+        estimators={
+            "xgb": SlowdownRegressor(**{**SMALL_XGB, "n_estimators": 10, "coverage": None})
+        },
         splits=("condition",),
         n_folds=3,
         tune=("xgb",),

@@ -254,9 +254,10 @@ def _fit(args: argparse.Namespace) -> int:
     from dynpipe.predictor.report import write_report
     from dynpipe.predictor.train import fit_predictor
     from dynpipe.profiler.schema import load_profiles
+    from dynpipe.profiler.work import add_work
 
     _ints(args.stages, flag="--stages"), _splits(args.splits)  # fail before the slow part
-    df = load_profiles(args.profiles)
+    df = add_work(load_profiles(args.profiles))
     params = parse_overrides(args.params)
     if args.n_jobs is not None and args.estimator != "ridge":
         params.setdefault("n_jobs", args.n_jobs)
@@ -290,10 +291,11 @@ def _eval(args: argparse.Namespace) -> int:
     from dynpipe.predictor.io import dataset_fingerprint, load_predictor
     from dynpipe.predictor.report import render_markdown, write_report
     from dynpipe.profiler.schema import load_profiles
+    from dynpipe.profiler.work import add_work
 
     _ints(args.stages, flag="--stages"), _splits(args.splits)  # fail before the slow part
     pred = load_predictor(args.predictor)
-    df = load_profiles(args.profiles)
+    df = add_work(load_profiles(args.profiles))
     primary = pred.estimator_name
     ev = _evaluate(args, df, primary=primary, primary_est=pred.estimator, tune=args.tune)
     fp = dataset_fingerprint(df)
@@ -326,8 +328,20 @@ def _show(args: argparse.Namespace) -> int:
     pred = load_predictor(args.predictor)
     print(repr(pred))
     print(f"estimator: {type(pred.estimator).__name__} {pred.estimator.get_params()}")
-    print(f"features ({len(pred.schema.names)}): {', '.join(pred.schema.names)}")
-    print(f"trained on: {json.dumps({k: v for k, v in pred.training.items() if k != 'metadata'})}")
+    print(
+        f"features (schema {pred.schema.version}, {len(pred.schema.names)}): "
+        f"{', '.join(pred.schema.names)}"
+    )
+    for line in _training_lines(pred.training):
+        print(line)
+    est = pred.estimator
+    if getattr(est, "spread_booster_", None) is not None:
+        print(
+            f"spread: {100 * est.coverage:.0f}% interval calibrated on held-out architectures; "
+            f"level spread {est.level_log_sd_:.3f} (log time)"
+        )
+    else:
+        print("spread: none (predict_layer_distribution refuses this file)")
     print(f"data fingerprint: {pred.data_fingerprint}")
     print(f"versions: {json.dumps(pred.versions)}")
     if pred.report:
@@ -335,6 +349,31 @@ def _show(args: argparse.Namespace) -> int:
     else:
         print("no accuracy report attached; run `dynpipe predictor fit ... --report DIR`")
     return 0
+
+
+def _training_lines(training: dict) -> list[str]:
+    """What ``show`` prints of a predictor's training data: architectures, cards (with
+    driver and torch, from the profiles' metadata), conditions, batch sizes."""
+    lines = [f"trained on: {training.get('rows', '?')} rows"]
+    models = training.get("models") or []
+    lines.append(f"  architectures ({len(models)}): {', '.join(models) or '?'}")
+    metas = (training.get("metadata") or {}).get("dynpipe") or []
+    cards: dict[str, set[str]] = {}
+    for meta in metas if isinstance(metas, list) else [metas]:
+        if isinstance(meta, dict) and meta.get("device_name"):
+            cards.setdefault(str(meta["device_name"]), set()).add(
+                f"driver {meta.get('driver', '?')}, torch {meta.get('torch_version', '?')}"
+            )
+    for name in training.get("devices") or []:
+        cards.setdefault(str(name), set())
+    for name, soft in sorted(cards.items()):
+        lines.append(f"  card: {name}" + (f" ({'; '.join(sorted(soft))})" if soft else ""))
+    conditions = training.get("conditions") or []
+    lines.append(f"  conditions ({len(conditions)}): {', '.join(conditions)}")
+    for key, label in (("batch_sizes", "batch sizes"), ("dtypes", "dtypes")):
+        if training.get(key):
+            lines.append(f"  {label}: {', '.join(map(str, training[key]))}")
+    return lines
 
 
 def _convert(args: argparse.Namespace) -> int:

@@ -187,6 +187,10 @@ def encode_estimator(est: Any) -> dict[str, Any]:
         if getattr(est, "level_booster_", None) is not None:
             fitted["level_booster"] = _booster_json(est.level_booster_)
             fitted["level_columns_"] = [int(i) for i in est.level_columns_]
+        if getattr(est, "spread_booster_", None) is not None:
+            fitted["spread_booster"] = _booster_json(est.spread_booster_)
+            fitted["spread_scale_"] = float(est.spread_scale_)
+            fitted["level_log_sd_"] = float(est.level_log_sd_)
     elif isinstance(est, ForestSlowdown):
         fitted = {**_fitted_common(est), **_forest_arrays(est.model_).to_json()}
     elif isinstance(est, RidgeSlowdown):
@@ -217,8 +221,10 @@ def decode_estimator(doc: dict[str, Any]) -> Any:
         cls = classes[doc["class"]]
         params = dict(doc["params"])
         if cls is SlowdownRegressor:
-            # Files written before the shape target hold one booster on the slowdown itself.
+            # Files written before the shape target hold one booster on the slowdown itself,
+            # and files written before the spread have none.
             params.setdefault("target", "slowdown")
+            params.setdefault("coverage", None)
         est = cls(**params)
         fitted = doc["fitted"]
         est.n_features_in_ = int(fitted["n_features_in_"])
@@ -229,6 +235,10 @@ def decode_estimator(doc: dict[str, Any]) -> Any:
             if est.target == "shape":
                 est.level_booster_ = _booster(fitted["level_booster"])
                 est.level_columns_ = np.asarray(fitted["level_columns_"], dtype=np.int64)
+            if "spread_booster" in fitted:
+                est.spread_booster_ = _booster(fitted["spread_booster"])
+                est.spread_scale_ = float(fitted["spread_scale_"])
+                est.level_log_sd_ = float(fitted["level_log_sd_"])
             est.monotone_constraints_ = {
                 str(k): int(v) for k, v in fitted["monotone_constraints_"].items()
             }

@@ -61,6 +61,8 @@ __all__ = [
 ]
 
 SPLITS: tuple[str, ...] = ("condition", "model", "interferer", "device")
+# The central interval whose coverage reports give (the estimators' default ``coverage``).
+COVERAGE = 0.8
 # Grid for nested tuning of the xgboost model (--tune); small on purpose: each point is a
 # full inner cross-validation.
 TUNE_GRID: dict[str, list] = {
@@ -149,6 +151,34 @@ def takes_runs(est: BaseEstimator) -> bool:
     return "runs" in inspect.signature(type(est).fit).parameters
 
 
+def takes_groups(est: BaseEstimator) -> bool:
+    """Whether ``est.fit`` takes ``groups=`` (the architecture of each row, which its spread
+    is calibrated across)."""
+    return "groups" in inspect.signature(type(est).fit).parameters
+
+
+def fit_extras(est: BaseEstimator, df: pd.DataFrame, rows: np.ndarray | None = None) -> dict:
+    """The ``runs=`` / ``groups=`` fit arguments ``est`` takes, for ``df``'s rows ``rows``."""
+    pos = np.arange(len(df)) if rows is None else rows
+    extra: dict = {}
+    if takes_runs(est):
+        extra["runs"] = run_ids(df)[pos]
+    if takes_groups(est) and "model" in df.columns:
+        extra["groups"] = df["model"].astype(str).to_numpy()[pos]
+    return extra
+
+
+def _log_sd(model: BaseEstimator, X: pd.DataFrame) -> np.ndarray | None:
+    """``[2, n]``: the calibrated and the absolute spread of ``model``'s predictions."""
+    fitted = getattr(model, "best_estimator_", model)
+    if not hasattr(fitted, "predict_log_sd"):
+        return None
+    cal = fitted.predict_log_sd(X, calibrated=True)
+    if cal is None:
+        return None
+    return np.stack([cal, fitted.predict_log_sd(X, calibrated=False)])
+
+
 def _fit_predict(
     est: BaseEstimator,
     X: pd.DataFrame,
@@ -156,12 +186,15 @@ def _fit_predict(
     folds: list[tuple[np.ndarray, np.ndarray]],
     *,
     tune_groups: np.ndarray | None,
-    runs: np.ndarray,
-) -> np.ndarray:
+    df: pd.DataFrame,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Out-of-fold slowdowns and, for estimators with a spread, out-of-fold ``log_sd``
+    (``[2, n]``: of the calibrated prediction, of the absolute one)."""
     oof = np.full(len(X), np.nan)
+    oof_sd: np.ndarray | None = None
     for train, test in folds:
         model = clone(est)
-        extra = {"runs": runs[train]} if takes_runs(est) else {}
+        extra = fit_extras(est, df, train)
         if tune_groups is not None:
             n_inner = min(3, len(np.unique(tune_groups[train])))
             model = GridSearchCV(
@@ -171,28 +204,54 @@ def _fit_predict(
                 scoring="neg_mean_absolute_percentage_error",
                 n_jobs=1,
             )
+            extra.pop("groups", None)  # the search's own folds take ``groups``
             model.fit(X.iloc[train], y[train], groups=tune_groups[train], **extra)
         else:
             model.fit(X.iloc[train], y[train], **extra)
         oof[test] = model.predict(X.iloc[test])
-    return oof
+        sd = _log_sd(model, X.iloc[test])
+        if sd is not None:
+            if oof_sd is None:
+                oof_sd = np.full((2, len(X)), np.nan)
+            oof_sd[:, test] = sd
+    return oof, oof_sd
 
 
-def _layer_frame(df: pd.DataFrame, pred_ms: np.ndarray, **labels) -> pd.DataFrame:
+def _layer_frame(
+    df: pd.DataFrame, pred_ms: np.ndarray, log_sd: np.ndarray | None = None, **labels
+) -> pd.DataFrame:
     keys = run_keys(df)
     out = df[[*keys, "layer_index", "kind", "phase", "interferer", "time_ms"]].copy()
     out = out.rename(columns={"time_ms": "measured_ms"})
     out["predicted_ms"] = pred_ms
+    if log_sd is not None:
+        out["log_sd"] = log_sd
     for k, v in labels.items():
         out[k] = v
     return out
 
 
 def _breakdown(frame: pd.DataFrame, by: str) -> dict:
-    return {
-        str(k): ape_summary(g["measured_ms"].to_numpy(), g["predicted_ms"].to_numpy())
-        for k, g in frame.groupby(by, sort=True)
-    }
+    return {str(k): _frame_summary(g) for k, g in frame.groupby(by, sort=True)}
+
+
+def _frame_summary(frame: pd.DataFrame) -> dict:
+    """``ape_summary`` of a frame, with the share of measurements inside the predicted
+    ``COVERAGE`` interval where the frame carries a spread (``log_sd``)."""
+    out = ape_summary(frame["measured_ms"].to_numpy(), frame["predicted_ms"].to_numpy())
+    if "log_sd" in frame and frame["log_sd"].notna().any():
+        out["coverage"] = interval_coverage(frame, coverage=COVERAGE)
+    return out
+
+
+def interval_coverage(frame: pd.DataFrame, *, coverage: float) -> float:
+    """Share of rows whose measured time lies in the central ``coverage`` interval of the
+    prediction, ``predicted * exp(+- z * log_sd)``."""
+    from dynpipe.predictor.spread import z_of
+
+    sub = frame.dropna(subset=["log_sd"])
+    err = np.abs(np.log(sub["measured_ms"].to_numpy() / sub["predicted_ms"].to_numpy()))
+    return round(float(np.mean(err <= z_of(coverage) * sub["log_sd"].to_numpy())), 4)
 
 
 def data_summary(df: pd.DataFrame, schema: FeatureSchema) -> dict[str, object]:
@@ -214,7 +273,7 @@ def _summarise(layers: pd.DataFrame, stages: pd.DataFrame) -> dict:
     stg = stages[stages["interferer"] != "none"]
     return {
         "layer": {
-            "all": ape_summary(lay["measured_ms"].to_numpy(), lay["predicted_ms"].to_numpy()),
+            "all": _frame_summary(lay),
             "by_kind": _breakdown(lay, "kind"),
             "by_interferer": _breakdown(lay, "interferer"),
             "by_phase": _breakdown(lay, "phase"),
@@ -224,6 +283,7 @@ def _summarise(layers: pd.DataFrame, stages: pd.DataFrame) -> dict:
             "all": ape_summary(stg["measured_ms"].to_numpy(), stg["predicted_ms"].to_numpy()),
             "by_n_stages": _breakdown(stg, "n_stages"),
             "by_interferer": _breakdown(stg, "interferer"),
+            **({"by_model": _breakdown(stg, "model")} if "model" in stg else {}),
         },
     }
 
@@ -244,10 +304,14 @@ def score(df: pd.DataFrame, predicted_ms: np.ndarray, *, n_stages: Sequence[int]
 
 
 def _scored_frames(
-    df: pd.DataFrame, pred_ms: np.ndarray, stage_ids: Mapping[int, np.ndarray], **labels
+    df: pd.DataFrame,
+    pred_ms: np.ndarray,
+    stage_ids: Mapping[int, np.ndarray],
+    log_sd: np.ndarray | None = None,
+    **labels,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Layer and stage frames of per-row predicted times, every frame row labelled."""
-    lay = _layer_frame(df, pred_ms, **labels)
+    lay = _layer_frame(df, pred_ms, log_sd, **labels)
     parts = [
         stage_sums(df, stage=sid, predicted_ms=pred_ms).assign(n_stages=s)
         for s, sid in stage_ids.items()
@@ -312,7 +376,11 @@ def _empty_stages() -> pd.DataFrame:
 
 
 def _measured_frames(
-    df: pd.DataFrame, stage_ids: Mapping[int, np.ndarray], *, base_ms: np.ndarray | None = None
+    df: pd.DataFrame,
+    stage_ids: Mapping[int, np.ndarray],
+    *,
+    base_ms: np.ndarray | None = None,
+    log_sd: np.ndarray | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Frames for a device that measures the stage it runs now, for every stage it might run.
 
@@ -334,7 +402,10 @@ def _measured_frames(
                     df, stage=sid, current=k, reference_ms=base_ms
                 )
             other = (sid >= 0) & (sid != k)
-            layer_parts.append(_layer_frame(df[other], pred[other], n_stages=n_st, current_stage=k))
+            sd = None if log_sd is None else log_sd[other]
+            layer_parts.append(
+                _layer_frame(df[other], pred[other], sd, n_stages=n_st, current_stage=k)
+            )
             st = stage_sums(df, stage=sid, predicted_ms=pred)
             st = st[st["stage"] != k].assign(n_stages=n_st, current_stage=k)
             stage_parts.append(st)
@@ -366,7 +437,6 @@ def evaluate(
     X, schema = extract_features(df)
     y = df["slowdown"].to_numpy(dtype=np.float64)
     alone = df["time_alone_ms"].to_numpy(dtype=np.float64)
-    runs = run_ids(df)
     stage_ids = _stage_ids(df, n_stages)
 
     layer_frames, stage_frames = [], []
@@ -394,14 +464,21 @@ def evaluate(
                 lay, stg = (f.assign(split=split, estimator=name) for f in sm_frames)
             else:
                 groups = _inner_groups(df, split) if name in tune else None
-                oof = _fit_predict(est, X, y, folds, tune_groups=groups, runs=runs) * alone
-                lay, stg = _scored_frames(df, oof, stage_ids, split=split, estimator=name)
+                oof, oof_sd = _fit_predict(est, X, y, folds, tune_groups=groups, df=df)
+                oof = oof * alone
+                sd_cal = None if oof_sd is None else oof_sd[0]
+                sd_abs = None if oof_sd is None else oof_sd[1]
+                lay, stg = _scored_frames(
+                    df, oof, stage_ids, log_sd=sd_abs, split=split, estimator=name
+                )
             layer_frames.append(lay)
             stage_frames.append(stg)
             results[split][name] = _summarise(lay, stg)
             if name in calibrate and not isinstance(est, StageMean):
                 both = f"{name}+measured"
-                cal = _measured_frames(df, stage_ids, base_ms=lay["predicted_ms"].to_numpy())
+                cal = _measured_frames(
+                    df, stage_ids, base_ms=lay["predicted_ms"].to_numpy(), log_sd=sd_cal
+                )
                 cal_lay, cal_stg = (f.assign(split=split, estimator=both) for f in cal)
                 layer_frames.append(cal_lay)
                 stage_frames.append(cal_stg)

@@ -199,6 +199,8 @@ class SlowdownRegressor(_SlowdownBase):
         target: str = "shape",
         monotone: str | Mapping[str, int] | None = "physics",
         min_slowdown: float | None = None,
+        coverage: float | None = 0.8,
+        spread_folds: int = 5,
         n_jobs: int | None = None,
         random_state: int = 0,
     ) -> None:
@@ -212,6 +214,8 @@ class SlowdownRegressor(_SlowdownBase):
         self.target = target
         self.monotone = monotone
         self.min_slowdown = min_slowdown
+        self.coverage = coverage
+        self.spread_folds = spread_folds
         self.n_jobs = n_jobs
         self.random_state = random_state
 
@@ -228,11 +232,18 @@ class SlowdownRegressor(_SlowdownBase):
             return {}
         return {n: int(table[n]) for n in names if n in table and int(table[n]) != 0}
 
-    def _boost(self, X: np.ndarray, y: np.ndarray, names: list[str] | None, sample_weight):
+    def _boost(
+        self,
+        X: np.ndarray,
+        y: np.ndarray,
+        names: list[str] | None,
+        sample_weight,
+        **override,
+    ):
         import xgboost as xgb
 
-        cons = self.monotone_constraints_
-        model = xgb.XGBRegressor(
+        cons = self.monotone_constraints_ if not override else {}
+        params = dict(
             n_estimators=self.n_estimators,
             max_depth=self.max_depth,
             learning_rate=self.learning_rate,
@@ -245,17 +256,41 @@ class SlowdownRegressor(_SlowdownBase):
             n_jobs=self.n_jobs,
             random_state=self.random_state,
         )
+        params.update(override)
+        model = xgb.XGBRegressor(**params)
         model.fit(X, y, sample_weight=sample_weight)
         return model.get_booster()
 
-    def fit(self, X, y, sample_weight=None, runs=None) -> SlowdownRegressor:
-        """Fit on features ``X`` and slowdowns ``y``. ``runs`` (shape target): one id per row,
-        equal for the rows measured in one telemetry window; by default, rows with equal
-        telemetry and batch size (``window_ids``)."""
+    def fit(self, X, y, sample_weight=None, runs=None, groups=None) -> SlowdownRegressor:
+        """Fit on features ``X`` and slowdowns ``y``. ``runs``: one id per row, equal for the
+        rows measured in one telemetry window; by default, rows with equal telemetry and batch
+        size (``window_ids``). ``groups``: one label per row (the architecture) that the
+        spread is calibrated across: with ``coverage`` set, the model is refitted
+        ``spread_folds`` times each holding out whole groups, and the spread is learned from
+        those held-out errors (``spread``)."""
         if self.target not in TARGETS:
             raise UserError(f"target must be one of {', '.join(TARGETS)}, got {self.target!r}")
         arr, y = self._check_fit_input(X, y)
         names = list(self.feature_names_in_) if hasattr(self, "feature_names_in_") else None
+        if runs is not None:
+            ids = np.asarray(runs)
+        elif level_columns(names or []):
+            ids = window_ids(arr, level_columns(names or []))
+        else:
+            ids = np.zeros(len(arr), dtype=np.int64)
+        if ids.shape != (len(arr),):
+            raise UserError(f"runs has {ids.shape} entries; give one per row ({len(arr)})")
+        self._fit_point(arr, y, names, sample_weight, ids)
+        for attr in ("spread_booster_", "spread_scale_", "level_log_sd_"):
+            if hasattr(self, attr):
+                delattr(self, attr)
+        if self.coverage is not None:
+            from dynpipe.predictor.spread import fit_spread
+
+            fit_spread(self, arr=arr, log_y=np.log(y), names=names, runs=ids, groups=groups)
+        return self
+
+    def _fit_point(self, arr, y, names, sample_weight, ids) -> None:
         self.monotone_constraints_ = self._constraints(names)
         log_y = np.log(y)
         for attr in ("level_booster_", "level_columns_"):
@@ -263,7 +298,7 @@ class SlowdownRegressor(_SlowdownBase):
                 delattr(self, attr)
         if self.target == "slowdown":
             self.booster_ = self._boost(arr, log_y, names, sample_weight)
-            return self
+            return
         if names is None:
             raise UserError(
                 "target='shape' needs X as a DataFrame with the feature names (from "
@@ -275,9 +310,6 @@ class SlowdownRegressor(_SlowdownBase):
                 "target='shape' needs tel_* or log_batch_size features for the level; "
                 "fit with target='slowdown' or give the telemetry"
             )
-        ids = window_ids(arr, cols) if runs is None else np.asarray(runs)
-        if ids.shape != (len(arr),):
-            raise UserError(f"runs has {ids.shape} entries; give one per row ({len(arr)})")
         by_window = pd.Series(log_y).groupby(ids, sort=False)
         level = by_window.transform("mean").to_numpy()
         # The level is one number per window: learn it from one row per window (repeating it
@@ -292,7 +324,6 @@ class SlowdownRegressor(_SlowdownBase):
             arr[first][:, cols], level[first], [names[i] for i in cols], weight
         )
         self.booster_ = self._boost(arr, log_y - level, names, sample_weight)
-        return self
 
     def _predict_log(self, X: np.ndarray) -> np.ndarray:
         out = self.booster_.inplace_predict(X)
@@ -307,19 +338,36 @@ class SlowdownRegressor(_SlowdownBase):
             out = out + level[np.cumsum(start) - 1]
         return out
 
+    def predict_shape_log(self, X: np.ndarray) -> np.ndarray:
+        """The shape part of the log slowdown alone (what survives per-device calibration);
+        the whole prediction for ``target="slowdown"``."""
+        return self.booster_.inplace_predict(X)
+
+    def predict_log_sd(self, X, *, calibrated: bool = True) -> np.ndarray:
+        """Standard deviation of the error of ``log(predicted time)`` per row, learned on
+        held-out architectures (``spread``). ``calibrated``: of a prediction rescaled to its
+        device's measured layers (what the runtime does), else of the absolute prediction
+        (the level's error added). ``None`` rows: the estimator was fitted without a spread."""
+        from dynpipe.predictor.spread import log_sd
+
+        names, arr = _as_matrix(X)
+        if names is not None:
+            arr = self._check_predict_input(X)
+        return log_sd(self, arr=arr, calibrated=calibrated)
+
     def set_predict_threads(self, n: int) -> None:
         """Threads for prediction. The runtime predicts a few hundred rows between steps:
         one thread does that in well under a millisecond, while a pool of them wakes up to
         contend with the training process's own threads (measured: 3 ms vs 5-30 ms)."""
         self.n_jobs = n
-        for attr in ("booster_", "level_booster_"):
+        for attr in ("booster_", "level_booster_", "spread_booster_"):
             if getattr(self, attr, None) is not None:
                 getattr(self, attr).set_param({"nthread": n})
 
     def __getstate__(self) -> dict:
         # A copy: object.__getstate__ may hand back the live __dict__.
         state = dict(super().__getstate__())
-        for attr in ("booster_", "level_booster_"):
+        for attr in ("booster_", "level_booster_", "spread_booster_"):
             booster = state.pop(attr, None)
             if booster is not None:
                 # xgboost's own JSON model format: portable across xgboost versions and
@@ -328,8 +376,13 @@ class SlowdownRegressor(_SlowdownBase):
         return state
 
     def __setstate__(self, state: dict) -> None:
-        raws = {attr: state.pop(f"{attr}json_", None) for attr in ("booster_", "level_booster_")}
+        raws = {
+            attr: state.pop(f"{attr}json_", None)
+            for attr in ("booster_", "level_booster_", "spread_booster_")
+        }
         state.setdefault("target", "slowdown")  # pickled before the shape target existed
+        state.setdefault("coverage", None)  # and before the spread
+        state.setdefault("spread_folds", 5)
         super().__setstate__(state)
         for attr, raw in raws.items():
             if raw is not None:

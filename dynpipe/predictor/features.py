@@ -2,9 +2,15 @@
 
 Two groups of features, and nothing else:
 
-- static, per (layer, phase): log FLOPs, log parameter / input / output bytes, log arithmetic
-  intensity, log batch size, log alone time, the rates the layer achieves alone (FLOPs and
-  bytes per ms of its alone time), one-hot layer kind and phase;
+- static, per (layer, phase). Schema 3 (``NUMERIC_WORK``): what the layer's operators do,
+  counted by ``dynpipe.profiler.work`` — FLOPs, bytes moved, arithmetic intensity, kernel
+  launches, bytes per launch, the largest operator, the kernel mix (share of bytes moved by
+  matmul / convolution / grouped convolution / attention / normalisation / elementwise /
+  other operators, share of FLOPs by the compute kinds), parameter and activation bytes, the
+  batch size, and the layer's alone time with the rates it achieves alone (FLOPs, bytes and
+  launches per ms). Nothing names a model or a layer: the layer-kind label is not a feature.
+  Schemas 1 and 2 (``NUMERIC_STATIC_V1``, ``NUMERIC_STATIC``; predictors fitted before the
+  work counts) add a one-hot of the layer-kind label;
 - telemetry of the device, ``tel_*`` columns as the profiler records them (NaN where the
   platform has no such reading).
 
@@ -19,7 +25,7 @@ out in the trained order, and input that does not match it is refused with the n
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,11 +34,13 @@ import pandas as pd
 from dynpipe.devices.columns import TELEMETRY_COLUMNS
 from dynpipe.errors import UserError
 from dynpipe.profiler.schema import EXTRA_COLUMNS
+from dynpipe.profiler.work import FLOP_KINDS, OP_KINDS, WORK_COLUMNS
 
 __all__ = [
     "ALONE_DEPENDENT",
     "NUMERIC_STATIC",
     "NUMERIC_STATIC_V1",
+    "NUMERIC_WORK",
     "PHASES",
     "STATIC_INPUTS",
     "FeatureSchema",
@@ -42,6 +50,7 @@ __all__ = [
     "log_alone",
     "static_block",
     "telemetry_columns",
+    "work_block",
 ]
 
 # Columns of a profile row that static features are computed from.
@@ -69,21 +78,47 @@ NUMERIC_STATIC_V1: tuple[str, ...] = (
 # device's peak FLOP rate and bandwidth: a co-located job slows it little, or not at all)
 # from a compute- or bandwidth-bound one of the same size.
 NUMERIC_STATIC: tuple[str, ...] = (*NUMERIC_STATIC_V1, "log_flops_per_ms", "log_bytes_per_ms")
+# Schema 3: the work a layer's operators do (``dynpipe.profiler.work``), no kind label.
+NUMERIC_WORK: tuple[str, ...] = (
+    "log_flops",
+    "log_bytes",
+    "log_arith_intensity",
+    "log_launches",
+    "log_bytes_per_launch",
+    "log_max_op_bytes",
+    "log_param_bytes",
+    "log_in_bytes",
+    "log_out_bytes",
+    "log_batch_size",
+    *(f"bytes_share_{k}" for k in OP_KINDS),
+    *(f"flops_share_{k}" for k in FLOP_KINDS),
+    "log_time_alone_ms",
+    "log_flops_per_ms",
+    "log_bytes_per_ms",
+    # Milliseconds per kernel alone: a layer whose kernels are short is bound by launches
+    # and host overhead, which a co-located job on the device hardly touches.
+    "log_ms_per_launch",
+)
 # Features computed from the alone time: the run-time path refills them per device.
-ALONE_DEPENDENT: tuple[str, ...] = ("log_time_alone_ms", "log_flops_per_ms", "log_bytes_per_ms")
+ALONE_DEPENDENT: tuple[str, ...] = (
+    "log_time_alone_ms",
+    "log_flops_per_ms",
+    "log_bytes_per_ms",
+    "log_ms_per_launch",
+)
 PHASES: tuple[str, ...] = ("fwd", "bwd")
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 @dataclass(frozen=True)
 class FeatureSchema:
     """The exact feature columns a predictor was trained on, in order.
 
-    ``kinds`` is the one-hot vocabulary of layer kinds seen in training; ``telemetry`` the
-    ``tel_*`` columns. A layer kind outside the vocabulary gets an all-zero one-hot (the
-    model then predicts from its size and intensity alone) and a warning. ``version`` fixes
-    the numeric static features: 1 for predictors saved before the achieved rates were added
-    (``NUMERIC_STATIC_V1``), 2 for ``NUMERIC_STATIC``.
+    ``telemetry`` holds the ``tel_*`` columns. ``version`` fixes the static features: 3
+    (``NUMERIC_WORK``, what the layer's operators do; ``kinds`` is empty) for predictors
+    fitted now; 1 (``NUMERIC_STATIC_V1``) and 2 (``NUMERIC_STATIC``) for older files, whose
+    ``kinds`` is a one-hot vocabulary of layer-kind labels (a label outside it gets an
+    all-zero one-hot and a warning).
     """
 
     kinds: tuple[str, ...]
@@ -91,15 +126,21 @@ class FeatureSchema:
     version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        if self.version not in (1, SCHEMA_VERSION):
+        if self.version not in (1, 2, SCHEMA_VERSION):
             raise UserError(
-                f"feature schema version {self.version} is not one this dynpipe reads (1 or "
+                f"feature schema version {self.version} is not one this dynpipe reads (1 to "
                 f"{SCHEMA_VERSION}); refit the predictor with `dynpipe predictor fit`"
             )
 
     @property
     def numeric(self) -> tuple[str, ...]:
-        return NUMERIC_STATIC_V1 if self.version == 1 else NUMERIC_STATIC
+        return {1: NUMERIC_STATIC_V1, 2: NUMERIC_STATIC}.get(self.version, NUMERIC_WORK)
+
+    @property
+    def uses_work(self) -> bool:
+        """Whether the static features are the work counts (schema 3) rather than sizes and
+        a layer-kind label."""
+        return self.version >= 3
 
     @property
     def names(self) -> list[str]:
@@ -172,18 +213,73 @@ def log_alone(time_alone_ms: np.ndarray) -> np.ndarray:
 
 
 def alone_dependent(
-    *, flops: np.ndarray, nbytes: np.ndarray, time_alone_ms: np.ndarray
+    *,
+    flops: np.ndarray,
+    nbytes: np.ndarray,
+    time_alone_ms: np.ndarray,
+    launches: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """The ``ALONE_DEPENDENT`` features (arrays broadcast: ``[n]`` layers against ``[d, n]``
     alone times gives ``[d, n]``). A layer without FLOPs (an embedding lookup) has rate 0."""
     alone = np.maximum(np.asarray(time_alone_ms, dtype=np.float64), 1e-6)
     flops = np.asarray(flops, dtype=np.float64)
     nbytes = np.asarray(nbytes, dtype=np.float64)
-    return {
+    out = {
         "log_time_alone_ms": log_alone(alone),
         "log_flops_per_ms": _log10(flops / alone),
         "log_bytes_per_ms": _log10(nbytes / alone),
     }
+    if launches is not None:
+        n = np.maximum(np.asarray(launches, dtype=np.float64), 1.0)
+        out["log_ms_per_launch"] = np.log10(alone / n)
+    return out
+
+
+def work_block(
+    work: Mapping[str, np.ndarray],
+    *,
+    phase: Sequence[str] | np.ndarray,
+    batch_size: np.ndarray,
+    param_bytes: np.ndarray,
+    in_bytes: np.ndarray,
+    out_bytes: np.ndarray,
+    time_alone_ms: np.ndarray,
+) -> np.ndarray:
+    """Schema-3 static matrix ``[n, len(NUMERIC_WORK) + 2]``: ``NUMERIC_WORK`` then the phase
+    one-hot. ``work`` maps each of ``WORK_COLUMNS`` to one value per row."""
+    missing = [c for c in WORK_COLUMNS if c not in work]
+    if missing:
+        raise UserError(
+            f"layers lack work count(s) {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''};"
+            " profile them with this dynpipe (`dynpipe profile` records them) or add them with "
+            "dynpipe.profiler.work.add_work"
+        )
+
+    def col(name: str) -> np.ndarray:
+        return np.asarray(work[name], dtype=np.float64)
+
+    flops, nbytes, launches = col("work_flops"), col("work_bytes"), col("work_launches")
+    columns = {
+        "log_flops": _log10(flops),
+        "log_bytes": _log10(nbytes),
+        "log_arith_intensity": np.log10(np.maximum(flops, 1.0) / np.maximum(nbytes, 1.0)),
+        "log_launches": _log10(launches),
+        "log_bytes_per_launch": _log10(nbytes / np.maximum(launches, 1.0)),
+        "log_max_op_bytes": _log10(col("work_max_op_bytes")),
+        "log_param_bytes": _log10(np.asarray(param_bytes, dtype=np.float64)),
+        "log_in_bytes": _log10(np.asarray(in_bytes, dtype=np.float64)),
+        "log_out_bytes": _log10(np.asarray(out_bytes, dtype=np.float64)),
+        "log_batch_size": np.log2(np.maximum(np.asarray(batch_size, dtype=np.float64), 1.0)),
+        **{f"bytes_share_{k}": col(f"work_bytes_{k}") for k in OP_KINDS},
+        **{f"flops_share_{k}": col(f"work_flops_{k}") for k in FLOP_KINDS},
+        **alone_dependent(
+            flops=flops, nbytes=nbytes, time_alone_ms=time_alone_ms, launches=launches
+        ),
+    }
+    numeric = np.column_stack([columns[name] for name in NUMERIC_WORK])
+    phase_arr = np.asarray(phase, dtype=object)
+    one_hot_phase = np.column_stack([phase_arr == p for p in PHASES]).astype(np.float64)
+    return np.hstack([numeric, one_hot_phase])
 
 
 def static_block(
@@ -231,8 +327,9 @@ def extract_features(
 ) -> tuple[pd.DataFrame, FeatureSchema]:
     """Feature matrix for profile rows, and the schema it follows.
 
-    Without ``schema`` (fitting) the schema is derived from ``df``: its layer kinds and its
-    ``tel_*`` columns. With ``schema`` (prediction) the output has exactly the schema's
+    Without ``schema`` (fitting) the schema is schema 3 over ``df``'s ``tel_*`` columns; rows
+    without work counts get them from ``dynpipe.profiler.work.add_work`` (call it once
+    beforehand to avoid recounting). With ``schema`` (prediction) the output has exactly the schema's
     columns in its order; ``tel_*`` columns that differ are refused with their names.
     The result keeps ``df``'s index.
     """
@@ -258,18 +355,33 @@ def extract_features(
     if schema is None:
         if not tel_cols:
             raise UserError("profile rows have no tel_* columns; the predictor needs telemetry")
-        schema = FeatureSchema(
-            kinds=tuple(sorted(map(str, df["kind"].unique()))), telemetry=tuple(tel_cols)
-        )
+        schema = FeatureSchema(kinds=(), telemetry=tuple(tel_cols))
     else:
         schema.check_telemetry(tel_cols, what="profile telemetry columns")
-        unknown = sorted(set(map(str, df["kind"].unique())) - set(schema.kinds))
-        if unknown:
-            warnings.warn(
-                f"layer kind(s) {', '.join(unknown)} were not in the predictor's training data "
-                f"(it knows {', '.join(schema.kinds)}); predicting them from size and intensity",
-                stacklevel=2,
-            )
+    if schema.uses_work:
+        if not all(c in df.columns for c in WORK_COLUMNS):
+            from dynpipe.profiler.work import add_work
+
+            df = add_work(df)
+        static = work_block(
+            {c: df[c].to_numpy() for c in WORK_COLUMNS},
+            phase=df["phase"].to_numpy(),
+            batch_size=df["batch_size"].to_numpy(),
+            param_bytes=df["param_bytes"].to_numpy(),
+            in_bytes=df["in_bytes"].to_numpy(),
+            out_bytes=df["out_bytes"].to_numpy(),
+            time_alone_ms=alone,
+        )
+        tel = df[list(schema.telemetry)].to_numpy(dtype=np.float64)
+        X = pd.DataFrame(np.hstack([static, tel]), columns=schema.names, index=df.index)
+        return X, schema
+    unknown = sorted(set(map(str, df["kind"].unique())) - set(schema.kinds))
+    if unknown:
+        warnings.warn(
+            f"layer kind(s) {', '.join(unknown)} were not in the predictor's training data "
+            f"(it knows {', '.join(schema.kinds)}); predicting them from size and intensity",
+            stacklevel=2,
+        )
     static = static_block(
         kind=df["kind"].astype(str).to_numpy(),
         phase=df["phase"].to_numpy(),

@@ -14,7 +14,13 @@ import pandas as pd
 
 from dynpipe.predictor.crossval import Evaluation
 
-__all__ = ["SPLIT_TITLES", "plot_pred_vs_measured", "render_markdown", "write_report"]
+__all__ = [
+    "SPLIT_TITLES",
+    "held_out_architectures",
+    "plot_pred_vs_measured",
+    "render_markdown",
+    "write_report",
+]
 
 SPLIT_TITLES = {
     "condition": "Held-out interference conditions",
@@ -85,6 +91,8 @@ def render_markdown(summary: dict, *, primary: str, figure: str | None = None) -
                     str(st["n"]),
                 ]
             )
+        for row, r in zip(rows, res.values(), strict=True):
+            row.append(_cov(r["layer"]["all"]))
         lines += _table(
             [
                 "estimator",
@@ -94,10 +102,13 @@ def render_markdown(summary: dict, *, primary: str, figure: str | None = None) -
                 "stage p90 %",
                 "layers",
                 "stages",
+                "80% interval holds",
             ],
             rows,
         )
         lines.append("")
+        if split == "model":
+            lines += held_out_architectures(summary, primary=primary)
     for split in ("condition", "model"):
         res = summary["results"].get(split, {}).get(primary)
         if res is None:
@@ -133,6 +144,106 @@ def render_markdown(summary: dict, *, primary: str, figure: str | None = None) -
     if figure:
         lines += [f"![predicted vs measured]({figure})", ""]
     return "\n".join(lines)
+
+
+def _cov(entry: dict) -> str:
+    c = entry.get("coverage")
+    return "–" if c is None else f"{100 * c:.0f}%"
+
+
+def held_out_architectures(summary: dict, *, primary: str) -> list[str]:
+    """The leave-one-architecture-out tables: per held-out architecture, the calibrated
+    prediction beside ``stage-mean``, ``none`` and the identical-layer floor, with the
+    interval's coverage; then per interferer kind and per layer kind."""
+    res = summary["results"].get("model", {})
+    cal_name = f"{primary}+measured"
+    cal, base, none = res.get(cal_name), res.get("stage-mean"), res.get("none")
+    if cal is None:
+        return []
+    floor = (summary.get("floor") or {}).get("by_model", {})
+
+    def get(r: dict | None, part: str, by: str, key: str) -> dict:
+        return ((r or {}).get(part, {}).get(by, {}) or {}).get(key, {})
+
+    rows = []
+    for model, v in cal["layer"].get("by_model", {}).items():
+        fl = floor.get(model, {}).get("mape")
+        rows.append(
+            [
+                model,
+                str(v["n"]),
+                f"**{_pct(v['mape'])}**",
+                _pct(get(base, "layer", "by_model", model).get("mape")),
+                _pct(get(none, "layer", "by_model", model).get("mape")),
+                _pct(fl),
+                _pct(get(cal, "stage", "by_model", model).get("mape")),
+                _pct(get(base, "stage", "by_model", model).get("mape")),
+                _cov(v),
+            ]
+        )
+    la, st = cal["layer"]["all"], cal["stage"]["all"]
+    fl_all = (summary.get("floor") or {}).get("sibling", {}).get("mape")
+    rows.append(
+        [
+            "**all**",
+            str(la["n"]),
+            f"**{_pct(la['mape'])}**",
+            _pct((base or {}).get("layer", {}).get("all", {}).get("mape")),
+            _pct((none or {}).get("layer", {}).get("all", {}).get("mape")),
+            _pct(fl_all),
+            _pct(st["mape"]),
+            _pct((base or {}).get("stage", {}).get("all", {}).get("mape")),
+            _cov(la),
+        ]
+    )
+    out = [
+        f"### Per held-out architecture ({cal_name})",
+        "",
+        "Each row is an architecture the predictor was not fitted on (its whole family of "
+        "runs held out). Layer and stage errors as in the calibrated tables below; `none`: no "
+        "slowdown; floor: identical layers of that architecture predicted from their siblings "
+        "(– where it has no class of three identical layers); interval: share of its "
+        "measurements inside the predicted central 80% interval.",
+        "",
+        *_table(
+            [
+                "held out",
+                "layers",
+                f"{cal_name} %",
+                "stage-mean %",
+                "none %",
+                "floor %",
+                "stage: calibrated %",
+                "stage: stage-mean %",
+                "80% interval holds",
+            ],
+            rows,
+        ),
+        "",
+    ]
+    for by, title in (("interferer", "interferer kind"), ("kind", "layer kind (label)")):
+        rows = []
+        for key, v in cal["layer"].get(f"by_{by}", {}).items():
+            rows.append(
+                [
+                    key,
+                    str(v["n"]),
+                    _pct(v["mape"]),
+                    _pct(get(base, "layer", f"by_{by}", key).get("mape")),
+                    _pct(get(none, "layer", f"by_{by}", key).get("mape")),
+                    _cov(v),
+                ]
+            )
+        out += [
+            f"### Held-out architectures, by {title}",
+            "",
+            *_table(
+                [title, "layers", f"{cal_name} %", "stage-mean %", "none %", "80% interval"],
+                rows,
+            ),
+            "",
+        ]
+    return out
 
 
 def _calibrated_section(summary: dict, *, primary: str) -> list[str]:

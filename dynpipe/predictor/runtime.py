@@ -5,10 +5,15 @@ device; it gets, for every device, the forward and backward time of *every* laye
 layers that device does not hold now. One batched predict call covers all devices and layers;
 the static half of the feature matrix is computed once by ``prepare_layers`` and reused.
 
-    prepared = prepare_layers(predictor, layer_stats(model, batch_size=8), batch_size=8)
+    prepared = prepare_layers(predictor, model, batch_size=8)   # schema 3: the model itself
     fwd, bwd = predict_layer_times(
         predictor, layers=prepared, alone_fwd_ms=a_f, alone_bwd_ms=a_b, telemetry=windows
     )  # fwd[d, i]: predicted forward time of layer i on device d
+
+``predict_layer_distribution`` returns the same times with their spread (``LayerTimes``): the
+standard deviation of each prediction's error in ``log(time)``, learned on architectures the
+predictor was not fitted on, from which ``LayerTimes.variance_ms2`` gives the model-error
+variance of each layer time and ``LayerTimes.interval`` a calibrated central interval.
 """
 
 from __future__ import annotations
@@ -21,10 +26,18 @@ import numpy as np
 import pandas as pd
 
 from dynpipe.errors import UserError
-from dynpipe.predictor.features import ALONE_DEPENDENT, alone_dependent, static_block
+from dynpipe.predictor.features import ALONE_DEPENDENT, alone_dependent, static_block, work_block
 from dynpipe.predictor.io import Predictor
+from dynpipe.profiler.work import WORK_COLUMNS
 
-__all__ = ["PreparedLayers", "predict_layer_times", "prepare_layers", "rescale_to_measured"]
+__all__ = [
+    "LayerTimes",
+    "PreparedLayers",
+    "predict_layer_distribution",
+    "predict_layer_times",
+    "prepare_layers",
+    "rescale_to_measured",
+]
 
 _LAYER_COLUMNS = ("kind", "param_bytes", "in_bytes", "out_bytes", "fwd_flops", "bwd_flops")
 
@@ -40,13 +53,42 @@ class PreparedLayers:
     feature_names: tuple[str, ...]
     flops: np.ndarray
     nbytes: np.ndarray
+    launches: np.ndarray | None = None  # schema 3: kernels per row
 
     def __repr__(self) -> str:
         return f"PreparedLayers({self.n_layers} layers, {len(self.feature_names)} features)"
 
 
+def _model_frame(model: object, *, batch_size: int, dtype: object) -> pd.DataFrame:
+    """Profile-like rows (one per layer and phase) of a ``LayeredModel``, with its work
+    counts: what a schema-3 predictor needs, counted on the ``meta`` device."""
+    import torch
+
+    from dynpipe.models.stats import layer_stats
+    from dynpipe.profiler.work import layer_work
+
+    dt = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
+    stats = {s.index: s for s in layer_stats(model, batch_size=batch_size, dtype=dt)}
+    rows = []
+    for w in layer_work(model, batch_size=batch_size, dtype=dt):
+        st = stats[w["layer_index"]]
+        rows.append(
+            {
+                **w,
+                "kind": st.kind,
+                "flops": float(st.fwd_flops if w["phase"] == "fwd" else st.bwd_flops),
+                "param_bytes": st.param_bytes,
+                "in_bytes": st.in_bytes,
+                "out_bytes": st.out_bytes,
+                "batch_size": batch_size,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
 def _layer_frame(layers: object) -> pd.DataFrame:
-    """One row per layer with ``_LAYER_COLUMNS`` (and ``batch_size`` if known)."""
+    """One row per layer with ``_LAYER_COLUMNS`` (and ``batch_size`` if known); for profile
+    rows also ``fwd_<work>`` / ``bwd_<work>`` where they carry work counts."""
     if isinstance(layers, pd.DataFrame):
         df = layers
     else:
@@ -73,6 +115,11 @@ def _layer_frame(layers: object) -> pd.DataFrame:
         df = fwd.reset_index().assign(
             fwd_flops=fwd["flops"].to_numpy(), bwd_flops=bwd["flops"].to_numpy()
         )
+        if all(c in one.columns for c in WORK_COLUMNS):
+            df = df.assign(
+                **{f"fwd_{c}": fwd[c].to_numpy() for c in WORK_COLUMNS},
+                **{f"bwd_{c}": bwd[c].to_numpy() for c in WORK_COLUMNS},
+            )
     missing = [c for c in _LAYER_COLUMNS if c not in df.columns]
     if missing:
         raise UserError(
@@ -83,13 +130,27 @@ def _layer_frame(layers: object) -> pd.DataFrame:
 
 
 def prepare_layers(
-    predictor: Predictor, layers: object, *, batch_size: int | None = None
+    predictor: Predictor,
+    layers: object,
+    *,
+    batch_size: int | None = None,
+    dtype: object = "float32",
 ) -> PreparedLayers:
-    """Static features of ``layers`` (from ``layer_stats``, or a profile's rows of one model).
+    """Static features of ``layers``: a ``LayeredModel`` (any predictor), a profile's rows of
+    one model, or ``layer_stats`` output (predictors of feature schema 1 and 2 only: schema 3
+    describes a layer by the work its operators do, which is counted from the model).
 
     ``batch_size`` is the microbatch size the times are for; required unless the layers carry
-    a ``batch_size`` column (profile rows do).
+    a ``batch_size`` column (profile rows do). ``dtype``: the parameters' dtype, for a model.
     """
+    from dynpipe.models.base import LayeredModel
+
+    if isinstance(layers, LayeredModel):
+        if batch_size is None:
+            raise UserError("prepare_layers(model) needs batch_size= (the microbatch size)")
+        layers = _model_frame(layers, batch_size=int(batch_size), dtype=dtype)
+    if predictor.schema.uses_work:
+        return _prepare_work(predictor, layers, batch_size=batch_size)
     df = _layer_frame(layers)
     if batch_size is None:
         if "batch_size" not in df.columns:
@@ -132,6 +193,59 @@ def prepare_layers(
         feature_names=tuple(predictor.schema.names),
         flops=flops,
         nbytes=both("param_bytes") + both("in_bytes") + both("out_bytes"),
+    )
+
+
+def _prepare_work(
+    predictor: Predictor, layers: object, *, batch_size: int | None
+) -> PreparedLayers:
+    """``prepare_layers`` for a schema-3 predictor (work counts, no layer-kind label)."""
+    if (
+        isinstance(layers, pd.DataFrame)
+        and "phase" in layers.columns
+        and not all(c in layers.columns for c in WORK_COLUMNS)
+    ):
+        from dynpipe.profiler.work import add_work
+
+        layers = add_work(layers)
+    df = _layer_frame(layers)
+    if not all(f"fwd_{c}" in df.columns for c in WORK_COLUMNS):
+        raise UserError(
+            "this predictor (feature schema 3) describes layers by the work their operators "
+            "do: pass the model itself, prepare_layers(predictor, model, batch_size=...), or "
+            "profile rows that carry work counts, not layer_stats output"
+        )
+    if batch_size is None:
+        if "batch_size" not in df.columns:
+            raise UserError("layers carry no batch_size; pass batch_size= (the microbatch size)")
+        batch = df["batch_size"].to_numpy()
+    else:
+        batch = np.full(len(df), int(batch_size))
+    n = len(df)
+
+    def both(col: str) -> np.ndarray:
+        return np.concatenate([df[col].to_numpy(), df[col].to_numpy()]).astype(np.float64)
+
+    work = {
+        c: np.concatenate([df[f"fwd_{c}"].to_numpy(), df[f"bwd_{c}"].to_numpy()]).astype(np.float64)
+        for c in WORK_COLUMNS
+    }
+    static = work_block(
+        work,
+        phase=np.array(["fwd"] * n + ["bwd"] * n, dtype=object),
+        batch_size=np.concatenate([batch, batch]),
+        param_bytes=both("param_bytes"),
+        in_bytes=both("in_bytes"),
+        out_bytes=both("out_bytes"),
+        time_alone_ms=np.ones(2 * n),  # refilled per call from the alone times given then
+    )
+    return PreparedLayers(
+        n_layers=n,
+        static=np.ascontiguousarray(static),
+        feature_names=tuple(predictor.schema.names),
+        flops=work["work_flops"],
+        nbytes=work["work_bytes"],
+        launches=work["work_launches"],
     )
 
 
@@ -179,6 +293,29 @@ def predict_layer_times(
     ``tel_*`` readings per device, exactly the predictor's telemetry features (``None``/NaN
     where the platform lacks a reading); other ``tel_*`` keys are refused by name.
     """
+    flat, alone, n_dev, prep = _design(
+        predictor, layers, alone_fwd_ms, alone_bwd_ms, telemetry, batch_size
+    )
+    est = predictor.estimator
+    if hasattr(est, "predict_array"):
+        slow = est.predict_array(flat)
+    else:
+        slow = est.predict(pd.DataFrame(flat, columns=list(prep.feature_names)))
+    n = prep.n_layers
+    times = alone * np.asarray(slow).reshape(n_dev, 2 * n)
+    return times[:, :n], times[:, n:]
+
+
+def _design(
+    predictor: Predictor,
+    layers: object,
+    alone_fwd_ms: object,
+    alone_bwd_ms: object,
+    telemetry: Sequence[Mapping[str, object]],
+    batch_size: int | None,
+) -> tuple[np.ndarray, np.ndarray, int, PreparedLayers]:
+    """The flat ``[D * 2L, features]`` matrix of one call, the ``[1 or D, 2L]`` alone times,
+    the device count and the prepared layers."""
     prep = (
         layers
         if isinstance(layers, PreparedLayers)
@@ -201,20 +338,97 @@ def predict_layer_times(
     n_static = prep.static.shape[1]
     X = np.empty((n_dev, 2 * n, n_static + tel.shape[1]))
     X[:, :, :n_static] = prep.static
-    refill = alone_dependent(flops=prep.flops, nbytes=prep.nbytes, time_alone_ms=alone)
+    refill = alone_dependent(
+        flops=prep.flops, nbytes=prep.nbytes, time_alone_ms=alone, launches=prep.launches
+    )
     numeric = predictor.schema.numeric
     for name in ALONE_DEPENDENT:
         if name in numeric:
             X[:, :, numeric.index(name)] = refill[name]
     X[:, :, n_static:] = tel[:, None, :]
-    flat = X.reshape(n_dev * 2 * n, -1)
+    return X.reshape(n_dev * 2 * n, -1), alone, n_dev, prep
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """Predicted per-layer times ``[D, L]`` with the spread of their error.
+
+    ``fwd_log_sd`` / ``bwd_log_sd``: standard deviation of the error of ``log(time)``,
+    learned on held-out architectures; for a calibrated prediction (``rescale_to_measured``
+    applied, as the runtime does) unless ``calibrated`` is False. A rescale multiplies a
+    device's times by one factor, which leaves these unchanged.
+    """
+
+    fwd_ms: np.ndarray
+    bwd_ms: np.ndarray
+    fwd_log_sd: np.ndarray
+    bwd_log_sd: np.ndarray
+    calibrated: bool = True
+
+    def variance_ms2(self) -> tuple[np.ndarray, np.ndarray]:
+        """Model-error variance of each time in ms^2, ``[D, L]`` each (the time as the median
+        of a log-normal with the predicted spread: ``t^2 exp(sd^2) (exp(sd^2) - 1)``)."""
+        out = []
+        for t, sd in ((self.fwd_ms, self.fwd_log_sd), (self.bwd_ms, self.bwd_log_sd)):
+            v = np.exp(sd**2)
+            out.append(t**2 * v * (v - 1.0))
+        return out[0], out[1]
+
+    def interval(self, coverage: float = 0.8) -> tuple[np.ndarray, ...]:
+        """Central interval holding ``coverage`` of the times: ``(fwd_lo, fwd_hi, bwd_lo,
+        bwd_hi)``, each ``[D, L]`` (calibrated at the predictor's coverage, 0.8 by default)."""
+        from dynpipe.predictor.spread import z_of
+
+        z = z_of(coverage)
+        return (
+            self.fwd_ms * np.exp(-z * self.fwd_log_sd),
+            self.fwd_ms * np.exp(z * self.fwd_log_sd),
+            self.bwd_ms * np.exp(-z * self.bwd_log_sd),
+            self.bwd_ms * np.exp(z * self.bwd_log_sd),
+        )
+
+    def rescaled(self, fwd_ms: np.ndarray, bwd_ms: np.ndarray) -> LayerTimes:
+        """The same spread around new times (e.g. after ``rescale_to_measured``)."""
+        return dataclasses.replace(self, fwd_ms=np.asarray(fwd_ms), bwd_ms=np.asarray(bwd_ms))
+
+
+def predict_layer_distribution(
+    predictor: Predictor,
+    *,
+    layers: PreparedLayers | object,
+    alone_fwd_ms: Sequence[float] | np.ndarray,
+    alone_bwd_ms: Sequence[float] | np.ndarray,
+    telemetry: Sequence[Mapping[str, object]],
+    batch_size: int | None = None,
+    calibrated: bool = True,
+) -> LayerTimes:
+    """``predict_layer_times`` with the spread of each prediction (``LayerTimes``), in one
+    batched call. ``calibrated``: the spread of predictions the caller rescales to each
+    device's measured layers (the runtime's use); False: of the absolute predictions.
+    Predictors fitted without a spread (feature schema 1 and 2 files) are refused in one
+    line."""
     est = predictor.estimator
-    if hasattr(est, "predict_array"):
-        slow = est.predict_array(flat)
-    else:
-        slow = est.predict(pd.DataFrame(flat, columns=list(prep.feature_names)))
-    times = alone * np.asarray(slow).reshape(n_dev, 2 * n)
-    return times[:, :n], times[:, n:]
+    if getattr(est, "spread_booster_", None) is None:
+        raise UserError(
+            f"predictor {predictor!r} has no spread (fitted before predictors learned one, or "
+            "with coverage=None); refit it with `dynpipe predictor fit` on profiles of two or "
+            "more architectures"
+        )
+    flat, alone, n_dev, prep = _design(
+        predictor, layers, alone_fwd_ms, alone_bwd_ms, telemetry, batch_size
+    )
+    n = prep.n_layers
+    times = alone * np.asarray(est.predict_array(flat)).reshape(n_dev, 2 * n)
+    from dynpipe.predictor.spread import log_sd
+
+    sd = np.asarray(log_sd(est, arr=flat, calibrated=calibrated)).reshape(n_dev, 2 * n)
+    return LayerTimes(
+        fwd_ms=times[:, :n],
+        bwd_ms=times[:, n:],
+        fwd_log_sd=sd[:, :n],
+        bwd_log_sd=sd[:, n:],
+        calibrated=calibrated,
+    )
 
 
 def rescale_to_measured(

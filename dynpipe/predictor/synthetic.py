@@ -189,7 +189,49 @@ def synthetic_profiles(
     alone = df[df["interferer"] == "none"].set_index(keys)["time_ms"]
     df["time_alone_ms"] = alone.reindex(pd.MultiIndex.from_frame(df[keys])).to_numpy()
     df["slowdown"] = df["time_ms"] / df["time_alone_ms"]
-    return df
+    return _with_work(df)
+
+
+# Per layer kind: kernels launched (forward; the backward launches twice as many), and the
+# share of bytes moved by each operator kind (the rest elementwise) and of FLOPs.
+_WORK_MIX: dict[str, tuple[int, dict[str, float], dict[str, float]]] = {
+    "conv": (2, {"conv": 0.7}, {"conv": 1.0}),
+    "norm": (1, {"norm": 1.0}, {}),
+    "pool": (1, {"other": 1.0}, {}),
+    "linear": (2, {"matmul": 0.8}, {"matmul": 1.0}),
+    "head": (2, {"matmul": 0.9}, {"matmul": 1.0}),
+    "embedding": (2, {"other": 0.8}, {}),
+    "attention": (6, {"matmul": 0.5, "attention": 0.3, "norm": 0.1}, {"matmul": 0.9, "attention": 0.1}),
+    "block": (8, {"matmul": 0.6, "norm": 0.1}, {"matmul": 1.0}),
+}  # fmt: skip
+
+
+def _with_work(df: pd.DataFrame) -> pd.DataFrame:
+    """The work counts a profile records (``dynpipe.profiler.work``), made up per layer kind."""
+    from dynpipe.profiler.work import FLOP_KINDS, OP_KINDS
+
+    kind = df["kind"].astype(str).to_numpy()
+    bwd = (df["phase"] == "bwd").to_numpy()
+    nbytes = (df["param_bytes"] + df["in_bytes"] + df["out_bytes"]).to_numpy(dtype=np.float64)
+    nbytes = np.where(bwd, 1.5 * nbytes, nbytes)
+    launches = np.array([_WORK_MIX.get(k, (1, {}, {}))[0] for k in kind], dtype=np.float64)
+    launches = np.where(bwd, 2 * launches, launches)
+    out = {
+        "work_flops": df["flops"].to_numpy(dtype=np.float64),
+        "work_bytes": nbytes,
+        "work_launches": launches,
+        "work_max_op_bytes": np.minimum(nbytes, 1.5 * nbytes / launches),
+    }
+    for op in OP_KINDS:
+        share = [_WORK_MIX.get(k, (1, {}, {}))[1].get(op, 0.0) for k in kind]
+        if op == "elementwise":
+            share = [1.0 - sum(_WORK_MIX.get(k, (1, {}, {}))[1].values()) for k in kind]
+        out[f"work_bytes_{op}"] = np.asarray(share, dtype=np.float64)
+    for op in FLOP_KINDS:
+        out[f"work_flops_{op}"] = np.array(
+            [_WORK_MIX.get(k, (1, {}, {}))[2].get(op, 0.0) for k in kind], dtype=np.float64
+        )
+    return df.assign(**out)
 
 
 def _stable_seed(name: str) -> int:

@@ -10,11 +10,10 @@ import numpy as np
 import pandas as pd
 
 from dynpipe.errors import UserError
-from dynpipe.predictor.crossval import TUNE_GRID, takes_runs
+from dynpipe.predictor.crossval import TUNE_GRID, fit_extras
 from dynpipe.predictor.estimator import make_estimator
 from dynpipe.predictor.features import extract_features
 from dynpipe.predictor.io import Predictor, dataset_fingerprint, library_versions
-from dynpipe.predictor.stages import run_ids
 
 __all__ = ["LEARNED", "fit_predictor"]
 
@@ -29,6 +28,10 @@ def _training_info(df: pd.DataFrame) -> dict:
         "device_types": sorted(map(str, df["device_type"].unique())) if "device_type" in df else [],
         "models": sorted(map(str, df["model"].unique())) if "model" in df else [],
         "conditions": sorted(map(str, df["condition"].unique())) if "condition" in df else [],
+        "batch_sizes": sorted(int(b) for b in df["batch_size"].unique())
+        if "batch_size" in df
+        else [],
+        "dtypes": sorted(map(str, df["dtype"].unique())) if "dtype" in df else [],
     }
     # Dataset-level metadata, when the loader keeps it in DataFrame.attrs.
     meta = {}
@@ -62,7 +65,7 @@ def fit_predictor(
     est = make_estimator(estimator, **dict(params or {}))
     X, schema = extract_features(df)
     y = df["slowdown"].to_numpy(dtype=np.float64)
-    extra = {"runs": run_ids(df)} if takes_runs(est) else {}
+    extra = fit_extras(est, df)
     if tune:
         if estimator != "xgb":
             raise UserError(f"--tune is for the xgb estimator only, not {estimator!r}")
@@ -78,6 +81,8 @@ def fit_predictor(
             cv=GroupKFold(n_splits=n),
             scoring="neg_mean_absolute_percentage_error",
         )
+        # ``groups`` here are the search's folds; the spread then falls back to windows.
+        extra.pop("groups", None)
         search.fit(X, y, groups=groups, **extra)
         est = search.best_estimator_
     else:

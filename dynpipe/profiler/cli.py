@@ -12,13 +12,12 @@ Heavy libraries (torch, pandas, pynvml) are imported inside the handlers.
 from __future__ import annotations
 
 import argparse
-import ast
-import inspect
 import signal
 import time
 from typing import Any
 
 from dynpipe.errors import UserError
+from dynpipe.profiler.settings import model_configs
 
 __all__ = ["parse_cores", "register", "run_interfere", "run_profile"]
 
@@ -37,41 +36,6 @@ def parse_cores(text: str | None) -> list[int] | None:
     return sorted(cores)
 
 
-def _value(text: str) -> Any:
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
-def _model_configs(names: list[str], args: list[str]) -> list[tuple[str, dict[str, Any]]]:
-    """Apply ``--set [MODEL.]KEY=VALUE`` to the models that take that keyword."""
-    from dynpipe.models import ZOO, load_zoo
-
-    load_zoo()
-    configs: dict[str, dict[str, Any]] = {n: {} for n in names}
-    for item in args:
-        key, sep, val = item.partition("=")
-        if not sep:
-            raise UserError(f"--set {item!r}: write KEY=VALUE or MODEL.KEY=VALUE, e.g. depth=4")
-        target, _, key = key.rpartition(".") if "." in key else ("", "", key)
-        hits = []
-        for name in names:
-            if target and target != name:
-                continue
-            factory = ZOO.get(name)
-            params = inspect.signature(factory).parameters if factory else {}
-            if factory is None or key in params:
-                configs[name][key] = _value(val)
-                hits.append(name)
-        if not hits:
-            raise UserError(
-                f"--set {item!r}: none of the models {', '.join(names)} takes {key!r}; "
-                "see `dynpipe models --model NAME`"
-            )
-    return [(n, configs[n]) for n in names]
-
-
 def _term_as_interrupt() -> None:
     # A SIGTERM (job scheduler, timeout) unwinds like Ctrl-C, so interferers are stopped and
     # the partial dataset stays consistent.
@@ -86,6 +50,10 @@ def run_profile(args: argparse.Namespace) -> int:
         return _run_summary(args)
     if args.profile_cmd == "telemetry":
         return _run_telemetry(args)
+    if args.profile_cmd == "corpus":
+        from dynpipe.profiler.corpus import run_corpus
+
+        return run_corpus(args)
     missing = [
         f
         for f, v in (
@@ -133,7 +101,7 @@ def run_profile(args: argparse.Namespace) -> int:
         sweep = replace(sweep, **overrides)
     _term_as_interrupt()
     df = run_sweep(
-        _model_configs(names, args.overrides),
+        model_configs(names, overrides=args.overrides),
         batch_sizes=sizes,
         sweep=sweep,
         out=args.out,
@@ -249,10 +217,31 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_profile, profile_cmd=None)
-    sub = p.add_subparsers(dest="profile_cmd", metavar="{summary,telemetry}")
+    sub = p.add_subparsers(dest="profile_cmd", metavar="{summary,telemetry,corpus}")
     s = sub.add_parser("summary", help="markdown summary of profile datasets")
     s.add_argument("profiles", nargs="+", help="parquet files or directories")
     s.add_argument("-o", "--out", help="write the markdown here instead of stdout")
+    c = sub.add_parser(
+        "corpus",
+        help="profile the predictor's corpus of architectures, one file each",
+        description="Profile every architecture of the predictor's corpus (zoo, Hugging Face, "
+        "torchvision, MobileNet, EfficientNet, MLP-Mixer) under a sweep, one parquet per "
+        "architecture in OUT, each in its own process. --seconds splits a time budget over "
+        "them (below 1800 s: the reduced sweep and two batch sizes).",
+    )
+    c.add_argument("out", metavar="OUT", help="folder for <card>-<arch>.parquet and corpus.json")
+    c.add_argument("--device", default="cuda:0", help="cuda:N (default cuda:0) or cpu")
+    c.add_argument(
+        "--size", default="gpu", help="gpu: full-size models (default); tiny: CPU-sized ones"
+    )
+    c.add_argument("--seconds", type=float, help="total time budget (default: none)")
+    c.add_argument("--only", help="comma-separated corpus architectures, e.g. mlp,mixer")
+    c.add_argument("--batch-sizes", help="override the batch sizes, e.g. 16,32")
+    c.add_argument("--sweep", help="override the sweep file")
+    c.add_argument("--dtype", help="default bfloat16 on GPU, float32 on CPU")
+    c.add_argument("--cores", help="pin the profiler to these cores (CPU), e.g. 0")
+    c.add_argument("--repeats", type=int, help="override the sweep's timing samples")
+    c.add_argument("--sample-ms", type=float, help="override the sweep's sample length")
     t = sub.add_parser("telemetry", help="print telemetry windows of a device")
     t.add_argument("--device", default="cpu")
     t.add_argument("--cores")

@@ -81,7 +81,14 @@ class LayerTiming:
 def static_features(
     model: LayeredModel, *, batch_size: int, dtype: str | torch.dtype = "float32"
 ) -> list[dict[str, Any]]:
-    """Per-(layer, phase) static columns of the profile schema, computed on ``meta``."""
+    """Per-(layer, phase) static columns of the profile schema and the layer's work counts
+    (``dynpipe.profiler.work``), computed on ``meta``."""
+    from dynpipe.profiler.work import layer_work
+
+    work = {
+        (w["layer_index"], w["phase"]): w
+        for w in layer_work(model, batch_size=batch_size, dtype=dtype_of(dtype))
+    }
     rows = []
     for st in layer_stats(model, batch_size=batch_size, dtype=dtype_of(dtype)):
         for phase in PHASES:
@@ -99,6 +106,11 @@ def static_features(
                     "in_bytes": int(st.in_bytes),
                     "out_bytes": int(st.out_bytes),
                     "arith_intensity": flops / moved if moved else 0.0,
+                    **{
+                        k: v
+                        for k, v in work[(st.index, phase)].items()
+                        if k not in ("layer_index", "phase")
+                    },
                 }
             )
     return rows

@@ -84,6 +84,17 @@ EXTRA_COLUMNS: dict[str, str] = {
     "iters_per_sample": "int",  # back-to-back iterations averaged into one timing sample
     "tel_samples": "int",  # telemetry ticks behind the tel_* means
     "samples_ms": "list",  # every timing sample behind time_ms (ms per iteration)
+    # What the layer's operators do (dynpipe.profiler.work); older files get them from
+    # dynpipe.profiler.work.add_work.
+    "work_flops": "float",
+    "work_bytes": "float",
+    "work_launches": "float",
+    "work_max_op_bytes": "float",
+    **{
+        f"work_bytes_{k}": "float"
+        for k in ("matmul", "conv", "conv_grouped", "attention", "norm", "elementwise", "other")
+    },
+    **{f"work_flops_{k}": "float" for k in ("matmul", "conv", "conv_grouped", "attention")},
 }
 
 _PHASES = ("fwd", "bwd")
