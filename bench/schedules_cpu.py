@@ -2,8 +2,8 @@
 rank slowed (emulated interference), raw per-rank per-step records to JSONL.
 
     PYTHONPATH=$PWD:$PWD/bench python bench/schedules_cpu.py \
-        --out analysis/logs/schedules-cpu/raw.jsonl
-    python bench/schedules_table.py analysis/logs/schedules-cpu/raw.jsonl
+        --out bench/results/schedules-cpu.jsonl
+    python bench/schedules_table.py bench/results/schedules-cpu.jsonl
 
 The model is ``bench/sleepy.py`` (layer time is sleep: the machine this was recorded on has
 2 cores for 4 ranks, pinned ``rank % cores``). gpipe and 1f1b run 4 stages of 4 layers;
@@ -136,7 +136,7 @@ def _p2p_ms(rank: int, world: int, *, shape: tuple[int, ...], rounds: int = 30) 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="analysis/logs/schedules-cpu/raw.jsonl")
+    p.add_argument("--out", default="bench/results/schedules-cpu.jsonl")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--fwd-ms", type=float, default=3.0)

@@ -1,6 +1,6 @@
 """The schedules table of docs/schedules.md, from the raw logs of bench/schedules_cpu.py.
 
-    python bench/schedules_table.py analysis/logs/schedules-cpu/raw.jsonl [--docs docs/schedules.md]
+    python bench/schedules_table.py bench/results/schedules-cpu.jsonl [--docs docs/schedules.md]
 
 Measured: a step's time is the longest of the ranks' ``step_ms`` (every rank's step ends with
 the same all-reduce), the median over steps after the first ``--skip``. Predicted: the

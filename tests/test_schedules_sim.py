@@ -115,7 +115,7 @@ def test_recorded_cpu_run_is_predicted_within_ten_percent() -> None:
     spec = importlib.util.spec_from_file_location("tbl", root / "bench/schedules_table.py")
     tbl = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tbl)
-    text, rows = tbl.table(root / "analysis/logs/schedules-cpu/raw.jsonl")
+    text, rows = tbl.table(root / "bench/results/schedules-cpu.jsonl")
     assert {r["schedule"] for r in rows} == {
         "gpipe",
         "1f1b",

@@ -155,6 +155,7 @@ def _argv(cfg: DemoConfig, *, adapt: str, scenario: Path, log: Path) -> list[str
 def run_demo(cfg: DemoConfig) -> int:
     """Both runs, then the report and figures; the exit status of the first failure."""
     from dynpipe.demo.report import draw_figures, format_report, summarise
+    from dynpipe.runtime.cli import forked_worker
     from dynpipe.runtime.launch import launch_local
 
     if cfg.adapt == "adaptive" and not (cfg.predictor and Path(cfg.predictor).is_file()):
@@ -184,7 +185,7 @@ def run_demo(cfg: DemoConfig) -> int:
         print(f"\n[{i + 1}/{len(SYSTEMS)}] {system} (--adapt {adapt})")
         argv = _argv(cfg, adapt=adapt, scenario=scenario, log=logs[system])
         t0 = time.time()
-        rc = launch_local(argv, nproc=2)
+        rc = launch_local(argv, nproc=2, entry=forked_worker)
         walls[system] = time.time() - t0
         if rc != 0:
             print(f"dynpipe demo: the {system} run failed (exit {rc}); its log: {logs[system]}")

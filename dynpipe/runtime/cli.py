@@ -296,10 +296,36 @@ def _launcher(cfg, args: argparse.Namespace) -> int:
     return launch_local(
         words,
         nproc=nproc,
+        entry=forked_worker,
         max_restarts=restarts,
         checkpoint_dir=checkpoint_dir(cfg),
         log=cfg.log,
     )
+
+
+def forked_worker(argv: list[str], exits: str) -> None:
+    """One worker forked by the launcher's fork server: ``dynpipe train argv`` with the
+    agent's RANK/WORLD_SIZE environment, exiting with the command's status (2 for bad
+    input, 128 + N after signal N), which it also records for the launcher."""
+    from dynpipe.errors import UserError
+    from dynpipe.runtime.launch import record_exit
+
+    parser = argparse.ArgumentParser(prog="dynpipe")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["train", *argv])
+    args.argv = ["train", *argv]
+    try:
+        code = int(args.func(args) or 0)
+    except UserError as exc:
+        print(f"dynpipe train: error: {exc}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        code = 128 + 2  # the launcher reports the stop
+    sys.stdout.flush()
+    sys.stderr.flush()
+    record_exit(exits, code)
+    if code:
+        raise SystemExit(code)
 
 
 def _share_cores() -> None:

@@ -29,13 +29,14 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SHUTDOWN_S", "launch_local"]
+__all__ = ["SHUTDOWN_S", "launch_local", "record_exit"]
 
-# What every worker imports: done once, in the fork server.
-_PRELOAD = ["torch", "torch.distributed", "dynpipe.cli", "dynpipe.runtime.train"]
+# What every worker imports: done once, in the fork server (with the entry's own module).
+_PRELOAD = ["torch", "torch.distributed", "dynpipe.runtime.train"]
 
 # How long the agent waits for stopping workers before it kills them; the workers give up
 # on their final checkpoint a few seconds earlier (signals.GRACE_S).
@@ -54,8 +55,13 @@ def launch_local(
     max_restarts: int = 0,
     checkpoint_dir: str | Path | None = None,
     log: str | Path | None = None,
+    entry: Callable[[list[str], str], None] | None = None,
 ) -> int:
     """Run ``dynpipe train argv`` as ``nproc`` workers; returns the job's exit status.
+
+    ``entry(argv, exits)``: the worker, forked from the fork server (it records its exit
+    status with ``record_exit``); without it, or where workers cannot be forked, each worker
+    is ``python -m dynpipe train argv``.
 
     The agent's own failure report (a table per failed rank) is replaced by one line: each
     worker already printed its error, and the first failing rank is named here.
@@ -90,7 +96,7 @@ def launch_local(
         # No log folder at all (torch's default leaves an empty torchelastic_* in the temp
         # directory on every launch): each worker prints its own errors to the console.
         logs_specs=DefaultLogsSpecs(log_dir=os.devnull),
-        start_method=_start_method(mp),
+        start_method=_start_method(mp) if entry is not None else "spawn",
         # Named only where torch has it (2.12 on): before, the agent's wait on a stop is its
         # own fixed 30 s, the same as SHUTDOWN_S.
         **_shutdown_timeout(LaunchConfig),
@@ -98,8 +104,8 @@ def launch_local(
     with tempfile.TemporaryDirectory(prefix="dynpipe-exits-") as exits:
         try:
             if config.start_method == "forkserver":
-                mp.set_forkserver_preload(_PRELOAD)
-                elastic_launch(config, _worker)(list(argv), exits)
+                mp.set_forkserver_preload([*_PRELOAD, entry.__module__])
+                elastic_launch(config, entry)(list(argv), exits)
             else:
                 elastic_launch(config, sys.executable)("-m", "dynpipe", "train", *argv)
         except SignalException as exc:
@@ -185,20 +191,13 @@ def _start_method(mp: Any) -> str:
     return "forkserver"
 
 
-def _worker(argv: list[str], exits: str) -> None:
-    """One worker: ``dynpipe train argv`` with the agent's RANK/WORLD_SIZE environment.
-    Its exit status is the command's (2 for bad input, 128 + N after signal N), also
-    written to ``exits`` for the launcher (``_failures``)."""
-    from dynpipe.cli import main
-
-    code = main(["train", *argv])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    attempt = f"-attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+def record_exit(exits: str, code: int) -> None:
+    """A forked worker's exit status, for the launcher (``_failures``)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     with contextlib.suppress(OSError):
-        (Path(exits) / f"rank{os.environ['RANK']}{attempt}").write_text(f"{code} {time.time()}")
-    if code:
-        raise SystemExit(code)
+        (Path(exits) / f"rank{os.environ['RANK']}-attempt{attempt}").write_text(
+            f"{code} {time.time()}"
+        )
 
 
 def _final_checkpoint(
