@@ -241,3 +241,25 @@ def test_corpus_runs_end_to_end_on_cpu(tmp_path):
     assert set(WORK_COLUMNS) <= set(df.columns) and not df[list(WORK_COLUMNS)].isna().any().any()
     assert set(df["condition"]) == {"none", "spin@0.5x1", "spin@1x1"}
     assert (out / "corpus.json").exists()
+
+
+def test_a_work_predictor_feeds_the_adaptation_core(tmp_path) -> None:
+    """A predictor fitted now (feature schema 3) is accepted where adaptation loads one."""
+    from dynpipe.models import get_model
+    from dynpipe.predictor import fit_predictor, save_predictor
+    from dynpipe.predictor.synthetic import synthetic_profiles
+    from dynpipe.runtime.adapt.config import AdaptConfig
+    from dynpipe.runtime.adapt.make import make_policy
+
+    pred = fit_predictor(synthetic_profiles(models=("mlp_a",), seed=0), estimator="ridge")
+    assert pred.schema.uses_work
+    path = save_predictor(pred, tmp_path / "p.json")
+    model = get_model("mlp", depth=4, width=16, in_features=16)
+    policy = make_policy(
+        AdaptConfig(mode="adaptive"),
+        model=model,
+        microbatch_size=4,
+        num_ranks=2,
+        predictor=str(path),
+    )
+    assert policy is not None

@@ -276,7 +276,7 @@ def _costs(args: argparse.Namespace, model: Any, mb: int) -> Any:
         if not args.telemetry:
             raise UserError("--predictor needs --telemetry (one tel_* window per stage device)")
         try:
-            from dynpipe.predictor import load_predictor, predict_layer_times
+            from dynpipe.predictor import load_predictor, predict_layer_times, prepare_layers
         except (ModuleNotFoundError, ImportError) as exc:
             raise UserError(f"--predictor needs dynpipe.predictor ({exc})") from None
         import torch
@@ -284,10 +284,15 @@ def _costs(args: argparse.Namespace, model: Any, mb: int) -> Any:
         from dynpipe.models.stats import layer_stats
 
         pred = load_predictor(args.predictor)
-        stats = layer_stats(model, batch_size=mb, dtype=getattr(torch, dtype))
+        # A predictor of layers' work (feature schema 3) counts it from the model itself.
+        described = (
+            prepare_layers(pred, model, batch_size=mb, dtype=getattr(torch, dtype))
+            if pred.schema.uses_work
+            else layer_stats(model, batch_size=mb, dtype=getattr(torch, dtype))
+        )
         fwd, bwd = predict_layer_times(
             pred,
-            layers=stats,
+            layers=described,
             alone_fwd_ms=cm.fwd_ms,
             alone_bwd_ms=cm.bwd_ms,
             telemetry=_telemetry(args.telemetry, s),

@@ -56,9 +56,11 @@ def make_policy(
         loaded = load_predictor(predictor)
         if hasattr(loaded.estimator, "set_predict_threads"):
             loaded.estimator.set_predict_threads(1)
-        prepared = prepare_layers(
-            loaded, layer_stats(model, batch_size=microbatch_size), batch_size=microbatch_size
+        # A predictor of layers' work (feature schema 3) counts it from the model itself.
+        described = (
+            model if loaded.schema.uses_work else layer_stats(model, batch_size=microbatch_size)
         )
+        prepared = prepare_layers(loaded, described, batch_size=microbatch_size)
     if replicas if replicas is not None else dp > 1:
         from dynpipe.runtime.adapt.replicas import ReplicaPolicy
 
