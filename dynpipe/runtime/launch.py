@@ -125,7 +125,7 @@ def launch_local(
 def _failures(exc: Any, exits: Path) -> dict[int, tuple[float, int]]:
     """Every failed rank of the last attempt: (when, exit code). The agent reports the
     workers it found failed at one poll (a forked worker's context stops at the first it
-    sees); the workers' own exit files (``_worker``) complete that, so the launcher's line
+    sees); the workers' own exit records (``record_exit``) complete that, so the launcher's line
     names the rank that failed first whichever order the agent saw them in."""
     out = {r: (f.timestamp, f.exitcode) for r, f in exc.failures.items()}
     attempts: dict[int, dict[int, tuple[float, int]]] = {}

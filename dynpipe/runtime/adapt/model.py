@@ -39,7 +39,6 @@ import numpy as np
 
 from dynpipe.planner.costs import CostModel
 from dynpipe.planner.dp import plan_partition
-from dynpipe.planner.evaluate import stage_costs
 from dynpipe.planner.plan import PlanError
 from dynpipe.runtime.adapt.belief import Device, PlanStat, combine, move_lcb, z_of
 from dynpipe.runtime.adapt.config import AdaptConfig
@@ -49,6 +48,7 @@ from dynpipe.runtime.adapt.policy import (
     moved_bytes,
     predicted_slowdowns,
     predicted_step_ms,
+    stage_memory,
 )
 from dynpipe.runtime.adapt.record import Bounds, as_bounds
 from dynpipe.runtime.adapt.window import Window
@@ -434,19 +434,6 @@ class ModelPolicy:
                 out[r] = p[r] / max(level, 1e-9)
         return out
 
-    def _memory(self, w: Window) -> list[float] | None:
-        """Per stage, the bytes it may hold: what it holds now plus its device's free bytes."""
-        if w.memory_bytes is None or not np.isfinite(w.memory_bytes).any():
-            return None
-        held = stage_costs(
-            self.base.for_devices(w.num_stages),
-            w.bounds,
-            schedule=w.schedule,
-            microbatches=w.microbatches,
-        ).mem_bytes
-        free = [float(w.memory_bytes[r]) for r in w.ranks]
-        return [h + x if np.isfinite(x) else np.inf for h, x in zip(held, free, strict=True)]
-
     def _log_gain(self, w: Window, cand: Bounds, shift: dict[int, float] | None = None) -> float:
         """The cost model's ``log T_now - log T_cand``."""
         rows = self._rows(w, shift)
@@ -490,7 +477,9 @@ class ModelPolicy:
         step_var = max(st.step_r, w.step_noise**2, cfg.noise_floor**2)
         cands: set[Bounds] = {b for b in measured if b != w.key}
         try:
-            res = plan_partition(rows, num_stages=w.num_stages, memory_bytes=self._memory(w), **kw)
+            res = plan_partition(
+                rows, num_stages=w.num_stages, memory_bytes=stage_memory(self.base, w), **kw
+            )
             cands.add(tuple((int(a), int(b)) for a, b in res.bounds))
         except PlanError:
             pass

@@ -60,6 +60,7 @@ __all__ = [
     "predicted_slowdowns",
     "predicted_step_ms",
     "scaled_rows",
+    "stage_memory",
 ]
 
 
@@ -1019,19 +1020,7 @@ class Controller(NoiseRules):
         return 1.0 - high / max(low, 1e-9)
 
     def _memory(self, w: Window) -> list[float] | None:
-        """Per stage, the bytes it may hold: what it holds now (the planner's own estimate of
-        its parameters, gradients, optimizer state and in-flight activations) plus what its
-        device has free for it; no limit where that is unknown (CPU)."""
-        if w.memory_bytes is None or not np.isfinite(w.memory_bytes).any():
-            return None
-        held = stage_costs(
-            self.base.for_devices(w.num_stages),
-            w.bounds,
-            schedule=w.schedule,
-            microbatches=w.microbatches,
-        ).mem_bytes
-        free = [float(w.memory_bytes[r]) for r in w.ranks]
-        return [h + f if np.isfinite(f) else np.inf for h, f in zip(held, free, strict=True)]
+        return stage_memory(self.base, w)
 
     def cost_model(self, w: Window) -> CostModel:
         """The planner's cost model now: rows in stage order of ``w``'s plan."""
@@ -1230,3 +1219,19 @@ class SweepPolicy:
     def load_state(self, state: dict[str, Any]) -> None:
         if state:
             self.est.load_state(state.get("estimates", {}))
+
+
+def stage_memory(base: CostModel, w: Window) -> list[float] | None:
+    """Per stage of ``w``, the bytes it may hold: what it holds now (the planner's own
+    estimate of its parameters, gradients, optimizer state and in-flight activations) plus
+    what its device has free for it; None where that is unknown (CPU)."""
+    if w.memory_bytes is None or not np.isfinite(w.memory_bytes).any():
+        return None
+    held = stage_costs(
+        base.for_devices(w.num_stages),
+        w.bounds,
+        schedule=w.schedule,
+        microbatches=w.microbatches,
+    ).mem_bytes
+    free = [float(w.memory_bytes[r]) for r in w.ranks]
+    return [h + f if np.isfinite(f) else np.inf for h, f in zip(held, free, strict=True)]
