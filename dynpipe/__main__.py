@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import sys
+from dynpipe.cli import entry
 
-from dynpipe.cli import main
-
-sys.exit(main())
+entry()
