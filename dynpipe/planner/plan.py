@@ -24,6 +24,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "StagePlan",
+    "check_batch",
     "microbatch_problem",
     "schedule_ranks",
     "split_label",
@@ -78,6 +79,40 @@ def microbatch_problem(schedule: str, *, pp: int, chunks: int, microbatches: int
             f"{stages}: {pp} ranks x 2); use --microbatches {stages} or more"
         )
     return None
+
+
+def check_batch(plan: Plan, batch_size: int) -> None:
+    """Batch/microbatch/schedule combinations that cannot run, as one-line errors."""
+    if plan.dp > 1 and batch_size % plan.total_microbatches:
+        total = plan.total_microbatches
+        raise UserError(
+            f"batch size {batch_size} does not split into {plan.dp} replicas x "
+            f"{plan.microbatches} microbatches = {total} equal microbatches; use a batch size "
+            f"divisible by {total}"
+        )
+    if batch_size % plan.microbatches:
+        raise UserError(
+            f"batch size {batch_size} does not split into {plan.microbatches} equal microbatches; "
+            f"use a batch size divisible by {plan.microbatches}"
+        )
+    if plan.schedule == "1f1b" and plan.microbatches < plan.num_stages:
+        raise UserError(
+            f"1F1B needs at least as many microbatches as stages ({plan.microbatches} < "
+            f"{plan.num_stages}); use --microbatches {plan.num_stages} or more, or --schedule gpipe"
+        )
+    if plan.schedule in MULTI_SCHEDULES:
+        problem = microbatch_problem(
+            plan.schedule, pp=plan.pp, chunks=plan.chunks, microbatches=plan.microbatches
+        )
+        if problem:
+            raise UserError(problem)
+    counts = [n for r, n in enumerate(plan.replica_microbatches) if r not in plan.dropped]
+    if plan.schedule == "1f1b" and min(counts) < plan.num_stages:
+        raise UserError(
+            f"1F1B needs at least as many microbatches as stages in every replica (batch "
+            f"shares {list(plan.replica_microbatches)}, {plan.num_stages} stages); give each "
+            f"replica {plan.num_stages} or more, or use --schedule gpipe"
+        )
 
 
 class PlanError(UserError):

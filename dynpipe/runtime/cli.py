@@ -246,7 +246,7 @@ def preflight(cfg, model, plan, *, check_resume: bool = True, device: str = "cpu
 def _launcher(cfg, args: argparse.Namespace) -> int:
     """Validate everything that needs no process group, then start the workers."""
     from dynpipe.errors import UserError
-    from dynpipe.runtime.train import build_model_and_data, checkpoint_dir, resolve_plan
+    from dynpipe.runtime.prepare import build_model_and_data, checkpoint_dir, resolve_plan
 
     model, _ = build_model_and_data(cfg)
     if args.nproc is not None and args.nproc < 1:
@@ -287,7 +287,7 @@ def _launcher(cfg, args: argparse.Namespace) -> int:
     if cfg.log is None:
         # One log path for every worker and every relaunch (the default is timestamped, and
         # the restart baseline keeps its checkpoint beside the log).
-        from dynpipe.runtime.train import default_log_path
+        from dynpipe.runtime.prepare import default_log_path
 
         words += ["--log", default_log_path(cfg)]
         cfg = dataclasses.replace(cfg, log=words[-1])
@@ -360,9 +360,10 @@ def _pin_threads(threads: int) -> None:
 
 def _worker(cfg, args: argparse.Namespace) -> int:
     from dynpipe.errors import UserError
+    from dynpipe.runtime.prepare import build_model_and_data, resolve_plan
     from dynpipe.runtime.signals import Stopped, StopRequest, bind_to_parent
     from dynpipe.runtime.topology import Topology, destroy, init_distributed
-    from dynpipe.runtime.train import build_model_and_data, resolve_plan, train
+    from dynpipe.runtime.train import train
 
     stop = StopRequest().install()
     topo = Topology.from_env(device=args.device, timeout_s=args.timeout)

@@ -60,7 +60,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from dynpipe.errors import UserError
 from dynpipe.models.base import LayeredModel
 from dynpipe.planner.costs import CostModel
-from dynpipe.planner.plan import MULTI_SCHEDULES, Plan, microbatch_problem
+from dynpipe.planner.plan import MULTI_SCHEDULES, Plan, check_batch
 from dynpipe.runtime.compiled import compile_layers
 from dynpipe.runtime.mesh import Mesh
 from dynpipe.runtime.optim import OptimConfig, build_optimizer, export_state, import_state, lr_at
@@ -82,7 +82,6 @@ __all__ = [
     "NonFiniteLoss",
     "PipelineEngine",
     "StepResult",
-    "check_batch",
     "clip_coefficient",
     "eval_result",
     "eval_sums",
@@ -1283,38 +1282,4 @@ def _check_scale_grads() -> None:
         raise UserError(
             f"--dp > 1 needs torch's pipelining schedules with scale_grads (torch "
             f"{torch.__version__} lacks it); install torch 2.13 as the README says"
-        )
-
-
-def check_batch(plan: Plan, batch_size: int) -> None:
-    """Batch/microbatch/schedule combinations that cannot run, as one-line errors."""
-    if plan.dp > 1 and batch_size % plan.total_microbatches:
-        total = plan.total_microbatches
-        raise UserError(
-            f"batch size {batch_size} does not split into {plan.dp} replicas x "
-            f"{plan.microbatches} microbatches = {total} equal microbatches; use a batch size "
-            f"divisible by {total}"
-        )
-    if batch_size % plan.microbatches:
-        raise UserError(
-            f"batch size {batch_size} does not split into {plan.microbatches} equal microbatches; "
-            f"use a batch size divisible by {plan.microbatches}"
-        )
-    if plan.schedule == "1f1b" and plan.microbatches < plan.num_stages:
-        raise UserError(
-            f"1F1B needs at least as many microbatches as stages ({plan.microbatches} < "
-            f"{plan.num_stages}); use --microbatches {plan.num_stages} or more, or --schedule gpipe"
-        )
-    if plan.schedule in MULTI_SCHEDULES:
-        problem = microbatch_problem(
-            plan.schedule, pp=plan.pp, chunks=plan.chunks, microbatches=plan.microbatches
-        )
-        if problem:
-            raise UserError(problem)
-    counts = [n for r, n in enumerate(plan.replica_microbatches) if r not in plan.dropped]
-    if plan.schedule == "1f1b" and min(counts) < plan.num_stages:
-        raise UserError(
-            f"1F1B needs at least as many microbatches as stages in every replica (batch "
-            f"shares {list(plan.replica_microbatches)}, {plan.num_stages} stages); give each "
-            f"replica {plan.num_stages} or more, or use --schedule gpipe"
         )
