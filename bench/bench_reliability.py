@@ -23,6 +23,7 @@ Numbers are what this machine gave; a loaded 2-core machine spreads them widely.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -87,8 +88,21 @@ def _wait(pred, proc: subprocess.Popen, timeout_s: float = 600.0):
 
 
 def _workers(proc: subprocess.Popen) -> list[psutil.Process]:
-    kids = psutil.Process(proc.pid).children(recursive=True)
-    return [k for k in kids if "dynpipe" in " ".join(k.cmdline())]
+    """The launcher's worker processes: the leaves of its tree that run dynpipe (a fork
+    server, whose command line names the modules it preloads, is their parent)."""
+    ours = [k for k in psutil.Process(proc.pid).children(recursive=True) if _runs_dynpipe(k)]
+    parents = set()
+    for k in ours:
+        with contextlib.suppress(psutil.Error):
+            parents.add(k.ppid())
+    return [k for k in ours if k.pid not in parents]
+
+
+def _runs_dynpipe(p: psutil.Process) -> bool:
+    try:
+        return "dynpipe" in " ".join(p.cmdline())
+    except psutil.Error:  # ended since it was listed
+        return False
 
 
 def _ckpt_at(root: Path, step: int) -> bool:
