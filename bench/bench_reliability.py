@@ -88,21 +88,18 @@ def _wait(pred, proc: subprocess.Popen, timeout_s: float = 600.0):
 
 
 def _workers(proc: subprocess.Popen) -> list[psutil.Process]:
-    """The launcher's worker processes: the leaves of its tree that run dynpipe (a fork
-    server, whose command line names the modules it preloads, is their parent)."""
-    ours = [k for k in psutil.Process(proc.pid).children(recursive=True) if _runs_dynpipe(k)]
-    parents = set()
-    for k in ours:
-        with contextlib.suppress(psutil.Error):
-            parents.add(k.ppid())
-    return [k for k in ours if k.pid not in parents]
-
-
-def _runs_dynpipe(p: psutil.Process) -> bool:
-    try:
-        return "dynpipe" in " ".join(p.cmdline())
-    except psutil.Error:  # ended since it was listed
-        return False
+    """The launcher's worker processes: those its agent started (``python -m dynpipe
+    train``), or those its fork server forked (whose command line is the server's)."""
+    cmd = {}
+    for k in psutil.Process(proc.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # ended since it was listed
+            cmd[k] = (" ".join(k.cmdline()), k.ppid())
+    ours = {k.pid for k, (c, _) in cmd.items() if "dynpipe" in c}
+    return [
+        k
+        for k, (c, ppid) in cmd.items()
+        if k.pid in ours and ("forkserver" not in c or ppid in ours)
+    ]
 
 
 def _ckpt_at(root: Path, step: int) -> bool:

@@ -163,8 +163,8 @@ def _wait(what: str, pred, proc: subprocess.Popen, timeout_s: float = 300.0):
     raise RuntimeError(f"no {what} within {timeout_s:.0f}s")
 
 
-def _children(pid: int) -> list[int]:
-    """Descendants of ``pid``, from /proc (psutil may not be installed where this runs)."""
+def _parents() -> dict[int, int]:
+    """Every process's parent, from /proc (psutil may not be installed where this runs)."""
     parent: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -173,6 +173,12 @@ def _children(pid: int) -> list[int]:
                 parent[int(entry.name)] = int(stat.rpartition(")")[2].split()[1])
             except (OSError, ValueError, IndexError):
                 pass
+    return parent
+
+
+def _children(pid: int, parent: dict[int, int] | None = None) -> list[int]:
+    """Descendants of ``pid``."""
+    parent = _parents() if parent is None else parent
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
@@ -183,16 +189,17 @@ def _children(pid: int) -> list[int]:
 
 
 def _workers(proc: subprocess.Popen) -> list[int]:
-    """The launcher's worker processes (``python -m dynpipe train`` started by its agent)."""
-    out = []
-    for pid in _children(proc.pid):
+    """The launcher's worker processes: those its agent started (``python -m dynpipe
+    train``), or those its fork server forked (whose command line is the server's)."""
+    parent = _parents()
+    cmd = {}
+    for pid in _children(proc.pid, parent):
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            cmd[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if "dynpipe" in cmd:
-            out.append(pid)
-    return out
+    ours = {p for p, c in cmd.items() if "dynpipe" in c}
+    return sorted(p for p in ours if "forkserver" not in cmd[p] or parent.get(p) in ours)
 
 
 def _alive(pids: list[int], timeout_s: float) -> list[int]:
