@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from dynpipe.models.base import LayeredModel
 
 __all__ = [
+    "DELAYED_SCHEDULES",
     "MULTI_SCHEDULES",
     "PLAN_VERSION",
     "SCHEDULES",
@@ -30,9 +31,13 @@ __all__ = [
 ]
 
 PLAN_VERSION = 1
-# gpipe and 1f1b run one stage per rank; the others are torch's multi-stage schedules
-# (``PipelineScheduleMulti``), which may give a rank several virtual stages.
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb", "zbv", "dualpipev")
+# gpipe, 1f1b and 2bw run one stage per rank; the others are torch's multi-stage schedules
+# (``PipelineScheduleMulti``), which may give a rank several virtual stages. 2bw is 1F1B's
+# order with PipeDream-2BW's delayed weight update (``dynpipe.runtime.twobw``), which
+# changes what training computes.
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb", "zbv", "dualpipev", "2bw")
+# Schedules whose steps compute gradients on weights one update old (two weight versions).
+DELAYED_SCHEDULES = ("2bw",)
 # Multi-stage schedules and how they place stage ``s`` of ``pp * chunks`` on a rank: "loop"
 # (rank ``s % pp``, torch's default) or "v" (down the ranks and back up, so a rank holds
 # stages ``r`` and ``2 pp - 1 - r``), as ``torch.distributed.pipelining`` maps them.
@@ -58,9 +63,9 @@ def microbatch_problem(schedule: str, *, pp: int, chunks: int, microbatches: int
     ``chunks`` virtual stages each (a one-line error with the fix), or None when it can.
     The rules are torch's (``torch.distributed.pipelining.schedules``)."""
     m, stages = microbatches, pp * chunks
-    if schedule == "1f1b" and m < pp:
+    if schedule in ("1f1b", "2bw") and m < pp:
         return (
-            f"1F1B needs at least as many microbatches as stages ({m} < {pp}); use "
+            f"{schedule.upper()} needs at least as many microbatches as stages ({m} < {pp}); use "
             f"--microbatches {pp} or more, or --schedule gpipe"
         )
     if schedule in ("interleaved-1f1b", "zb"):
@@ -252,6 +257,11 @@ class Plan:
             raise PlanError(
                 f"schedule {sched} ({v} virtual stages per rank) runs one pipeline only, but "
                 f"the plan has {self.dp} replicas; use --dp 1, or --schedule 1f1b or gpipe"
+            )
+        if sched in DELAYED_SCHEDULES and self.dp > 1:
+            raise PlanError(
+                f"schedule {sched} keeps two weight versions per stage on one pipeline, but "
+                f"the plan has {self.dp} replicas; use --dp 1, or --schedule 1f1b"
             )
 
     def _check_placement(self, ranks: list[int]) -> None:

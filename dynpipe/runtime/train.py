@@ -138,6 +138,16 @@ def resolve_plan(cfg: TrainConfig, model: LayeredModel, world_size: int) -> Plan
             f"price virtual stages yet, and this run asks for --adapt {cfg.adapt.mode}); add "
             "--adapt static, or use --schedule 1f1b"
         )
+    from dynpipe.runtime.twobw import check_2bw_run
+
+    check_2bw_run(
+        schedule=plan.schedule,
+        fp16=cfg.fp16,
+        freeze=cfg.freeze,
+        autodp=cfg.autodp,
+        reshape=cfg.adapt.reshape,
+        compile=cfg.compile,
+    )
     # With --elastic a plan may leave ranks idle from the start (a GPU held back until the
     # controller finds it worth using); the idle ranks probe their devices like any other.
     plan.validate(model, world_size, elastic=cfg.adapt.elastic and plan.dp == 1)
@@ -807,6 +817,16 @@ def train(
             revision=code_revision(),
             start_step=start,
         )
+        if plan.schedule == "2bw":
+            # Said in the log itself: the run is not the synchronous one (runtime.twobw).
+            log.event(
+                "weight_versions",
+                step=start,
+                changes_training=True,
+                versions=2,
+                rule="W(t+1) = W(t) - opt(grad f(W(t-1)))",
+                flush=True,
+            )
         for path, why in skipped:
             log.event("checkpoint_skipped", path=path, reason=why)
         planned = meta is not None and "restart_plan" in meta and not (lost and lost["steps_lost"])
@@ -1370,7 +1390,8 @@ def _save(
         meta=meta,
         block=block,
         # Only the optimizer step changes these: their copies may finish during the next step.
-        params=set(engine.named_params),
+        # Under 2bw the stash is overwritten just before the optimizer step (``twobw``).
+        params=set(engine.named_params) if engine.versions is None else None,
     )
 
 
@@ -1481,9 +1502,7 @@ def _resume(engine: PipelineEngine, path: str | Path, *, topo: Topology) -> int:
         rank=topo.rank,
         device=topo.device,
     )
-    from dynpipe.runtime.optim import import_state
-
-    import_state(engine.optimizer, engine.named_params, opt)
+    engine.load_optim_state(opt)  # under 2bw, with the newest weight version
     if engine.scaler is not None and meta.get("loss_scale"):
         engine.scaler.load_state_dict(meta["loss_scale"])
     return int(meta["step"])
