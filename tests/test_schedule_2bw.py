@@ -10,6 +10,8 @@ under another split. Bad combinations are refused before any process group exist
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from distutil import run_ranks
@@ -64,28 +66,34 @@ class DelayedReference:
         return self.ref.model_state(), optim
 
 
-def _engine(world: int, opt: str, sizes: list[int] | None = None):
+def _engine(
+    world: int,
+    opt: str,
+    sizes: list[int] | None = None,
+    compile: str | None = None,
+    schedule: str = "2bw",
+):
     from dynpipe.models import get_model
     from dynpipe.planner import Plan
     from dynpipe.runtime.engine import EngineConfig, PipelineEngine
     from dynpipe.runtime.topology import Topology
 
     model = get_model("mlp", **MODEL)
-    kw = {"schedule": "2bw", "microbatches": MICROBATCHES}
+    kw = {"schedule": schedule, "microbatches": MICROBATCHES}
     plan = Plan.from_bounds(model, sizes, **kw) if sizes else Plan.even(model, world, **kw)
     return PipelineEngine(
         model,
         plan,
         topo=Topology.from_env(device="cpu"),
-        config=EngineConfig(batch_size=BATCH, optim=optim_config(opt)),
+        config=EngineConfig(batch_size=BATCH, optim=optim_config(opt), compile=compile),
     )
 
 
-def _run(rank: int, world: int, opt: str, move_at: int | None) -> dict:
+def _run(rank: int, world: int, opt: str, move_at: int | None, compile: str | None) -> dict:
     from dynpipe.planner import Plan
     from dynpipe.runtime.migrate import repartition
 
-    eng = _engine(world, opt)
+    eng = _engine(world, opt, compile=compile)
     n = len(eng.model)
     moved = Plan.from_bounds(
         eng.model, [1] * (world - 1) + [n - world + 1], schedule="2bw", microbatches=MICROBATCHES
@@ -128,11 +136,20 @@ def _reference(opt: str, steps: int = STEPS) -> tuple[DelayedReference, list[flo
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("world", "opt", "move_at"), [(2, "adamw", None), (3, "sgd", None), (2, "adamw", 2)]
+    ("world", "opt", "move_at", "compile"),
+    [
+        (2, "adamw", None, None),
+        (3, "sgd", None, None),
+        (2, "adamw", 2, None),
+        # Compiled layers read the swapped weight storage as eager ones do.
+        (2, "adamw", None, "aot_eager"),
+    ],
 )
-def test_2bw_equals_the_delayed_update_rule(world: int, opt: str, move_at: int | None) -> None:
+def test_2bw_equals_the_delayed_update_rule(
+    world: int, opt: str, move_at: int | None, compile: str | None
+) -> None:
     torch.set_num_threads(1)
-    results = [r["value"] for r in run_ranks(_run, world, opt, move_at)]
+    results = [r["value"] for r in run_ranks(_run, world, opt, move_at, compile)]
     ref, want_losses = _reference(opt)
     model, optim = _merged(results)
     want_m, want_o = ref.state()
@@ -179,6 +196,7 @@ def _write(rank: int, world: int, ckpt: str) -> dict:
 
 
 def _resume(rank: int, world: int, ckpt: str) -> dict:
+    from dynpipe.errors import UserError
     from dynpipe.runtime.checkpoint import load_checkpoint
 
     # Another split than the one that saved: both versions load by layer name.
@@ -189,8 +207,15 @@ def _resume(rank: int, world: int, ckpt: str) -> dict:
     assert any(k.endswith("/" + NEWEST) for k in state)
     eng.load_optim_state(state)
     losses = [eng.step(s, make_batch(eng.model, s)).loss for s in range(meta["step"], STEPS)]
+    # The synchronous schedule refuses the second version rather than dropping it.
+    other = _engine(world, "adamw", schedule="1f1b")
+    try:
+        other.load_optim_state(state)
+        refused = ""
+    except UserError as exc:
+        refused = str(exc)
     return {"model": eng.model_state(), "optim": eng.optim_state(), "losses": losses,
-            "last": eng.is_last}  # fmt: skip
+            "last": eng.is_last, "refused": refused}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -206,6 +231,7 @@ def test_2bw_checkpoint_resumes_both_versions_exactly(tmp_path) -> None:
     _assert_same(optim, want_o, "optimizer state and newest weights after resume")
     last = next(r for r in results if r["last"])
     assert last["losses"] == want_losses[SAVE_AT:]
+    assert all("resume it with --schedule 2bw" in r["refused"] for r in results)
 
 
 def test_weight_versions_swap_without_copying_the_stash() -> None:
@@ -229,3 +255,105 @@ def test_weight_versions_swap_without_copying_the_stash() -> None:
     assert list(optim) == ["a.w/exp_avg"] and newest["a.w"].tolist() == [4.0, 5.0]
     with pytest.raises(KeyError, match="does not hold"):
         WeightVersions({"a.w": p}, {"b.w": torch.zeros(2)})
+
+
+TRAIN = ["train", "--nproc", "2", "--model-arg", "depth=4", "--model-arg", "width=16"]
+TRAIN += ["--schedule", "2bw", "--no-progress", "--batch-size", "8"]
+
+
+def _losses(log) -> dict[int, float]:
+    from dynpipe.runtime.records import read_log
+
+    return {r.step: r.loss for r in read_log(str(log)).steps}
+
+
+@pytest.mark.slow
+def test_2bw_run_is_labelled_and_resumes_through_the_command_line(tmp_path) -> None:
+    """The run log says the run changes training; a run resumed from its step-2 checkpoint
+    logs the uninterrupted run's losses (step 3 runs on the newest version saved)."""
+    from dynpipe.cli import main
+    from dynpipe.runtime.records import read_log
+
+    whole, part = tmp_path / "whole.jsonl", tmp_path / "part.jsonl"
+    ck = tmp_path / "ck"
+    assert main([*TRAIN, "--steps", "5", "--log", str(whole)]) == 0
+    log = read_log(str(whole))
+    assert log.headers[0].config["schedule"] == "2bw"
+    (ev,) = log.events("weight_versions")
+    assert ev.fields["changes_training"] is True and ev.fields["flush"] is True
+    argv = [*TRAIN, "--steps", "2", "--save-every", "2", "--save-dir", str(ck)]
+    assert main([*argv, "--log", str(tmp_path / "first.jsonl")]) == 0
+    (saved,) = sorted(ck.glob("ckpt-00000002-*"))
+    assert main([*TRAIN, "--steps", "5", "--resume", str(saved), "--log", str(part)]) == 0
+    want, got = _losses(whole), _losses(part)
+    assert sorted(got) == [2, 3, 4]
+    assert all(got[s] == want[s] for s in got), (got, want)
+    # The same checkpoint under the synchronous schedule is refused in one line.
+    rc = main([*TRAIN[:-5], "--schedule", "1f1b", "--no-progress", "--batch-size", "8",
+               "--steps", "5", "--resume", str(saved), "--log", str(tmp_path / "x.jsonl")])  # fmt: skip
+    # (The message comes from the workers: test_2bw_checkpoint_resumes_both_versions_exactly
+    # reads it.)
+    assert rc == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--fp16"], "does not run with --fp16"),
+        (["--dp", "2"], "two weight versions per stage on one pipeline"),
+        (["--chunks", "2"], "runs one stage per rank"),
+        (["--freeze"], "does not run with --freeze"),
+        (["--recompute", "auto", "--memory-gb", "1"], "--recompute all or none"),
+        (["--adapt", "adaptive", "--reshape"], "drop --reshape"),
+        (["--microbatches", "1"], "2BW needs at least as many microbatches as stages"),
+    ],
+)
+def test_2bw_refuses_what_it_cannot_combine_with(capsys, args: list[str], needle: str) -> None:
+    from dynpipe.cli import main
+
+    rc = main([*TRAIN, "--steps", "1", *args])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and "Traceback" not in "\n".join(lines)
+    assert needle in lines[-1] and lines[-1].count("\n") == 0, lines
+
+
+def test_simulator_prices_2bw_as_run_and_without_the_flush() -> None:
+    """2bw runs 1F1B's flushed order (same simulated step); the no-flush steady state is
+    the slowest stage's forwards and backwards plus its update, never above the flushed
+    step, and a slow link bounds it instead."""
+    from dynpipe.planner.costs import CostModel
+    from dynpipe.planner.multisim import schedule_step_ms, steady_2bw_ms
+    from dynpipe.planner.simulate import simulate
+
+    fwd, bwd, m = [1.0, 2.0, 1.5], [2.0, 4.0, 3.0], 6
+    flushed = simulate(fwd, bwd, schedule="2bw", microbatches=m).step_ms
+    assert flushed == simulate(fwd, bwd, schedule="1f1b", microbatches=m).step_ms
+    steady = steady_2bw_ms(fwd, bwd, microbatches=m)
+    assert steady == max(m * (f + b) for f, b in zip(fwd, bwd, strict=True)) < flushed
+    upd = [0.0, 0.5, 0.0]
+    assert steady_2bw_ms(fwd, bwd, microbatches=m, update_ms=upd) == steady + 0.5
+    slow_link = 2 * steady / m
+    assert steady_2bw_ms(fwd, bwd, microbatches=m, comm_ms=[0.0, slow_link]) == m * slow_link
+    from dynpipe.models import get_model
+
+    model = get_model("mlp", **MODEL)
+    costs = CostModel.from_model(model, microbatch_size=BATCH // MICROBATCHES).for_devices(2)
+    bounds = [(0, 4), (4, len(model))]
+    kw = {"microbatches": MICROBATCHES}
+    assert schedule_step_ms(costs, bounds, schedule="2bw", **kw) == schedule_step_ms(
+        costs, bounds, schedule="1f1b", **kw
+    )
+
+
+def test_plan_prints_2bw_beside_the_other_schedules(capsys) -> None:
+    from dynpipe.cli import main
+
+    assert main(["plan", "--model", "mlp", "--stages", "2", "--microbatches", "4"]) == 0
+    out = capsys.readouterr().out
+    (row,) = [line for line in out.splitlines() if line.startswith("2bw ")]
+    assert "changes training" in row and "no-flush steady state" in row
+    assert main(["plan", "--model", "mlp", "--stages", "2", "--schedule", "2bw", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["schedule"] == "2bw"
+    (meta,) = [r for r in plan["meta"]["schedules"] if r["schedule"] == "2bw"]
+    assert 0 < meta["no_flush_ms"] <= meta["step_ms"]

@@ -66,7 +66,7 @@ def microbatch_problem(schedule: str, *, pp: int, chunks: int, microbatches: int
     if schedule in ("1f1b", "2bw") and m < pp:
         return (
             f"{schedule.upper()} needs at least as many microbatches as stages ({m} < {pp}); use "
-            f"--microbatches {pp} or more, or --schedule gpipe"
+            f"--microbatches {pp} or more" + (", or --schedule gpipe" if schedule == "1f1b" else "")
         )
     if schedule in ("interleaved-1f1b", "zb"):
         rounds = max(1, m // pp)

@@ -120,7 +120,7 @@ def check_2bw_run(
     freeze: bool,
     autodp: bool,
     reshape: bool,
-    compile: bool,
+    recompute: str | None = None,
 ) -> None:
     """What ``--schedule 2bw`` does not run with, as one-line errors (virtual stages and
     replicas are the plan's to refuse: ``Plan``)."""
@@ -141,8 +141,8 @@ def check_2bw_run(
             "--schedule 2bw runs one pipeline (--dp 1) and --reshape moves to replicas; drop "
             "--reshape, or use --schedule 1f1b"
         )
-    if compile:
+    if recompute == "auto":
         raise UserError(
-            "--schedule 2bw does not run with --compile yet (compiled layers are not checked "
-            "against its swapped weight storage); drop --compile, or use --schedule 1f1b"
+            "--schedule 2bw does not run with --recompute auto: its memory model does not "
+            "count the second weight version yet; use --recompute all or none"
         )
