@@ -357,3 +357,30 @@ def test_plan_prints_2bw_beside_the_other_schedules(capsys) -> None:
     assert plan["schedule"] == "2bw"
     (meta,) = [r for r in plan["meta"]["schedules"] if r["schedule"] == "2bw"]
     assert 0 < meta["no_flush_ms"] <= meta["step_ms"]
+
+
+@pytest.mark.slow
+def test_2bw_export_takes_the_newest_version(tmp_path) -> None:
+    """``dynpipe export``'s trained state of a 2bw checkpoint is its newest version, not
+    the stash the checkpoint's parameters hold."""
+    pytest.importorskip("transformers")
+    from hfutil import SEQ, save_tiny
+
+    from dynpipe.cli import main
+    from dynpipe.models.export import trained_model
+    from dynpipe.runtime.checkpoint import find_checkpoint, load_checkpoint
+
+    folder = save_tiny("gpt2", tmp_path)
+    ck = tmp_path / "ck"
+    argv = ["train", "--nproc", "2", "--model", f"hf:{folder}", "--model-arg", f"seq_len={SEQ}",
+            "--data", "synthetic", "--schedule", "2bw", "--batch-size", "8", "--steps", "2",
+            "--save-every", "2", "--save-dir", str(ck), "--no-progress",
+            "--log", str(tmp_path / "log.jsonl")]  # fmt: skip
+    assert main(argv) == 0
+    _, state, _ = trained_model(ck)
+    path = find_checkpoint(ck)
+    stash = {k: torch.empty_like(v) for k, v in state.items()}
+    optim, _ = load_checkpoint(path, model_state=stash, held_params=set(stash), rank=0)
+    newest = {k.rpartition("/")[0]: v for k, v in optim.items() if k.endswith("/" + NEWEST)}
+    assert newest and all(torch.equal(state[k], v) for k, v in newest.items())
+    assert any(not torch.equal(stash[k], v) for k, v in newest.items())

@@ -72,7 +72,8 @@ def register(subparsers: Any) -> None:
         default="1f1b",
         choices=SCHEDULES,
         help="pipeline schedule (default 1f1b); interleaved-1f1b, zb, zbv and dualpipev "
-        "give each rank --chunks virtual stages",
+        "give each rank --chunks virtual stages; 2bw (PipeDream-2BW) changes what training "
+        "computes",
     )
     p.add_argument(
         "--chunks",
