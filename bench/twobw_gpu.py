@@ -21,7 +21,7 @@ from pathlib import Path
 
 TINY = ["--model-arg", "depth=4", "--model-arg", "width=16", "--batch-size", "8"]  # CPU smoke
 MODEL = ["--model", "gpt", "--model-arg", "depth=8", "--model-arg", "width=1024",
-         "--model-arg", "seq_len=256", "--batch-size", "16", "--microbatches", "4"]  # fmt: skip
+         "--model-arg", "seq_len=256", "--model-arg", "heads=8", "--batch-size", "16", "--microbatches", "4"]  # fmt: skip
 
 
 def _train(
