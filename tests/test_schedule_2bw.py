@@ -289,8 +289,8 @@ def test_2bw_run_is_labelled_and_resumes_through_the_command_line(tmp_path) -> N
     assert sorted(got) == [2, 3, 4]
     assert all(got[s] == want[s] for s in got), (got, want)
     # The same checkpoint under the synchronous schedule is refused in one line.
-    rc = main([*TRAIN[:-5], "--schedule", "1f1b", "--no-progress", "--batch-size", "8",
-               "--steps", "5", "--resume", str(saved), "--log", str(tmp_path / "x.jsonl")])  # fmt: skip
+    sync = [a if a != "2bw" else "1f1b" for a in TRAIN]
+    rc = main([*sync, "--steps", "5", "--resume", str(saved), "--log", str(tmp_path / "x.log")])
     # (The message comes from the workers: test_2bw_checkpoint_resumes_both_versions_exactly
     # reads it.)
     assert rc == 2

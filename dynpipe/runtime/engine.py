@@ -1333,9 +1333,9 @@ def check_batch(plan: Plan, batch_size: int) -> None:
         )
     if plan.schedule in ("1f1b", "2bw") and plan.microbatches < plan.num_stages:
         raise UserError(
-            f"{plan.schedule.upper()} needs at least as many microbatches as stages ({plan.microbatches} < "
-            f"{plan.num_stages}); use --microbatches {plan.num_stages} or more"
-            + (", or --schedule gpipe" if plan.schedule == "1f1b" else "")
+            f"{plan.schedule.upper()} needs at least as many microbatches as stages "
+            f"({plan.microbatches} < {plan.num_stages}); use --microbatches {plan.num_stages} "
+            "or more" + (", or --schedule gpipe" if plan.schedule == "1f1b" else "")
         )
     if plan.schedule in MULTI_SCHEDULES:
         problem = microbatch_problem(
