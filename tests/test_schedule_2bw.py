@@ -27,15 +27,17 @@ class DelayedReference:
     """Single-process 2BW: ``ReferenceTrainer``'s gradients (same microbatches, division,
     clipping and optimizer), computed on the stashed copy, applied to the newest."""
 
-    def __init__(self, opt: str) -> None:
+    def __init__(self, opt: str, *, batch=make_batch, size=BATCH, **grouping) -> None:
         from dynpipe.models import get_model
         from dynpipe.runtime.reference import ReferenceTrainer
 
+        self.batch = batch
         self.ref = ReferenceTrainer(
             model=get_model("mlp", **MODEL),
-            batch_size=BATCH,
-            microbatches=MICROBATCHES,
+            batch_size=size,
+            microbatches=grouping.pop("microbatches", MICROBATCHES),
             optim=optim_config(opt),
+            **grouping,
         )
         params = self.ref.named_params
         # W(-1) = W(0): the first step computes on the initial weights.
@@ -58,7 +60,7 @@ class DelayedReference:
         self.ref.optimizer.step = delayed_update
 
     def step(self, s: int) -> float:
-        return self.ref.step(s, make_batch(self.ref.model, s))
+        return self.ref.step(s, self.batch(self.ref.model, s))
 
     def state(self) -> tuple[dict, dict]:
         optim = dict(self.ref.optim_state())
@@ -300,7 +302,6 @@ def test_2bw_run_is_labelled_and_resumes_through_the_command_line(tmp_path) -> N
     ("args", "needle"),
     [
         (["--fp16"], "does not run with --fp16"),
-        (["--dp", "2"], "two weight versions per stage on one pipeline"),
         (["--chunks", "2"], "runs one stage per rank"),
         (["--freeze"], "does not run with --freeze"),
         (["--recompute", "auto", "--memory-gb", "1"], "--recompute all or none"),
@@ -384,3 +385,50 @@ def test_2bw_export_takes_the_newest_version(tmp_path) -> None:
     newest = {k.rpartition("/")[0]: v for k, v in optim.items() if k.endswith("/" + NEWEST)}
     assert newest and all(torch.equal(state[k], v) for k, v in newest.items())
     assert any(not torch.equal(stash[k], v) for k, v in newest.items())
+
+
+def _replicated(rank: int, world: int) -> dict:
+    import dataclasses
+
+    from test_runtime_dp import BATCH as DP_BATCH
+    from test_runtime_dp import make_batch as dp_batch
+
+    from dynpipe.models import get_model
+    from dynpipe.planner import Plan
+    from dynpipe.runtime.engine import EngineConfig, PipelineEngine
+    from dynpipe.runtime.mesh import init_mesh
+    from dynpipe.runtime.topology import Topology
+
+    model = get_model("mlp", **MODEL)
+    plan = Plan.from_bounds(model, [2, len(model) - 2], schedule="2bw", microbatches=4)
+    plan = dataclasses.replace(plan, dp=2)
+    topo = Topology.from_env(device="cpu")
+    eng = PipelineEngine(
+        model,
+        plan,
+        topo=topo,
+        mesh=init_mesh(topo, dp=2),
+        config=EngineConfig(batch_size=DP_BATCH, optim=optim_config("adamw")),
+    )
+    losses = [eng.step(s, dp_batch(model, s)).loss for s in range(STEPS)]
+    return {"replica": eng.mesh.replica, "model": eng.model_state(), "optim": eng.optim_state(),
+            "losses": losses}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_2bw_with_replicas_equals_the_delayed_rule() -> None:
+    """2 replicas x 2 stages: DDP sums each stage's gradients across replicas; both
+    versions of every replica equal the rule's reference in the replicas' grouping."""
+    from test_runtime_dp import BATCH as DP_BATCH
+    from test_runtime_dp import make_batch as dp_batch
+
+    torch.set_num_threads(1)
+    results = [r["value"] for r in run_ranks(_replicated, 4)]
+    ref = DelayedReference("adamw", batch=dp_batch, size=DP_BATCH, microbatches=8, groups=(4, 4))
+    want_losses = [ref.step(s) for s in range(STEPS)]
+    want_m, want_o = ref.state()
+    for replica in (0, 1):
+        model, optim = _merged([r for r in results if r["replica"] == replica])
+        _assert_same(model, want_m, f"replica {replica} stashed weights")
+        _assert_same(optim, want_o, f"replica {replica} optimizer state and newest weights")
+    assert all(r["losses"] == want_losses for r in results)

@@ -258,11 +258,6 @@ class Plan:
                 f"schedule {sched} ({v} virtual stages per rank) runs one pipeline only, but "
                 f"the plan has {self.dp} replicas; use --dp 1, or --schedule 1f1b or gpipe"
             )
-        if sched in DELAYED_SCHEDULES and self.dp > 1:
-            raise PlanError(
-                f"schedule {sched} keeps two weight versions per stage on one pipeline, but "
-                f"the plan has {self.dp} replicas; use --dp 1, or --schedule 1f1b"
-            )
 
     def _check_placement(self, ranks: list[int]) -> None:
         want = schedule_ranks(self.schedule, pp=self.pp, chunks=self.chunks)

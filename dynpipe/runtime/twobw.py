@@ -122,8 +122,8 @@ def check_2bw_run(
     reshape: bool,
     recompute: str | None = None,
 ) -> None:
-    """What ``--schedule 2bw`` does not run with, as one-line errors (virtual stages and
-    replicas are the plan's to refuse: ``Plan``)."""
+    """What ``--schedule 2bw`` does not run with, as one-line errors (virtual stages are
+    the plan's to refuse: ``Plan``)."""
     if schedule != "2bw":
         return
     if fp16:
@@ -138,8 +138,9 @@ def check_2bw_run(
         )
     if reshape:
         raise UserError(
-            "--schedule 2bw runs one pipeline (--dp 1) and --reshape moves to replicas; drop "
-            "--reshape, or use --schedule 1f1b"
+            "--schedule 2bw does not run with --reshape (a live change of the data x pipeline "
+            "shape is not checked with two weight versions); give the shape with --dp and "
+            "drop --reshape, or use --schedule 1f1b"
         )
     if recompute == "auto":
         raise UserError(
