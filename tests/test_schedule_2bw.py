@@ -72,8 +72,8 @@ def _engine(
     world: int,
     opt: str,
     sizes: list[int] | None = None,
-    compile: str | None = None,
     schedule: str = "2bw",
+    **extra,
 ):
     from dynpipe.models import get_model
     from dynpipe.planner import Plan
@@ -87,15 +87,15 @@ def _engine(
         model,
         plan,
         topo=Topology.from_env(device="cpu"),
-        config=EngineConfig(batch_size=BATCH, optim=optim_config(opt), compile=compile),
+        config=EngineConfig(batch_size=BATCH, optim=optim_config(opt), **extra),
     )
 
 
-def _run(rank: int, world: int, opt: str, move_at: int | None, compile: str | None) -> dict:
+def _run(rank: int, world: int, opt: str, move_at: int | None, extra: dict) -> dict:
     from dynpipe.planner import Plan
     from dynpipe.runtime.migrate import repartition
 
-    eng = _engine(world, opt, compile=compile)
+    eng = _engine(world, opt, **extra)
     n = len(eng.model)
     moved = Plan.from_bounds(
         eng.model, [1] * (world - 1) + [n - world + 1], schedule="2bw", microbatches=MICROBATCHES
@@ -138,20 +138,21 @@ def _reference(opt: str, steps: int = STEPS) -> tuple[DelayedReference, list[flo
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("world", "opt", "move_at", "compile"),
+    ("world", "opt", "move_at", "extra"),
     [
-        (2, "adamw", None, None),
-        (3, "sgd", None, None),
-        (2, "adamw", 2, None),
-        # Compiled layers read the swapped weight storage as eager ones do.
-        (2, "adamw", None, "aot_eager"),
+        (2, "adamw", None, {}),
+        (3, "sgd", None, {}),
+        (2, "adamw", 2, {}),
+        # Compiled and recomputed layers read the swapped weight storage as eager ones do.
+        (2, "adamw", None, {"compile": "aot_eager"}),
+        (2, "sgd", 2, {"recompute": "all"}),
     ],
 )
 def test_2bw_equals_the_delayed_update_rule(
-    world: int, opt: str, move_at: int | None, compile: str | None
+    world: int, opt: str, move_at: int | None, extra: dict
 ) -> None:
     torch.set_num_threads(1)
-    results = [r["value"] for r in run_ranks(_run, world, opt, move_at, compile)]
+    results = [r["value"] for r in run_ranks(_run, world, opt, move_at, extra)]
     ref, want_losses = _reference(opt)
     model, optim = _merged(results)
     want_m, want_o = ref.state()
@@ -304,7 +305,6 @@ def test_2bw_run_is_labelled_and_resumes_through_the_command_line(tmp_path) -> N
         (["--fp16"], "does not run with --fp16"),
         (["--chunks", "2"], "runs one stage per rank"),
         (["--freeze"], "does not run with --freeze"),
-        (["--recompute", "auto", "--memory-gb", "1"], "--recompute all or none"),
         (["--adapt", "adaptive", "--reshape"], "drop --reshape"),
         (["--microbatches", "1"], "2BW needs at least as many microbatches as stages"),
     ],
@@ -432,3 +432,22 @@ def test_2bw_with_replicas_equals_the_delayed_rule() -> None:
         _assert_same(model, want_m, f"replica {replica} stashed weights")
         _assert_same(optim, want_o, f"replica {replica} optimizer state and newest weights")
     assert all(r["losses"] == want_losses for r in results)
+
+
+def test_memory_model_counts_the_second_weight_version() -> None:
+    """A 2bw stage's predicted peak is 1F1B's plus one copy of its parameters (what
+    --recompute auto and the planner's memory limits price)."""
+    from dynpipe.models import get_model
+    from dynpipe.planner import Plan
+    from dynpipe.runtime.memory import estimate_peak
+
+    model = get_model("mlp", **MODEL)
+    kw = {"mode": "none", "microbatches": MICROBATCHES, "batch_size": BATCH}
+    kw.update(optimizer="adamw", half=False, device=torch.device("cpu"), measure=False)
+    plans = {s: Plan.even(model, 2, schedule=s, microbatches=MICROBATCHES) for s in ("1f1b", "2bw")}
+    for stage, st in enumerate(plans["2bw"].stages):
+        layers = model.build_range(st.start, st.stop, device="meta").values()
+        held = sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
+        one = estimate_peak(model, plans["1f1b"], stage, **kw)
+        two = estimate_peak(model, plans["2bw"], stage, **kw)
+        assert held > 0 and two - one == held

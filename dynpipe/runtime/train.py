@@ -146,7 +146,6 @@ def resolve_plan(cfg: TrainConfig, model: LayeredModel, world_size: int) -> Plan
         freeze=cfg.freeze,
         autodp=cfg.autodp,
         reshape=cfg.adapt.reshape,
-        recompute=cfg.recompute,
     )
     # With --elastic a plan may leave ranks idle from the start (a GPU held back until the
     # controller finds it worth using); the idle ranks probe their devices like any other.

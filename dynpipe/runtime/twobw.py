@@ -120,7 +120,6 @@ def check_2bw_run(
     freeze: bool,
     autodp: bool,
     reshape: bool,
-    recompute: str | None = None,
 ) -> None:
     """What ``--schedule 2bw`` does not run with, as one-line errors (virtual stages are
     the plan's to refuse: ``Plan``)."""
@@ -141,9 +140,4 @@ def check_2bw_run(
             "--schedule 2bw does not run with --reshape (a live change of the data x pipeline "
             "shape is not checked with two weight versions); give the shape with --dp and "
             "drop --reshape, or use --schedule 1f1b"
-        )
-    if recompute == "auto":
-        raise UserError(
-            "--schedule 2bw does not run with --recompute auto: its memory model does not "
-            "count the second weight version yet; use --recompute all or none"
         )
