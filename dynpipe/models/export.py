@@ -72,7 +72,17 @@ def trained_model(checkpoint: str | Path) -> tuple[Any, dict[str, Any], dict[str
         )
     shapes = model.build_sequential(device="meta").state_dict()
     state = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in shapes.items()}
-    load_checkpoint(info.path, model_state=state, held_params=set(), rank=0)
+    # A 2bw run's trained model is its newest weight version, saved beside the optimizer
+    # state (``dynpipe.runtime.twobw``); its parameters are the stash, one update behind.
+    twobw = (meta.get("plan") or {}).get("schedule") == "2bw"
+    optim, _ = load_checkpoint(
+        info.path, model_state=state, held_params=set(state) if twobw else set(), rank=0
+    )
+    if twobw:
+        from dynpipe.runtime.twobw import split_newest
+
+        for pname, value in split_newest(optim)[1].items():
+            state[pname].copy_(value)
     return model, state, meta
 
 

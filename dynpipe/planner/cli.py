@@ -72,7 +72,8 @@ def register(subparsers: Any) -> None:
         default="1f1b",
         choices=SCHEDULES,
         help="pipeline schedule (default 1f1b); interleaved-1f1b, zb, zbv and dualpipev "
-        "give each rank --chunks virtual stages",
+        "give each rank --chunks virtual stages; 2bw (PipeDream-2BW) changes what training "
+        "computes",
     )
     p.add_argument(
         "--chunks",
@@ -367,6 +368,9 @@ def run(args: argparse.Namespace) -> int:
             "--memory-gb GB (one value or one per stage)"
         )
     costs = dataclasses.replace(costs, recompute=args.recompute)
+    if args.schedule == "2bw":
+        # Its second copy of the weights travels and is priced as optimizer state.
+        costs = dataclasses.replace(costs, opt_mult=costs.opt_mult + 1)
     current = Plan.load(args.current).validate(model) if args.current else None
     memory = _memory(args.memory_gb, s)
     chunks = args.chunks or 2

@@ -43,6 +43,8 @@ __all__ = [
     "schedule_sim",
     "schedule_step_ms",
     "simulate_schedule",
+    "steady_2bw_ms",
+    "steady_2bw_step_ms",
 ]
 
 # The weight-gradient share of a backward: a dense layer's two gradient matmuls are of one
@@ -246,6 +248,24 @@ def schedule_sim(
 ) -> SimResult:
     """``schedule_step_ms``'s whole simulation (events, per-rank busy time, bubble)."""
     n = len(bounds)
+    fwd, bwd, comm, pp = _stage_times(costs, bounds, schedule=schedule, chunks=chunks)
+    return simulate_schedule(
+        fwd,
+        bwd,
+        schedule=schedule,
+        microbatches=microbatches,
+        chunks=chunks,
+        comm_ms=comm if pp > 1 else [0.0] * (n - 1),
+        w_frac=w_frac,
+    )
+
+
+def _stage_times(
+    costs: CostModel, bounds: Sequence[tuple[int, int]], *, schedule: str, chunks: int
+) -> tuple[list[float], list[float], list[float], int]:
+    """Per (virtual) stage its forward and backward per microbatch on its rank's device,
+    the transfer time of each boundary, and the rank count."""
+    n = len(bounds)
     if n % chunks:
         raise PlanError(f"{n} stages cannot be {chunks} chunks per rank; give a multiple")
     pp = n // chunks
@@ -265,15 +285,51 @@ def schedule_sim(
             ra, rb = owner[s], owner[s + 1]
             link = min(ra, rb) if abs(ra - rb) == 1 else 0
             comm.append(0.0 if ra == rb else float(transfer_ms(cm, link, cm.out_bytes[b - 1])))
-    return simulate_schedule(
-        fwd,
-        bwd,
-        schedule=schedule,
-        microbatches=microbatches,
-        chunks=chunks,
-        comm_ms=comm if pp > 1 else [0.0] * (n - 1),
-        w_frac=w_frac,
-    )
+    return fwd, bwd, comm, pp
+
+
+def steady_2bw_ms(
+    fwd_ms: Sequence[float],
+    bwd_ms: Sequence[float],
+    *,
+    microbatches: int,
+    comm_ms: Sequence[float] | None = None,
+    update_ms: Sequence[float] | None = None,
+) -> float:
+    """PipeDream-2BW's step time in its steady state, with no flush between steps: step
+    ``t + 1``'s forwards fill the gaps of step ``t``'s backwards, so each stage is busy
+    with its ``microbatches`` forwards and backwards and its update (``update_ms[s]``: the
+    optimizer step and the copy of the weights it keeps) and the slowest stage sets the
+    pace, unless a boundary's ``microbatches`` transfers each way take longer.
+
+    dynpipe's 2bw runtime keeps the flush (``docs/schedules.md``): its step is the 1F1B
+    simulation's (``schedule_step_ms(..., schedule="2bw")``); this is what the paper's
+    pipeline would reach, for comparison."""
+    n = len(fwd_ms)
+    if len(bwd_ms) != n or n < 1 or microbatches < 1:
+        raise PlanError(
+            f"{len(fwd_ms)} forward and {len(bwd_ms)} backward times, {microbatches} "
+            "microbatches; give one of each per stage and at least one microbatch"
+        )
+    upd = [0.0] * n if update_ms is None else [float(u) for u in update_ms]
+    comm = [0.0] * (n - 1) if comm_ms is None else [float(c) for c in comm_ms]
+    if len(upd) != n or len(comm) != n - 1:
+        raise PlanError(
+            f"{n} stages need {n} update times and {n - 1} transfer times, got {len(upd)} "
+            f"and {len(comm)}"
+        )
+    m = microbatches
+    busy = max(m * (float(f) + float(b)) + u for f, b, u in zip(fwd_ms, bwd_ms, upd, strict=True))
+    return max(busy, max((m * c for c in comm), default=0.0))
+
+
+def steady_2bw_step_ms(
+    costs: CostModel, bounds: Sequence[tuple[int, int]], *, microbatches: int
+) -> float:
+    """``steady_2bw_ms`` of the stages ``bounds``, device ``s`` of ``costs`` running stage
+    ``s`` (the cost model has no update time: left out, as for every schedule here)."""
+    fwd, bwd, comm, _ = _stage_times(costs, bounds, schedule="2bw", chunks=1)
+    return steady_2bw_ms(fwd, bwd, microbatches=microbatches, comm_ms=comm)
 
 
 def plan_step_ms(plan: Plan, costs: CostModel, *, schedule: str | None = None) -> float:

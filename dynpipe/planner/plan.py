@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from dynpipe.models.base import LayeredModel
 
 __all__ = [
+    "DELAYED_SCHEDULES",
     "MULTI_SCHEDULES",
     "PLAN_VERSION",
     "SCHEDULES",
@@ -31,9 +32,13 @@ __all__ = [
 ]
 
 PLAN_VERSION = 1
-# gpipe and 1f1b run one stage per rank; the others are torch's multi-stage schedules
-# (``PipelineScheduleMulti``), which may give a rank several virtual stages.
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb", "zbv", "dualpipev")
+# gpipe, 1f1b and 2bw run one stage per rank; the others are torch's multi-stage schedules
+# (``PipelineScheduleMulti``), which may give a rank several virtual stages. 2bw is 1F1B's
+# order with PipeDream-2BW's delayed weight update (``dynpipe.runtime.twobw``), which
+# changes what training computes.
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb", "zbv", "dualpipev", "2bw")
+# Schedules whose steps compute gradients on weights one update old (two weight versions).
+DELAYED_SCHEDULES = ("2bw",)
 # Multi-stage schedules and how they place stage ``s`` of ``pp * chunks`` on a rank: "loop"
 # (rank ``s % pp``, torch's default) or "v" (down the ranks and back up, so a rank holds
 # stages ``r`` and ``2 pp - 1 - r``), as ``torch.distributed.pipelining`` maps them.
@@ -59,10 +64,10 @@ def microbatch_problem(schedule: str, *, pp: int, chunks: int, microbatches: int
     ``chunks`` virtual stages each (a one-line error with the fix), or None when it can.
     The rules are torch's (``torch.distributed.pipelining.schedules``)."""
     m, stages = microbatches, pp * chunks
-    if schedule == "1f1b" and m < pp:
+    if schedule in ("1f1b", "2bw") and m < pp:
         return (
-            f"1F1B needs at least as many microbatches as stages ({m} < {pp}); use "
-            f"--microbatches {pp} or more, or --schedule gpipe"
+            f"{schedule.upper()} needs at least as many microbatches as stages ({m} < {pp}); use "
+            f"--microbatches {pp} or more" + (", or --schedule gpipe" if schedule == "1f1b" else "")
         )
     if schedule in ("interleaved-1f1b", "zb"):
         rounds = max(1, m // pp)
@@ -95,10 +100,11 @@ def check_batch(plan: Plan, batch_size: int) -> None:
             f"batch size {batch_size} does not split into {plan.microbatches} equal microbatches; "
             f"use a batch size divisible by {plan.microbatches}"
         )
-    if plan.schedule == "1f1b" and plan.microbatches < plan.num_stages:
+    if plan.schedule in ("1f1b", "2bw") and plan.microbatches < plan.num_stages:
         raise UserError(
-            f"1F1B needs at least as many microbatches as stages ({plan.microbatches} < "
-            f"{plan.num_stages}); use --microbatches {plan.num_stages} or more, or --schedule gpipe"
+            f"{plan.schedule.upper()} needs at least as many microbatches as stages "
+            f"({plan.microbatches} < {plan.num_stages}); use --microbatches {plan.num_stages} "
+            "or more" + (", or --schedule gpipe" if plan.schedule == "1f1b" else "")
         )
     if plan.schedule in MULTI_SCHEDULES:
         problem = microbatch_problem(

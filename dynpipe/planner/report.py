@@ -187,6 +187,7 @@ def format_schedules(rows: list[dict]) -> str:
             step, note = "-", r["note"]
         else:
             step = f"{r['step_ms']:.3f}"
-            note = "<- fastest" if r["step_ms"] == best else ""
+            fastest = "<- fastest" if r["step_ms"] == best else ""
+            note = "; ".join(x for x in (fastest, r.get("note", "")) if x)
         out.append([r["schedule"], str(r["chunks"]), step, split, note])
     return _table(out, ["schedule", "chunks", "step ms", "split", ""])

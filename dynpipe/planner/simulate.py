@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from dynpipe.planner.plan import Plan
 
 # The schedules this module's per-stage recurrence covers (one stage per rank).
-_ONE_STAGE = ("gpipe", "1f1b")
+_ONE_STAGE = ("gpipe", "1f1b", "2bw")  # 2bw runs 1F1B's order (flushed)
 
 __all__ = [
     "Action",

@@ -19,7 +19,7 @@ import numpy as np
 
 from dynpipe.planner.costs import CostModel
 from dynpipe.planner.dp import plan_partition
-from dynpipe.planner.multisim import schedule_sim, schedule_step_ms
+from dynpipe.planner.multisim import schedule_sim, schedule_step_ms, steady_2bw_step_ms
 from dynpipe.planner.plan import MULTI_SCHEDULES, Plan, PlanError, StagePlan, schedule_ranks
 
 __all__ = ["expand_costs", "make_virtual_plan", "schedule_table"]
@@ -182,6 +182,11 @@ def schedule_table(
                     6,
                 )
             row["split"] = [st.stop - st.start for st in plan.stages]
+            if schedule == "2bw":
+                # What the paper's pipeline reaches without the flush the runtime keeps.
+                steady = steady_2bw_step_ms(costs, plan.bounds, microbatches=microbatches)
+                row["no_flush_ms"] = round(steady, 6)
+                row["note"] = f"changes training; no-flush steady state {steady:.3f} (not run)"
         except PlanError as exc:
             row["note"] = str(exc)
         rows.append(row)

@@ -40,7 +40,8 @@ class TrainConfig:
     batch_size: samples per step, split into ``microbatches``.
     microbatches: microbatches per step (unset: the plan's, else 4).
     schedule: pipeline schedule (unset: the plan's, else 1f1b); interleaved-1f1b, zb, zbv
-        and dualpipev are torch's multi-stage schedules (docs/schedules.md).
+        and dualpipev are torch's multi-stage schedules; 2bw is PipeDream-2BW's delayed
+        weight update, which changes what training computes (docs/schedules.md).
     chunks: virtual stages per rank without a plan (unset: 2 under a multi-stage
         schedule, else 1).
     stages: without a plan, this many equal-layer stages (unset: the world size over

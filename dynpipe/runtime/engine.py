@@ -60,7 +60,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from dynpipe.errors import UserError
 from dynpipe.models.base import LayeredModel
 from dynpipe.planner.costs import CostModel
-from dynpipe.planner.plan import MULTI_SCHEDULES, Plan, check_batch
+from dynpipe.planner.plan import DELAYED_SCHEDULES, MULTI_SCHEDULES, Plan, check_batch
 from dynpipe.runtime.compiled import compile_layers
 from dynpipe.runtime.mesh import Mesh
 from dynpipe.runtime.optim import OptimConfig, build_optimizer, export_state, import_state, lr_at
@@ -75,6 +75,7 @@ from dynpipe.runtime.ties import (
 )
 from dynpipe.runtime.timing import LayerTiming, StageTimer, StepTiming, queue_ahead
 from dynpipe.runtime.topology import Topology
+from dynpipe.runtime.twobw import WeightVersions, split_newest
 
 __all__ = [
     "EngineConfig",
@@ -89,7 +90,8 @@ __all__ = [
     "param_slots",
 ]
 
-_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+# 2bw runs 1F1B's order; what differs is its update (``dynpipe.runtime.twobw``).
+_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "2bw": Schedule1F1B}
 _IGNORE_INDEX = -100  # targets a loss leaves out (masked-LM positions that were not chosen)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -373,6 +375,11 @@ class PipelineEngine:
                 "keeps its dp degree: resume from a checkpoint to change it"
             )
         check_batch(plan, self.config.batch_size)
+        if plan.schedule in DELAYED_SCHEDULES and self.scaler is not None:
+            raise UserError(
+                f"schedule {plan.schedule} does not run with a loss scale (--fp16): a skipped "
+                "update would have to hold both weight versions back; use --bf16 or 1f1b"
+            )
         old, self.plan = self.plan, plan
         self._tie_spread = spread_ties(
             self.model, [set(self.model.layer_names[s.start : s.stop]) for s in plan.stages]
@@ -593,8 +600,23 @@ class PipelineEngine:
                 layer.requires_grad_(False)
         train = {n: p for n, p in self.named_params.items() if p.requires_grad}
         self.optimizer = build_optimizer(list(train.values()), self.config.optim) if train else None
+        opt_state, newest = split_newest(opt_state or {})
+        if newest and self.plan.schedule not in DELAYED_SCHEDULES:
+            raise UserError(
+                f"the state handed to this stage holds 2bw's second weight version but the "
+                f"run's schedule is {self.plan.schedule}; resume it with --schedule 2bw"
+            )
+        # --schedule 2bw: the parameters hold the stashed version, this the newest.
+        self.versions = (
+            WeightVersions(train, newest) if self.plan.schedule in DELAYED_SCHEDULES else None
+        )
         if opt_state and self.optimizer is not None:
             import_state(self.optimizer, train, opt_state)
+
+    def load_optim_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Install optimizer state (``optim_state``'s keys, from a checkpoint) into this
+        stage's optimizer, and under 2bw its newest weight version."""
+        self._set_optimizer(state)
 
     def freeze(self, frozen: int) -> None:
         """Freeze layers ``[0, frozen)``: their parameters stop requiring gradients and their
@@ -675,6 +697,7 @@ class PipelineEngine:
         self.local_stages = []
         self.named_params = {}
         self.optimizer = None
+        self.versions = None
         self.reducer = None
         self.pipe_stage = None
         self.schedule = None
@@ -933,7 +956,10 @@ class PipelineEngine:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             began = self.timer.mark()
-            self.optimizer.step()
+            if self.versions is not None:
+                self.versions.update(self.optimizer.step)
+            else:
+                self.optimizer.step()
             self.timer.update(began)
         if work is not None:
             work.wait()
@@ -1177,8 +1203,10 @@ class PipelineEngine:
         count = 0
         t0 = time.perf_counter()
         self.module.eval()
+        # 2bw: the model as trained so far is the newest version, not the stash.
+        newest = self.versions.newest_in() if self.versions else contextlib.nullcontext()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), newest:
                 for batch in batches:
                     self._eval_batch(schedule, batch, sums, dev)
                     count += 1
@@ -1251,7 +1279,10 @@ class PipelineEngine:
     def optim_state(self) -> dict[str, torch.Tensor]:
         if self.optimizer is None:
             return {}  # an idle rank holds no state
-        return export_state(self.optimizer, self.named_params)
+        out = export_state(self.optimizer, self.named_params)
+        if self.versions is not None:
+            out.update(self.versions.state())
+        return out
 
 
 def _same_scale(total: torch.Tensor, scale: float, *, group, step: int) -> None:

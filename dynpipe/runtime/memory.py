@@ -19,7 +19,7 @@ from dynpipe.errors import UserError
 from dynpipe.models.base import LayeredModel
 from dynpipe.planner.costs import CostModel
 from dynpipe.planner.evaluate import in_flight
-from dynpipe.planner.plan import Plan
+from dynpipe.planner.plan import DELAYED_SCHEDULES, Plan
 from dynpipe.planner.recompute import Recompute, choose_recompute, kept_bytes, stage_peak
 
 __all__ = [
@@ -62,6 +62,7 @@ def memory_costs(
     half: bool,
     recompute: str,
     device: torch.device | None = None,
+    weight_versions: int = 1,
 ) -> CostModel:
     """The model's cost model for one device, its memory as a stage holds it.
 
@@ -74,7 +75,9 @@ def memory_costs(
     weights (a transformer block's are larger than one sample's activations at width 2048).
     Elsewhere the activations come from the meta trace in the run's dtype (``layer_stats``).
     This runs each distinct layer forward twice on ``device``: only ``--recompute auto``
-    and the planner's recompute pricing need it.
+    and the planner's recompute pricing need it. ``weight_versions``: 2 under
+    ``--schedule 2bw``, whose second copy of the weights is priced as optimizer state (it
+    travels as such: ``dynpipe.runtime.twobw``).
     """
     cm = CostModel.from_model(model, microbatch_size=microbatch_size, optimizer=optimizer)
     if half and device is not None and device.type == "cuda":
@@ -89,6 +92,7 @@ def memory_costs(
             model, microbatch_size=microbatch_size, optimizer=optimizer, dtype="bfloat16"
         )
         cm = dataclasses.replace(cm, act_bytes=lo.act_bytes, out_bytes=lo.out_bytes)
+    cm = dataclasses.replace(cm, opt_mult=cm.opt_mult + (weight_versions - 1))
     return dataclasses.replace(cm, recompute=recompute)
 
 
@@ -291,6 +295,7 @@ def check_run_memory(cfg: Any, model: LayeredModel, plan: Plan, *, device: str) 
         optimizer=cfg.optim.name,
         half=(cfg.bf16 or cfg.fp16) and not cpu,
         recompute="auto",
+        weight_versions=_versions(plan),
     )
     check_memory(costs, plan, limit=cfg.memory_gb * _GIB)
 
@@ -330,6 +335,7 @@ def stage_layers(
             half=half and cuda,
             recompute="auto",
             device=device,
+            weight_versions=_versions(plan),
         )
     got = stage_recompute(costs, plan, stage, limit=limit, microbatches=microbatches)
     if not got.fits:
@@ -375,6 +381,12 @@ def estimate_peak(
         half=half and cuda,
         recompute="none",
         device=device if measure else None,
+        weight_versions=_versions(plan),
     )
     plan = _fixed_recompute(model, plan, stage, mode=mode)
     return stage_recompute(costs, plan, stage, limit=None, microbatches=microbatches).peak_bytes
+
+
+def _versions(plan: Plan) -> int:
+    """Weight versions a stage keeps under ``plan``'s schedule (2bw: two)."""
+    return 2 if plan.schedule in DELAYED_SCHEDULES else 1

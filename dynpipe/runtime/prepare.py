@@ -81,6 +81,15 @@ def resolve_plan(cfg: TrainConfig, model: LayeredModel, world_size: int) -> Plan
             f"price virtual stages yet, and this run asks for --adapt {cfg.adapt.mode}); add "
             "--adapt static, or use --schedule 1f1b"
         )
+    from dynpipe.runtime.twobw import check_2bw_run
+
+    check_2bw_run(
+        schedule=plan.schedule,
+        fp16=cfg.fp16,
+        freeze=cfg.freeze,
+        autodp=cfg.autodp,
+        reshape=cfg.adapt.reshape,
+    )
     # With --elastic a plan may leave ranks idle from the start (a GPU held back until the
     # controller finds it worth using); the idle ranks probe their devices like any other.
     plan.validate(model, world_size, elastic=cfg.adapt.elastic and plan.dp == 1)

@@ -419,6 +419,14 @@ EVENTS: dict[str, EventSpec] = {
             ("step", "ranks", "reclaimed"),
         ),
         EventSpec(
+            "weight_versions",
+            "--schedule 2bw is on: this run CHANGES WHAT TRAINING COMPUTES (PipeDream-2BW): "
+            "each stage keeps `versions` weight versions, every microbatch of a step runs "
+            "on the version one update old and the step's gradients update the newest "
+            "(`rule`); `flush`: the pipeline still drains between steps",
+            ("step", "changes_training", "versions", "rule", "flush"),
+        ),
+        EventSpec(
             "freeze_rule",
             "--freeze is on: this run CHANGES WHAT TRAINING COMPUTES (converged leading "
             "layers stop learning); the rule's window (`every` steps), `threshold`, largest "

@@ -687,6 +687,16 @@ def train(
             revision=code_revision(),
             start_step=start,
         )
+        if plan.schedule == "2bw":
+            # Said in the log itself: the run is not the synchronous one (runtime.twobw).
+            log.event(
+                "weight_versions",
+                step=start,
+                changes_training=True,
+                versions=2,
+                rule="W(t+1) = W(t) - opt(grad f(W(t-1)))",
+                flush=True,
+            )
         for path, why in skipped:
             log.event("checkpoint_skipped", path=path, reason=why)
         planned = meta is not None and "restart_plan" in meta and not (lost and lost["steps_lost"])
@@ -1250,7 +1260,8 @@ def _save(
         meta=meta,
         block=block,
         # Only the optimizer step changes these: their copies may finish during the next step.
-        params=set(engine.named_params),
+        # Under 2bw the stash is overwritten just before the optimizer step (``twobw``).
+        params=set(engine.named_params) if engine.versions is None else None,
     )
 
 
@@ -1361,9 +1372,7 @@ def _resume(engine: PipelineEngine, path: str | Path, *, topo: Topology) -> int:
         rank=topo.rank,
         device=topo.device,
     )
-    from dynpipe.runtime.optim import import_state
-
-    import_state(engine.optimizer, engine.named_params, opt)
+    engine.load_optim_state(opt)  # under 2bw, with the newest weight version
     if engine.scaler is not None and meta.get("loss_scale"):
         engine.scaler.load_state_dict(meta["loss_scale"])
     return int(meta["step"])
