@@ -182,6 +182,7 @@ class ModelPolicy:
         if not st.devices:
             self._start(w, lf, lb, of, ob)
         segs_before = self._segments()
+        r_prior = self._noise_prior()
         for s, (a, b) in enumerate(w.bounds):
             r = w.ranks[s]
             dev = st.devices[r]
@@ -198,7 +199,7 @@ class ModelPolicy:
                 st.move_r += (max(inn, 0.0) - st.move_r) / min(st.move_n, 16)
                 dev.loosen(var)
             seg = dev.seg
-            dev.update(y, r0=r0, change_h=self.config.change_h, check=True)
+            dev.update(y, r0=r0, r_prior=r_prior, change_h=self.config.change_h, check=True)
             if dev.seg != seg:
                 self._reset_rho(r)
             self._learn_layers(r, a, b, lf, lb, of[s], ob[s], clean=dev.seg == 0)
@@ -213,7 +214,7 @@ class ModelPolicy:
         stat.add(y_step)
         judged = self._judge(segs_before, segs, y_step)
         st.last_key = [list(x) for x in key]
-        return self._decide(w, segs, judged)
+        return self._decide(w, segs, judged, changed=segs != segs_before)
 
     # ---- readings ------------------------------------------------------------------------
     def _readings(self, w: Window):
@@ -321,6 +322,14 @@ class ModelPolicy:
         cf, cb = self._clean()
         of, ob = self._overhead()
         return float(cf[a:b].sum() + cb[a:b].sum() + of[r] + ob[r])
+
+    def _noise_prior(self) -> float:
+        """What a device's reading noise is believed to be before it has shown its own:
+        the configured prior as one window, pooled with what every device has learned
+        (noise is a property of the run: launch-bound timers swing on every stage)."""
+        devs = self.st.devices
+        n = sum(d.n_r for d in devs)
+        return (self.config.noise_prior**2 + sum(d.n_r * d.r for d in devs)) / (1 + n)
 
     def _move_var(self) -> float:
         """How far a device's level may move when a move changes its load: learned from the
@@ -454,23 +463,28 @@ class ModelPolicy:
         return out
 
     # ---- the decision -----------------------------------------------------------------------
-    def _track(self, w: Window, cur_ms: float) -> None:
+    def _track(self, w: Window, cur_ms: float, *, changed: bool) -> None:
         """The step time as an observation of the device beliefs: under one plan, how much
-        the model's step moves from window to window beyond the measured step's."""
+        the model's step moves from window to window beyond the measured step's. Not
+        learned across a change point (``changed``): the windows around an onset straddle
+        it, so the model's step and the measured one part there for a window by design,
+        and one onset's share would distrust the model for the next 16 windows."""
         st = self.st
         e = math.log(max(w.median_step_ms, 1e-9) / max(cur_ms, 1e-9))
         key = [list(x) for x in w.key]
-        if st.track is not None and st.track[0] == key:
+        if st.track is not None and st.track[0] == key and not changed:
             st.track_n += 1
             st.track_r += ((e - st.track[1]) ** 2 / 2 - st.track_r) / min(st.track_n, 16)
         st.track = [key, e]
 
-    def _decide(self, w: Window, segs: list[int], judged: dict[str, Any] | None) -> Decision:
+    def _decide(
+        self, w: Window, segs: list[int], judged: dict[str, Any] | None, *, changed: bool
+    ) -> Decision:
         cfg, st = self.config, self.st
         kw = {"schedule": w.schedule, "microbatches": w.microbatches}
         rows = self._rows(w)
         cur_ms = predicted_step_ms(rows, w.bounds, **kw)
-        self._track(w, cur_ms)
+        self._track(w, cur_ms, changed=changed)
         measured = self._measured(segs)
         y_now, n_now = measured[w.key]
         now_ms = math.exp(y_now)
