@@ -386,11 +386,22 @@ class ModelPolicy:
         return (self.config.model_error**2 + sum(x * x for x in e)) / (1 + len(e))
 
     # ---- pricing ----------------------------------------------------------------------------
-    def _rows(self, w: Window, shift: dict[int, float] | None = None) -> CostModel:
+    def _rows(
+        self,
+        w: Window,
+        shift: dict[int, float] | None = None,
+        layers: tuple[int, int, float] | None = None,
+    ) -> CostModel:
         """The cost model of ``w``'s ranks (rows in stage order), each device at its belief's
-        slowdown (``shift``: plus these log amounts)."""
+        slowdown (``shift``: plus these log amounts; ``layers``: ``(a, b, h)``, the clean
+        costs of layers ``[a, b)`` times ``exp(h)``)."""
         st = self.st
         cf, cb = self._clean()
+        if layers is not None:
+            a, b, h = layers
+            cf, cb = cf.copy(), cb.copy()
+            cf[a:b] *= math.exp(h)
+            cb[a:b] *= math.exp(h)
         of, ob = self._overhead()
         ranks = list(w.ranks)
         rel = self._relative(w, cf, cb)
@@ -443,9 +454,15 @@ class ModelPolicy:
                 out[r] = p[r] / max(level, 1e-9)
         return out
 
-    def _log_gain(self, w: Window, cand: Bounds, shift: dict[int, float] | None = None) -> float:
-        """The cost model's ``log T_now - log T_cand``."""
-        rows = self._rows(w, shift)
+    def _log_gain(
+        self,
+        w: Window,
+        cand: Bounds,
+        shift: dict[int, float] | None = None,
+        layers: tuple[int, int, float] | None = None,
+    ) -> float:
+        """The cost model's ``log T_now - log T_cand`` (``shift``, ``layers``: ``_rows``)."""
+        rows = self._rows(w, shift, layers)
         kw = {"schedule": w.schedule, "microbatches": w.microbatches}
         now = predicted_step_ms(rows, w.bounds, **kw)
         new = predicted_step_ms(rows, cand, **kw)
@@ -460,6 +477,28 @@ class ModelPolicy:
             if sd > 1e-4:
                 h = min(sd, 0.5)
                 out += ((self._log_gain(w, cand, {r: h}) - d) / h) ** 2 * sd * sd
+        return out
+
+    def _clean_var(self, w: Window, cand: Bounds, d: float) -> float:
+        """The variance the clean costs give the predicted log gain. The clean cost of the
+        layers a stage holds is the mean of what its device's timers read of them, so it
+        carries that device's reading noise over the readings averaged (identical layers
+        pooled): a timer that reads 30% high prices those layers 30% high on every device.
+        Each stage's layers as one finite difference."""
+        st = self.st
+        r_prior = self._noise_prior()
+        n = np.array(st.clean_n)
+        pooled = np.empty_like(n)
+        for c in np.unique(self.classes):
+            idx = self.classes == c
+            pooled[idx] = n[idx].sum()
+        out = 0.0
+        for s, (a, b) in enumerate(w.bounds):
+            var = st.devices[w.ranks[s]].noise(r_prior) / max(float(pooled[a:b].mean()), 1.0)
+            sd = math.sqrt(var)
+            if sd > 1e-4:
+                h = min(sd, 0.5)
+                out += ((self._log_gain(w, cand, layers=(a, b, h)) - d) / h) ** 2 * var
         return out
 
     # ---- the decision -----------------------------------------------------------------------
@@ -503,6 +542,7 @@ class ModelPolicy:
         for c in sorted(cands):
             d = self._log_gain(w, c)
             var = self._model_var() + st.track_r + self._state_var(w, c, d)
+            var += self._clean_var(w, c, d)
             if c in measured:
                 y_c, n_c = measured[c]
                 d, var = combine(d, var, y_now - y_c, step_var / n_now + step_var / n_c)
