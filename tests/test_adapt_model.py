@@ -147,7 +147,7 @@ def test_device_filter_finds_a_change_and_a_return():
     changes = []
     levels = [0.0] * 20 + [0.4] * 20 + [0.0] * 20
     for i, y in enumerate(levels):
-        if dev.update(y + rng.normal(0, 0.02), r0=4e-4, change_h=4.0, check=True):
+        if dev.update(y + rng.normal(0, 0.02), r0=4e-4, r_prior=4e-4, change_h=4.0, check=True):
             changes.append(i)
     assert changes[:1] == [20] and 40 in changes[1:3], changes
     assert dev.seg == 0  # the return rejoined the first segment
@@ -157,9 +157,30 @@ def test_device_filter_finds_a_change_and_a_return():
 def test_device_filter_learns_swinging_timers_and_stays_put():
     rng = np.random.default_rng(2)
     dev = Device()
-    changes = [dev.update(rng.normal(0, 0.2), r0=1e-4, change_h=4.0, check=True) for _ in range(80)]
+    changes = [
+        dev.update(rng.normal(0, 0.2), r0=1e-4, r_prior=1e-4, change_h=4.0, check=True)
+        for _ in range(80)
+    ]
     assert dev.r > 0.01  # it learned a wide noise
     assert sum(changes[20:]) <= 2  # and once learned, swings seldom read as changes
+
+
+def test_noise_prior_keeps_early_swings_from_reading_as_changes():
+    # Timers that swing by 15% from the first window (a launch-bound run): with no prior
+    # the first windows teach a narrow noise and the swings open segments; with a prior
+    # as wide as the swings they do not, and a real 2x onset is still found at once.
+    def changes(r_prior: float) -> list[int]:
+        rng = np.random.default_rng(3)
+        dev, out = Device(), []
+        for i in range(30):
+            y = rng.normal(0, 0.15) + (0.7 if i >= 20 else 0.0)
+            if dev.update(y, r0=1e-4, r_prior=r_prior, change_h=4.0, check=True):
+                out.append(i)
+        return out
+
+    assert any(i < 20 for i in changes(1e-4))
+    assert not any(i < 20 for i in changes(0.15**2))
+    assert 20 in changes(0.15**2) or 21 in changes(0.15**2)
 
 
 def test_move_rule_weighs_gain_against_pause_and_doubt():
@@ -170,7 +191,14 @@ def test_move_rule_weighs_gain_against_pause_and_doubt():
 
 
 @pytest.mark.parametrize(
-    "kw", [{"core": "fast"}, {"confidence": 1.0}, {"model_error": 0}, {"change_h": 0}]
+    "kw",
+    [
+        {"core": "fast"},
+        {"confidence": 1.0},
+        {"model_error": 0},
+        {"change_h": 0},
+        {"noise_prior": 0},
+    ],
 )
 def test_bad_model_settings_are_refused(kw):
     with pytest.raises(UserError):

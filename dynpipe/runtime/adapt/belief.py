@@ -45,13 +45,14 @@ class Device:
     seg: int = 0
     levels: list[float] = field(default_factory=lambda: [0.0])
 
-    def update(self, y: float, *, r0: float, change_h: float, check: bool) -> bool:
+    def update(self, y: float, *, r0: float, r_prior: float, change_h: float, check: bool) -> bool:
         """Fold in one window's reading ``y`` (log of measured over clean). ``r0``: the
         window's own noise estimate (from the spread of its steps), the floor of ``r``;
-        ``change_h``: the CUSUM threshold; ``check``: look for a change point (not across
-        a move, whose own effect on the reading is no change of conditions). Returns
-        whether a change point opened a new segment."""
-        r = max(self.r, r0) if self.n_r else max(r0, 1e-6)
+        ``r_prior``: the noise expected before this device has shown its own, worth one
+        window; ``change_h``: the CUSUM threshold; ``check``: look for a change point (not
+        across a move, whose own effect on the reading is no change of conditions).
+        Returns whether a change point opened a new segment."""
+        r = max(self.noise(r_prior), r0, 1e-6)
         z = (y - self.s) / math.sqrt(self.p + r)
         changed = False
         if self.p < _OPEN:
@@ -76,6 +77,11 @@ class Device:
             self.p = (1.0 - k) * self.p
         self.levels[self.seg] = self.s
         return changed
+
+    def noise(self, r_prior: float) -> float:
+        """The observation noise believed now: the learned one, with the prior as one
+        window (a device's timers may swing for windows at a time before they show it)."""
+        return (r_prior + self.n_r * self.r) / (1 + self.n_r)
 
     def loosen(self, var: float) -> None:
         """A move changed this device's load: its level may have moved by ``var``."""

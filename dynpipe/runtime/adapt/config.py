@@ -54,6 +54,8 @@ class AdaptConfig:
         device's readings are a change of conditions.
     noise_floor: model core: the smallest standard deviation (relative) any window's reading
         is given: no two windows of a real machine agree more closely than this.
+    noise_prior: model core: the standard deviation (relative) a device's window readings
+        are believed to have before its own windows show it, worth one window.
     """
 
     mode: str = "adaptive"
@@ -73,6 +75,7 @@ class AdaptConfig:
     model_error: float = 0.02
     change_h: float = 4.0
     noise_floor: float = 0.01
+    noise_prior: float = 0.05
 
     def __post_init__(self) -> None:
         if self.mode not in ADAPT_MODES:
@@ -101,6 +104,8 @@ class AdaptConfig:
             raise UserError(f"model_error must be > 0, got {self.model_error}")
         if self.noise_floor <= 0:
             raise UserError(f"noise_floor must be > 0, got {self.noise_floor}")
+        if self.noise_prior <= 0:
+            raise UserError(f"noise_prior must be > 0, got {self.noise_prior}")
         if self.change_h <= 0:
             raise UserError(f"change_h must be > 0, got {self.change_h}")
         if self.sweep_plans < 1:

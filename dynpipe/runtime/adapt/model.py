@@ -182,6 +182,7 @@ class ModelPolicy:
         if not st.devices:
             self._start(w, lf, lb, of, ob)
         segs_before = self._segments()
+        r_prior = self._noise_prior()
         for s, (a, b) in enumerate(w.bounds):
             r = w.ranks[s]
             dev = st.devices[r]
@@ -198,7 +199,7 @@ class ModelPolicy:
                 st.move_r += (max(inn, 0.0) - st.move_r) / min(st.move_n, 16)
                 dev.loosen(var)
             seg = dev.seg
-            dev.update(y, r0=r0, change_h=self.config.change_h, check=True)
+            dev.update(y, r0=r0, r_prior=r_prior, change_h=self.config.change_h, check=True)
             if dev.seg != seg:
                 self._reset_rho(r)
             self._learn_layers(r, a, b, lf, lb, of[s], ob[s], clean=dev.seg == 0)
@@ -213,7 +214,7 @@ class ModelPolicy:
         stat.add(y_step)
         judged = self._judge(segs_before, segs, y_step)
         st.last_key = [list(x) for x in key]
-        return self._decide(w, segs, judged)
+        return self._decide(w, segs, judged, changed=segs != segs_before)
 
     # ---- readings ------------------------------------------------------------------------
     def _readings(self, w: Window):
@@ -322,6 +323,14 @@ class ModelPolicy:
         of, ob = self._overhead()
         return float(cf[a:b].sum() + cb[a:b].sum() + of[r] + ob[r])
 
+    def _noise_prior(self) -> float:
+        """What a device's reading noise is believed to be before it has shown its own:
+        the configured prior as one window, pooled with what every device has learned
+        (noise is a property of the run: launch-bound timers swing on every stage)."""
+        devs = self.st.devices
+        n = sum(d.n_r for d in devs)
+        return (self.config.noise_prior**2 + sum(d.n_r * d.r for d in devs)) / (1 + n)
+
     def _move_var(self) -> float:
         """How far a device's level may move when a move changes its load: learned from the
         windows after moves, the model-error prior before any."""
@@ -377,11 +386,22 @@ class ModelPolicy:
         return (self.config.model_error**2 + sum(x * x for x in e)) / (1 + len(e))
 
     # ---- pricing ----------------------------------------------------------------------------
-    def _rows(self, w: Window, shift: dict[int, float] | None = None) -> CostModel:
+    def _rows(
+        self,
+        w: Window,
+        shift: dict[int, float] | None = None,
+        layers: tuple[int, int, float] | None = None,
+    ) -> CostModel:
         """The cost model of ``w``'s ranks (rows in stage order), each device at its belief's
-        slowdown (``shift``: plus these log amounts)."""
+        slowdown (``shift``: plus these log amounts; ``layers``: ``(a, b, h)``, the clean
+        costs of layers ``[a, b)`` times ``exp(h)``)."""
         st = self.st
         cf, cb = self._clean()
+        if layers is not None:
+            a, b, h = layers
+            cf, cb = cf.copy(), cb.copy()
+            cf[a:b] *= math.exp(h)
+            cb[a:b] *= math.exp(h)
         of, ob = self._overhead()
         ranks = list(w.ranks)
         rel = self._relative(w, cf, cb)
@@ -434,9 +454,15 @@ class ModelPolicy:
                 out[r] = p[r] / max(level, 1e-9)
         return out
 
-    def _log_gain(self, w: Window, cand: Bounds, shift: dict[int, float] | None = None) -> float:
-        """The cost model's ``log T_now - log T_cand``."""
-        rows = self._rows(w, shift)
+    def _log_gain(
+        self,
+        w: Window,
+        cand: Bounds,
+        shift: dict[int, float] | None = None,
+        layers: tuple[int, int, float] | None = None,
+    ) -> float:
+        """The cost model's ``log T_now - log T_cand`` (``shift``, ``layers``: ``_rows``)."""
+        rows = self._rows(w, shift, layers)
         kw = {"schedule": w.schedule, "microbatches": w.microbatches}
         now = predicted_step_ms(rows, w.bounds, **kw)
         new = predicted_step_ms(rows, cand, **kw)
@@ -453,24 +479,51 @@ class ModelPolicy:
                 out += ((self._log_gain(w, cand, {r: h}) - d) / h) ** 2 * sd * sd
         return out
 
+    def _clean_var(self, w: Window, cand: Bounds, d: float) -> float:
+        """The variance the clean costs give the predicted log gain. The clean cost of the
+        layers a stage holds is the mean of what its device's timers read of them, so it
+        carries that device's reading noise over the readings averaged (identical layers
+        pooled): a timer that reads 30% high prices those layers 30% high on every device.
+        Each stage's layers as one finite difference."""
+        st = self.st
+        r_prior = self._noise_prior()
+        n = np.array(st.clean_n)
+        pooled = np.empty_like(n)
+        for c in np.unique(self.classes):
+            idx = self.classes == c
+            pooled[idx] = n[idx].sum()
+        out = 0.0
+        for s, (a, b) in enumerate(w.bounds):
+            var = st.devices[w.ranks[s]].noise(r_prior) / max(float(pooled[a:b].mean()), 1.0)
+            sd = math.sqrt(var)
+            if sd > 1e-4:
+                h = min(sd, 0.5)
+                out += ((self._log_gain(w, cand, layers=(a, b, h)) - d) / h) ** 2 * var
+        return out
+
     # ---- the decision -----------------------------------------------------------------------
-    def _track(self, w: Window, cur_ms: float) -> None:
+    def _track(self, w: Window, cur_ms: float, *, changed: bool) -> None:
         """The step time as an observation of the device beliefs: under one plan, how much
-        the model's step moves from window to window beyond the measured step's."""
+        the model's step moves from window to window beyond the measured step's. Not
+        learned across a change point (``changed``): the windows around an onset straddle
+        it, so the model's step and the measured one part there for a window by design,
+        and one onset's share would distrust the model for the next 16 windows."""
         st = self.st
         e = math.log(max(w.median_step_ms, 1e-9) / max(cur_ms, 1e-9))
         key = [list(x) for x in w.key]
-        if st.track is not None and st.track[0] == key:
+        if st.track is not None and st.track[0] == key and not changed:
             st.track_n += 1
             st.track_r += ((e - st.track[1]) ** 2 / 2 - st.track_r) / min(st.track_n, 16)
         st.track = [key, e]
 
-    def _decide(self, w: Window, segs: list[int], judged: dict[str, Any] | None) -> Decision:
+    def _decide(
+        self, w: Window, segs: list[int], judged: dict[str, Any] | None, *, changed: bool
+    ) -> Decision:
         cfg, st = self.config, self.st
         kw = {"schedule": w.schedule, "microbatches": w.microbatches}
         rows = self._rows(w)
         cur_ms = predicted_step_ms(rows, w.bounds, **kw)
-        self._track(w, cur_ms)
+        self._track(w, cur_ms, changed=changed)
         measured = self._measured(segs)
         y_now, n_now = measured[w.key]
         now_ms = math.exp(y_now)
@@ -489,6 +542,7 @@ class ModelPolicy:
         for c in sorted(cands):
             d = self._log_gain(w, c)
             var = self._model_var() + st.track_r + self._state_var(w, c, d)
+            var += self._clean_var(w, c, d)
             if c in measured:
                 y_c, n_c = measured[c]
                 d, var = combine(d, var, y_now - y_c, step_var / n_now + step_var / n_c)
