@@ -12,9 +12,9 @@ pip install -q torch==2.13.0
 # Not the vision extra: torchvision's wheels on the package index are built against CUDA
 # torch and fail to load beside the CPU build (its tests skip without it).
 pip install -q -e '.[dev,docs,tb,hf]'
-# Three workers on two cores: a worker spends much of its time waiting on its ranks' pipes,
-# sockets and launches (two workers kept a 2-core VM's CPUs 55% busy over the suite).
-python -m pytest -q -n 3
+# Two workers, one per core (a third made the suite slower on a 2-core VM: 12:26 against
+# 10:33); the tests marked slow start first (tests/conftest.py).
+python -m pytest -q -n 2
 # The docs site: every page builds and every link between pages resolves (a few seconds).
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict -q -d "$(mktemp -d)"
 if ! python -m pytest -q -m "timing and not gpu"; then
