@@ -12,8 +12,8 @@ pip install -q torch==2.13.0
 # Not the vision extra: torchvision's wheels on the package index are built against CUDA
 # torch and fail to load beside the CPU build (its tests skip without it).
 pip install -q -e '.[dev,docs,tb,hf]'
-# Two workers, one per core (a third made the suite slower on a 2-core VM: 12:26 against
-# 10:33); the tests marked slow start first (tests/conftest.py).
+# Two workers, one per core: on a 2-core VM a third made the suite slower (12:26 against
+# 10:33 for the same clone), and so did starting the tests marked slow first (11:53).
 python -m pytest -q -n 2
 # The docs site: every page builds and every link between pages resolves (a few seconds).
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict -q -d "$(mktemp -d)"
