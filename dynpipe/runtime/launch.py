@@ -175,8 +175,7 @@ def _report(failures: dict[int, tuple[float, int]], *, nproc: int, max_restarts:
 
 def _start_method() -> str:
     """``forkserver`` where this platform has it and CUDA is not initialised in this
-    process (the server is forked from here); otherwise each worker is a fresh interpreter
-    (the agent's own way)."""
+    process; otherwise each worker is a fresh interpreter (the agent's own way)."""
     import torch
 
     return "spawn" if torch.cuda.is_initialized() or not _can_fork() else "forkserver"
